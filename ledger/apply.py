@@ -1,0 +1,340 @@
+"""Projection state and ``apply``: the one function that turns log entries into projection rows.
+
+Both the live writer (:mod:`ledger.recorder`) and ``semkv-ledger replay`` (:mod:`ledger.replay`)
+call :func:`apply` on the same :class:`Projection` type, so live projections and a replay of the
+log can only differ if the log or a projection was changed behind the ledger's back — which is
+what replay's diff exists to catch.
+
+A :class:`Projection` holds projection rows as plain dicts keyed like the tables' primary keys.
+The live writer loads only the rows a transaction touches (``partial=True``); bulk changes
+(quarantining an engine's blocks) are applied to the loaded rows and remembered in
+:attr:`Projection.bulk_ops` so the writer can run them as SQL against the rows it did not load.
+Replay loads nothing and sees everything (``partial=False``).
+
+Duplicate stores and double removals (vLLM re-stores a recomputed block into a second physical
+block, and ``kv_cache_report_mode="full"`` re-reports cache hits; fixtures/README.md): a
+``stored`` of a live block increments ``store_count`` and keeps it live; a ``removed`` makes the
+block non-live at once, whatever ``store_count`` says; a second ``removed`` of a non-live block is
+counted (``removed_not_live``). This errs only toward *not live* — a missed reuse, never a promise
+on evicted KV (DESIGN §2 rules 3 and 9).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from ledger import events as ev
+from ledger.types import (
+    BlockKey,
+    BlockState,
+    DonorState,
+    EngineStatus,
+    LeaseState,
+    StreamKey,
+    split_hash,
+    u64_to_i64,
+)
+
+Row = dict[str, Any]
+GLOBAL = ""  # counters' engine_id for fleet-wide counts
+
+
+@dataclasses.dataclass(slots=True)
+class LogEntry:
+    """One log row to be written, with its decoded body. ``seq`` is assigned by the recorder."""
+
+    seq: int
+    committed_at: float
+    body: ev.AnyBody
+    type_name: str
+    engine_id: str | None = None
+    source_id: str | None = None
+    source_epoch: int | None = None
+    zmq_seq: int | None = None
+    batch_index: int | None = None
+    event_id: int | None = None
+    attention_dp_rank: int | None = None
+    window_size: int | None = None
+    applied: bool = True
+    payload: bytes | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class BulkOp:
+    """A change to rows the live writer may not have loaded: ``quarantine`` an engine's live blocks
+    and donors, or mark its streams ``resync``. Executed as SQL before dirty rows are written."""
+
+    op: str
+    engine_id: str
+    seq: int
+
+
+@dataclasses.dataclass
+class Projection:
+    """Projection rows in memory, plus what changed since they were loaded."""
+
+    partial: bool = False
+    engines: dict[str, Row] = dataclasses.field(default_factory=dict)
+    streams: dict[StreamKey, Row] = dataclasses.field(default_factory=dict)
+    sources: dict[str, Row] = dataclasses.field(default_factory=dict)
+    blocks: dict[BlockKey, Row] = dataclasses.field(default_factory=dict)
+    donors: dict[str, Row] = dataclasses.field(default_factory=dict)
+    donor_blocks: list[Row] = dataclasses.field(default_factory=list)
+    leases: dict[str, Row] = dataclasses.field(default_factory=dict)
+    dead_letters: list[Row] = dataclasses.field(default_factory=list)
+    counters: Counter[tuple[str, str]] = dataclasses.field(default_factory=Counter)
+    """Deltas when partial; absolute values when not."""
+    live_blocks: dict[str, set[BlockKey]] = dataclasses.field(default_factory=dict)
+    """engine_id -> keys of loaded live blocks (so a quarantine need not scan every block)."""
+    dirty: dict[str, set[Any]] = dataclasses.field(
+        default_factory=lambda: {t: set() for t in ("engines", "streams", "sources", "blocks", "donors", "leases")}
+    )
+    bulk_ops: list[BulkOp] = dataclasses.field(default_factory=list)
+
+    def put(self, table: str, key: Any, row: Row) -> None:
+        getattr(self, table)[key] = row
+        self.dirty[table].add(key)
+
+    def touch(self, table: str, key: Any) -> None:
+        self.dirty[table].add(key)
+
+    def count(self, engine_id: str | None, name: str, n: int = 1) -> None:
+        self.counters[(engine_id or GLOBAL, name)] += n
+
+    def load_blocks(self, rows: Iterable[Row]) -> None:
+        for row in rows:
+            key = BlockKey(row["engine_id"], row["attention_dp_rank"], row["window_size"], row["block_hash"], row["block_hash_ext"])
+            self.blocks[key] = row
+            if row["state"] == BlockState.LIVE:
+                self.live_blocks.setdefault(row["engine_id"], set()).add(key)
+
+
+# --------------------------------------------------------------------------------------------
+# apply
+# --------------------------------------------------------------------------------------------
+
+
+def apply(proj: Projection, entry: LogEntry) -> None:
+    """Apply one log entry to the projection (mutates ``proj``). Deterministic; no I/O.
+
+    Raises:
+        KeyError: an entry refers to an engine that was never registered (a corrupt log).
+    """
+    body = entry.body
+    handler = _HANDLERS.get(type(body))
+    if entry.engine_id is not None and isinstance(body, _ENGINE_BODIES):
+        proj.count(entry.engine_id, "events_logged")
+        if not entry.applied:
+            proj.count(entry.engine_id, "events_stale")
+            return
+        _advance_stream(proj, entry)
+        proj.count(entry.engine_id, "events_applied")
+    if handler is not None:
+        handler(proj, entry, body)
+
+
+def _advance_stream(proj: Projection, entry: LogEntry) -> None:
+    key = StreamKey(entry.engine_id, entry.attention_dp_rank or 0, entry.window_size or 0)  # type: ignore[arg-type]
+    row = proj.streams.get(key)
+    if row is None:
+        row = {"engine_id": key.engine_id, "attention_dp_rank": key.attention_dp_rank,
+               "window_size": key.window_size, "last_event_id": None, "resync": False}
+    if entry.event_id is not None:
+        row["last_event_id"] = entry.event_id
+    row["resync"] = False
+    proj.put("streams", key, row)
+    engine = proj.engines[entry.engine_id]
+    engine.update(last_seq=entry.seq, status=EngineStatus.ACTIVE)
+    proj.touch("engines", entry.engine_id)
+
+
+def _block_key(entry: LogEntry, block_hash: ev.BlockHash) -> BlockKey:
+    h, ext = split_hash(block_hash)
+    return BlockKey(entry.engine_id, entry.attention_dp_rank or 0, entry.window_size or 0, h, ext)  # type: ignore[arg-type]
+
+
+def _set_block_state(proj: Projection, key: BlockKey, row: Row, state: BlockState, seq: int) -> None:
+    row["state"] = state
+    row["updated_seq"] = seq
+    live = proj.live_blocks.setdefault(key.engine_id, set())
+    if state == BlockState.LIVE:
+        live.add(key)
+    else:
+        live.discard(key)
+    proj.put("blocks", key, row)
+
+
+def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
+    engine_id = entry.engine_id
+    generation = proj.engines[engine_id]["generation"]
+    parent = body.parent_hash
+    for block in body.blocks:
+        key = _block_key(entry, block.block_hash)
+        row = proj.blocks.get(key)
+        if row is not None and row["state"] == BlockState.LIVE:
+            row["store_count"] += 1
+            proj.count(engine_id, "stored_while_live")
+        else:
+            row = {"engine_id": key.engine_id, "attention_dp_rank": key.attention_dp_rank,
+                   "window_size": key.window_size, "block_hash": key.block_hash,
+                   "block_hash_ext": key.block_hash_ext, "store_count": 1, "stored_seq": entry.seq}
+        p_hash, p_ext = split_hash(parent) if parent is not None else (None, None)
+        row.update(parent_hash=p_hash, parent_hash_ext=p_ext, num_tokens=block.num_tokens,
+                   tokens_digest=u64_to_i64(block.tokens_digest), cache_level=block.cache_level,
+                   priority=block.priority, cache_salt=block.cache_salt, lora_id=body.lora_id,
+                   generation=generation)
+        _set_block_state(proj, key, row, BlockState.LIVE, entry.seq)
+        parent = block.block_hash
+    proj.count(engine_id, "blocks_stored", len(body.blocks))
+
+
+def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> None:
+    for block_hash in body.block_hashes:
+        key = _block_key(entry, block_hash)
+        row = proj.blocks.get(key)
+        if row is None:
+            proj.count(entry.engine_id, "removed_unknown")
+        elif row["state"] != BlockState.LIVE:
+            proj.count(entry.engine_id, "removed_not_live")
+            if row["state"] == BlockState.QUARANTINED:
+                _set_block_state(proj, key, row, BlockState.REMOVED, entry.seq)
+        else:
+            _set_block_state(proj, key, row, BlockState.REMOVED, entry.seq)
+            proj.count(entry.engine_id, "blocks_removed")
+
+
+def _on_updated(proj: Projection, entry: LogEntry, body: ev.BlockUpdated) -> None:
+    key = _block_key(entry, body.block_hash)
+    row = proj.blocks.get(key)
+    if row is None:
+        proj.count(entry.engine_id, "updated_unknown")
+        return
+    if row["state"] != BlockState.LIVE:
+        proj.count(entry.engine_id, "updated_not_live")
+        return
+    if body.cache_level is not None:
+        row["cache_level"] = body.cache_level.new_value
+    if body.priority is not None:
+        row["priority"] = body.priority.new_value
+    row["updated_seq"] = entry.seq
+    proj.put("blocks", key, row)
+    proj.count(entry.engine_id, "blocks_updated")
+
+
+def _on_batch(proj: Projection, entry: LogEntry, body: ev.BatchReceived) -> None:
+    proj.put("sources", body.source_id, {
+        "source_id": body.source_id, "engine_id": body.engine_id, "epoch": body.source_epoch,
+        "last_seq": body.seq, "last_ts": body.ts,
+    })
+    proj.count(body.engine_id, "batches")
+
+
+def _on_engine_registered(proj: Projection, entry: LogEntry, body: ev.EngineRegistered) -> None:
+    proj.put("engines", body.engine_id, {
+        "engine_id": body.engine_id, "generation": body.generation, "status": EngineStatus.ACTIVE,
+        "registered_seq": entry.seq, "generation_seq": entry.seq, "last_seq": entry.seq,
+    })
+
+
+def _on_gap(proj: Projection, entry: LogEntry, body: ev.GapDetected) -> None:
+    proj.count(body.engine_id, f"gaps.{body.reason}")
+
+
+def _on_generation_bumped(proj: Projection, entry: LogEntry, body: ev.GenerationBumped) -> None:
+    engine = proj.engines[body.engine_id]
+    engine.update(generation=body.generation, generation_seq=entry.seq, status=EngineStatus.RESYNCING)
+    proj.touch("engines", body.engine_id)
+    proj.count(body.engine_id, f"generation_bumps.{body.reason}")
+    for key in list(proj.live_blocks.get(body.engine_id, ())):
+        _set_block_state(proj, key, proj.blocks[key], BlockState.QUARANTINED, entry.seq)
+    for donor_id, donor in proj.donors.items():
+        if donor["engine_id"] == body.engine_id and donor["state"] in _LIVE_DONOR_STATES:
+            donor.update(state=DonorState.QUARANTINED, updated_seq=entry.seq)
+            proj.touch("donors", donor_id)
+    for key, stream in proj.streams.items():
+        if key.engine_id == body.engine_id:
+            stream["resync"] = True
+            proj.touch("streams", key)
+    if proj.partial:
+        proj.bulk_ops.append(BulkOp("quarantine", body.engine_id, entry.seq))
+
+
+def _on_dead_letter(proj: Projection, entry: LogEntry, body: ev.EventDeadLettered) -> None:
+    proj.dead_letters.append({
+        "log_seq": entry.seq, "source_id": body.source_id, "engine_id": body.engine_id,
+        "reason": str(body.reason), "detail": body.detail[:2000], "zmq_seq": body.seq,
+        "batch_index": body.batch_index,
+    })
+    proj.count(body.engine_id, f"dead_letters.{body.reason}")
+
+
+def _on_donor_registered(proj: Projection, entry: LogEntry, body: ev.DonorRegistered) -> None:
+    proj.put("donors", body.donor_id, {
+        "donor_id": body.donor_id, "namespace": body.namespace, "engine_id": body.engine_id,
+        "attention_dp_rank": body.attention_dp_rank, "window_size": body.window_size,
+        "generation": body.generation, "num_tokens": body.num_tokens,
+        "num_blocks": len(body.content_keys), "tokens_per_block": body.tokens_per_block,
+        "provider_generation": body.provider_generation, "expires_at": body.expires_at,
+        "state": DonorState.REGISTERED, "store_ref": None, "checksum": None, "size_bytes": None,
+        "registered_seq": entry.seq, "updated_seq": entry.seq,
+    })
+    for position, (content_key, block_hash) in enumerate(zip(body.content_keys, body.block_hashes, strict=True)):
+        h, ext = split_hash(block_hash)
+        proj.donor_blocks.append({"donor_id": body.donor_id, "position": position,
+                                  "content_key": content_key, "block_hash": h, "block_hash_ext": ext})
+    proj.count(body.engine_id, "donors_registered")
+
+
+def _on_donor_saved(proj: Projection, entry: LogEntry, body: ev.DonorSaved) -> None:
+    donor = proj.donors[body.donor_id]
+    if donor["state"] == DonorState.REGISTERED:
+        donor["state"] = DonorState.LIVE
+    donor.update(store_ref=body.store_ref, checksum=body.checksum, size_bytes=body.size_bytes,
+                 updated_seq=entry.seq)
+    proj.touch("donors", body.donor_id)
+    proj.count(donor["engine_id"], "donors_saved")
+
+
+def _on_donor_evicted(proj: Projection, entry: LogEntry, body: ev.DonorEvicted) -> None:
+    donor = proj.donors[body.donor_id]
+    donor.update(state=DonorState.EVICTED, updated_seq=entry.seq)
+    proj.touch("donors", body.donor_id)
+    proj.count(donor["engine_id"], "donors_evicted")
+
+
+def _on_lease_taken(proj: Projection, entry: LogEntry, body: ev.LeaseTaken) -> None:
+    proj.put("leases", body.lease_id, {
+        "lease_id": body.lease_id, "donor_id": body.donor_id, "request_id": body.request_id,
+        "holder": body.holder, "expires_at": body.expires_at, "state": LeaseState.HELD,
+        "release_reason": None, "taken_seq": entry.seq, "released_seq": None,
+    })
+    proj.count(GLOBAL, "leases_taken")
+
+
+def _on_lease_released(proj: Projection, entry: LogEntry, body: ev.LeaseReleased) -> None:
+    lease = proj.leases[body.lease_id]
+    lease.update(state=LeaseState.RELEASED, release_reason=body.reason, released_seq=entry.seq)
+    proj.touch("leases", body.lease_id)
+    proj.count(GLOBAL, "leases_released")
+
+
+_LIVE_DONOR_STATES = (DonorState.REGISTERED, DonorState.LIVE)
+_ENGINE_BODIES = (ev.EngineCreated, ev.BlockStored, ev.BlockRemoved, ev.BlockUpdated, ev.AllBlocksCleared)
+_HANDLERS: dict[type, Any] = {
+    ev.BlockStored: _on_stored,
+    ev.BlockRemoved: _on_removed,
+    ev.BlockUpdated: _on_updated,
+    ev.BatchReceived: _on_batch,
+    ev.EngineRegistered: _on_engine_registered,
+    ev.GapDetected: _on_gap,
+    ev.GenerationBumped: _on_generation_bumped,
+    ev.EventDeadLettered: _on_dead_letter,
+    ev.DonorRegistered: _on_donor_registered,
+    ev.DonorSaved: _on_donor_saved,
+    ev.DonorEvicted: _on_donor_evicted,
+    ev.LeaseTaken: _on_lease_taken,
+    ev.LeaseReleased: _on_lease_released,
+}

@@ -1,0 +1,38 @@
+"""``semkv-ledger`` command line.
+
+The ledger package owns the ledger commands (``migrate``, ``replay``, ``stats``, ``inspect``).
+Commands of the other packages (``consume``, ``publish``, ``demo``…) are registered through the
+``semkv_ledger.commands`` entry-point group, each value a ``register(app: typer.Typer) -> None``;
+that keeps ``ledger`` free of imports from ``consumer`` and ``connector``.
+
+Exit codes: 0 success, 1 a check failed (e.g. replay differs), 2 usage or database error.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import typer
+
+app = typer.Typer(
+    name="semkv-ledger",
+    help="Safe KV-cache reuse beyond exact prefixes for TensorRT-LLM fleets.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ENTRY_POINT_GROUP = "semkv_ledger.commands"
+
+
+def _register_plugins() -> None:
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        ep.load()(app)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    from ledger import commands  # noqa: F401  (registers the ledger's own commands on `app`)
+
+    _register_plugins()
+    app()

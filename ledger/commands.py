@@ -1,0 +1,191 @@
+"""The ledger's own commands: ``migrate``, ``replay``, ``stats``, ``inspect``.
+
+Errors a user can cause (bad URL, unreachable database, schema not migrated) print one line and
+exit 2; a replay that disagrees with the live projections exits 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.table import Table
+from sqlalchemy.exc import SQLAlchemyError
+
+from ledger.cli import app
+from ledger.db import DEFAULT_DB
+from ledger.errors import LedgerError, url_for_humans
+
+DbOption = Annotated[str, typer.Option("--db", envvar="SEMKV_DB", help="Ledger database: a SQLite file path, "
+                                       "sqlite:///PATH or postgresql://USER@HOST:PORT/DB.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+console = Console()
+err_console = Console(stderr=True)
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn ledger and database errors into one line on stderr and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (LedgerError, SQLAlchemyError, OSError, ValueError) as exc:
+            message = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            err_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+@app.command()
+@user_errors
+def migrate(db: DbOption = DEFAULT_DB) -> None:
+    """Create or upgrade the ledger schema to the newest revision (SQLite or PostgreSQL)."""
+    from ledger.migrate import upgrade
+
+    before, after = upgrade(db)
+    verb = "already at" if before == after else f"upgraded {before or 'empty database'} →"
+    console.print(f"ledger {url_for_humans(db)}: {verb} {after}", highlight=False)
+
+
+@app.command()
+@user_errors
+def replay(
+    db: DbOption = DEFAULT_DB,
+    until: Annotated[int | None, typer.Option(help="Stop after this log seq (time travel); no diff then.")] = None,
+    out: Annotated[str | None, typer.Option(help="Keep the rebuilt projections in this SQLite file.")] = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Rebuild every projection from the log in a scratch database and diff it against the live one.
+
+    Exit 0 when equal, 1 when not, 2 on usage or database errors.
+    """
+    from ledger.replay import replay as run_replay
+
+    report = _with_progress(lambda progress: run_replay(db, until=until, scratch=out, progress=progress),
+                            enabled=not json_out and sys.stderr.isatty())
+    if json_out:
+        print(json.dumps(_report_json(report), default=str))
+    else:
+        _print_report(report)
+    if report.compared and not report.equal:
+        raise typer.Exit(1)
+
+
+def _with_progress(run, *, enabled: bool):
+    if not enabled:
+        return run(None)
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, transient=True) as progress:
+        task = progress.add_task("replaying log", total=None)
+        return run(lambda done, total: progress.update(task, completed=done, total=total))
+
+
+def _report_json(report) -> dict[str, Any]:
+    return {
+        "equal": report.equal, "compared": report.compared, "events": report.events, "last_seq": report.last_seq,
+        "rebuild_seconds": report.rebuild_seconds, "events_per_second": report.events_per_second,
+        "row_counts": report.row_counts, "scratch_path": report.scratch_path,
+        "diffs": [{"table": d.table, "only_in_live": d.totals[0], "only_in_replay": d.totals[1], "changed": d.totals[2],
+                   "samples": {"only_in_live": d.only_in_live, "only_in_replay": d.only_in_replay,
+                               "changed": [{"live": a, "replay": b} for a, b in d.changed]}}
+                  for d in report.diffs if d.count],
+    }
+
+
+def _print_report(report) -> None:
+    table = Table(title=f"replay of {report.events} log rows (through seq {report.last_seq})")
+    for column in ("projection", "rows rebuilt", "only in live", "only in replay", "changed"):
+        table.add_column(column, justify="right" if column != "projection" else "left")
+    diffs = {d.table: d for d in report.diffs}
+    for name, count in report.row_counts.items():
+        d = diffs.get(name)
+        totals = d.totals if d else ("-", "-", "-")
+        table.add_row(name, str(count), *(str(t) for t in totals))
+    console.print(table)
+    console.print(f"rebuild: {report.rebuild_seconds:.3f} s, {report.events_per_second:,.0f} events/s", highlight=False)
+    for d in report.diffs:
+        for row in d.only_in_live[:3]:
+            console.print(f"[red]- {d.table} only in live:[/red] {row}", highlight=False)
+        for row in d.only_in_replay[:3]:
+            console.print(f"[red]+ {d.table} only in replay:[/red] {row}", highlight=False)
+        for live, rebuilt in d.changed[:3]:
+            changed = {k: (live[k], rebuilt[k]) for k in live if live[k] != rebuilt.get(k)}
+            console.print(f"[red]~ {d.table} changed (live, replay):[/red] {changed}", highlight=False)
+    if not report.compared:
+        console.print("stopped before the head of the log: projections not compared", highlight=False)
+    elif report.equal:
+        console.print("[green]projections equal the replay of the log[/green]")
+    else:
+        console.print("[red]projections DIFFER from the replay of the log[/red]")
+
+
+def _open(db: str):
+    from ledger.db import sync_engine
+    from ledger.migrate import check_schema
+
+    engine = sync_engine(db)
+    conn = engine.connect()
+    try:
+        check_schema(conn, db)
+    except Exception:
+        conn.close()
+        engine.dispose()
+        raise
+    return engine, conn
+
+
+@app.command()
+@user_errors
+def stats(db: DbOption = DEFAULT_DB, json_out: JsonOption = False) -> None:
+    """What the ledger knows: events per engine and type, generations, blocks, donors, dead letters."""
+    from ledger.stats import ledger_stats
+    from ledger.views import print_stats
+
+    engine, conn = _open(db)
+    try:
+        data = ledger_stats(conn)
+    finally:
+        conn.close()
+        engine.dispose()
+    if json_out:
+        print(json.dumps(data, default=str))
+    else:
+        print_stats(console, data)
+
+
+@app.command()
+@user_errors
+def inspect(
+    kind: Annotated[str, typer.Argument(help="engine, donor or block")],
+    ident: Annotated[str, typer.Argument(help="engine id, donor id, or block hash (decimal, 0x…, or 64 hex chars)")],
+    db: DbOption = DEFAULT_DB,
+    limit: Annotated[int, typer.Option(help="At most this many log rows (newest).")] = 200,
+) -> None:
+    """Show one item's history from the log."""
+    from ledger.stats import block_history, describe, history
+    from ledger.types import parse_hash
+
+    engine, conn = _open(db)
+    try:
+        rows = block_history(conn, parse_hash(ident), limit) if kind == "block" else history(conn, kind, ident, limit)
+    finally:
+        conn.close()
+        engine.dispose()
+    table = Table(title=f"{kind} {ident}: {len(rows)} log row(s)")
+    for column in ("seq", "kind", "type", "engine", "zmq seq", "event_id", "applied", "details"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(str(r["seq"]), r["kind"], r["type_name"], r["engine_id"] or "", str(r["zmq_seq"] if r["zmq_seq"] is not None else ""),
+                      str(r["event_id"] if r["event_id"] is not None else ""), "yes" if r["applied"] else "no",
+                      describe(r["body"]))
+    console.print(table)
+    if not rows:
+        raise typer.Exit(1)

@@ -1,0 +1,40 @@
+"""Error family of the ledger. Driver errors are translated at the recorder boundary."""
+
+from __future__ import annotations
+
+
+class LedgerError(Exception):
+    """Root of every error the ledger raises on purpose."""
+
+
+class PersistenceError(LedgerError):
+    """A database error (connection, lock timeout, constraint) translated from the driver."""
+
+
+class SchemaOutOfDate(LedgerError):
+    """The ledger database is not at the schema head; run ``semkv-ledger migrate``."""
+
+    def __init__(self, url: str, current: str | None, head: str) -> None:
+        self.current, self.head = current, head
+        super().__init__(
+            f"ledger schema at {url_for_humans(url)} is {current or 'not created'}, expected {head}: "
+            f"run `semkv-ledger migrate --db {url_for_humans(url)}` first"
+        )
+
+
+class EventRejected(LedgerError):
+    """A fact could not be applied (e.g. a donor registered twice, a lease on an unknown donor)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+def url_for_humans(url: str) -> str:
+    """Hide a password in a database URL before printing it."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - a URL we cannot parse is printed as given, never raised on
+        return url

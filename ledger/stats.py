@@ -1,0 +1,124 @@
+"""Read-only summaries of a ledger for ``semkv-ledger stats`` and ``inspect`` (one item's history).
+
+Everything here is derived from the projections and the log with plain aggregate queries; nothing
+is written. The JSON shape of :func:`ledger_stats` is a stable interface for scripts and audits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, func, or_, select
+
+from ledger import events as ev
+from ledger.schema import BlockRow, CounterRow, DeadLetterRow, DonorRow, EngineRow, LeaseRow, LogRow, SourceRow
+from ledger.types import BlockHash, format_hash, split_hash
+
+_LOG = LogRow.__table__
+
+
+def ledger_stats(conn: Connection) -> dict[str, Any]:
+    """One object: events_total, events_by_type, dead_letters, engines, blocks_by_state, donors_by_state,
+    leases_by_state, sources, counters. Engine event types are reported as received (``stored``,
+    ``BlockStored``…); ledger facts by their tag."""
+    engines = [dict(r._mapping) for r in conn.execute(select(EngineRow.__table__).order_by(EngineRow.__table__.c.engine_id))]
+    by_engine_type = conn.execute(
+        select(_LOG.c.engine_id, _LOG.c.type_name, func.count()).where(_LOG.c.batch_index >= 0,
+                                                                       _LOG.c.kind != "event_dead_lettered")
+        .group_by(_LOG.c.engine_id, _LOG.c.type_name)).all()
+    events_by_type: dict[str, int] = {}
+    per_engine: dict[str, dict[str, int]] = {}
+    for engine_id, type_name, count in by_engine_type:
+        events_by_type[type_name] = events_by_type.get(type_name, 0) + count
+        per_engine.setdefault(engine_id, {})[type_name] = count
+    counters: dict[str, dict[str, int]] = {}
+    for engine_id, name, value in conn.execute(select(CounterRow.__table__)):
+        counters.setdefault(engine_id or "*", {})[name] = value
+    for engine in engines:
+        engine["events_by_type"] = per_engine.get(engine["engine_id"], {})
+        engine["counters"] = counters.get(engine["engine_id"], {})
+    return {
+        "events_total": sum(events_by_type.values()),
+        "log_rows": conn.execute(select(func.count()).select_from(_LOG)).scalar_one(),
+        "events_by_type": events_by_type,
+        "dead_letters": conn.execute(select(func.count()).select_from(DeadLetterRow.__table__)).scalar_one(),
+        "dead_letters_by_reason": _group(conn, DeadLetterRow.__table__.c.reason),
+        "engines": engines,
+        "sources": [dict(r._mapping) for r in conn.execute(select(SourceRow.__table__).order_by(SourceRow.__table__.c.source_id))],
+        "blocks_by_state": _group(conn, BlockRow.__table__.c.state),
+        "donors_by_state": _group(conn, DonorRow.__table__.c.state),
+        "leases_by_state": _group(conn, LeaseRow.__table__.c.state),
+        "counters": counters,
+    }
+
+
+def _group(conn: Connection, column) -> dict[str, int]:
+    return {str(k): v for k, v in conn.execute(select(column, func.count()).group_by(column))}
+
+
+def history(conn: Connection, kind: str, ident: str, limit: int = 200) -> list[dict[str, Any]]:
+    """Log rows about one item: ``engine`` (its events and decisions), ``donor`` (its lifecycle and
+    leases), ``block`` (stored/removed/updated events naming the hash). Newest last."""
+    if kind == "engine":
+        query = select(_LOG).where(_LOG.c.engine_id == ident).order_by(_LOG.c.seq.desc()).limit(limit)
+        return _decoded(reversed(conn.execute(query).all()))
+    if kind == "donor":
+        kinds = ("donor_registered", "donor_saved", "donor_evicted", "lease_taken", "lease_released")
+        rows = conn.execute(select(_LOG).where(_LOG.c.kind.in_(kinds)).order_by(_LOG.c.seq)).all()
+        return [r for r in _decoded(rows) if _mentions_donor(r["body"], ident, conn)][-limit:]
+    if kind == "block":
+        raise ValueError("use block_history for blocks")
+    raise ValueError(f"unknown item kind {kind!r}: engine, donor or block")
+
+
+def block_history(conn: Connection, block_hash: BlockHash, limit: int = 200) -> list[dict[str, Any]]:
+    """Engine events naming ``block_hash`` and the block's current projection rows."""
+    stored_hash, ext = split_hash(block_hash)
+    engines = {r.engine_id for r in conn.execute(select(BlockRow.__table__.c.engine_id).where(
+        BlockRow.__table__.c.block_hash == stored_hash, BlockRow.__table__.c.block_hash_ext == ext))}
+    query = select(_LOG).where(_LOG.c.kind.in_(("block_stored", "block_removed", "block_updated")))
+    if engines:
+        query = query.where(or_(*(_LOG.c.engine_id == e for e in engines)))
+    out = []
+    for row in _decoded(conn.execute(query.order_by(_LOG.c.seq))):
+        if block_hash in _hashes_of(row["body"]):
+            out.append(row)
+    return out[-limit:]
+
+
+def _hashes_of(body: Any) -> set:
+    if isinstance(body, ev.BlockStored):
+        return {b.block_hash for b in body.blocks}
+    if isinstance(body, ev.BlockRemoved):
+        return set(body.block_hashes)
+    if isinstance(body, ev.BlockUpdated):
+        return {body.block_hash}
+    return set()
+
+
+
+def _mentions_donor(body: Any, donor_id: str, conn: Connection) -> bool:
+    if isinstance(body, ev.LeaseReleased):
+        row = conn.execute(select(LeaseRow.__table__.c.donor_id).where(LeaseRow.__table__.c.lease_id == body.lease_id)).first()
+        return row is not None and row.donor_id == donor_id
+    return getattr(body, "donor_id", None) == donor_id
+
+
+def _decoded(rows) -> list[dict[str, Any]]:
+    out = []
+    for row in rows:
+        item = {k: v for k, v in row._mapping.items() if k not in ("payload",)}
+        item["body"] = ev.BODY_DECODER.decode(item["body"])
+        out.append(item)
+    return out
+
+
+def describe(body: Any) -> str:
+    """One line for a decoded log body (hashes in decimal/hex)."""
+    if isinstance(body, ev.BlockStored):
+        return f"{len(body.blocks)} block(s) " + ", ".join(format_hash(b.block_hash) for b in body.blocks[:4]) + (
+            " …" if len(body.blocks) > 4 else "")
+    if isinstance(body, ev.BlockRemoved):
+        return "removed " + ", ".join(format_hash(h) for h in body.block_hashes[:4]) + (" …" if len(body.block_hashes) > 4 else "")
+    fields = {k: getattr(body, k) for k in body.__struct_fields__ if k not in ("content_keys", "block_hashes")}
+    return ", ".join(f"{k}={v}" for k, v in fields.items())

@@ -1,0 +1,82 @@
+"""Shared fixtures: the shared/ folder beside the repository, scratch SQLite files and scratch
+PostgreSQL databases on the real server at 127.0.0.1:5432 (never mocks, DESIGN §9)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PG_ADMIN_URL = os.environ.get("SEMKV_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def shared_dir() -> Path:
+    """``shared/`` beside the repository (CI clones the repo elsewhere with shared/ next to it)."""
+    for candidate in (REPO_ROOT.parent / "shared", Path(os.environ.get("SEMKV_SHARED_DIR", "/nonexistent"))):
+        if (candidate / "fixtures").is_dir():
+            return candidate
+    pytest.fail(f"shared/ not found beside {REPO_ROOT}")
+
+
+@pytest.fixture(scope="session")
+def shared() -> Path:
+    return shared_dir()
+
+
+@pytest.fixture
+def sqlite_db(tmp_path: Path) -> str:
+    """A migrated ledger in a fresh SQLite file."""
+    from ledger.migrate import upgrade
+
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    upgrade(db)
+    return db
+
+
+def _pg_available() -> bool:
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN_URL.replace("postgresql://", "postgresql://", 1), connect_timeout=3):
+            return True
+    except Exception:  # noqa: BLE001 - any failure means "no server", reported by the fixture
+        return False
+
+
+def create_pg_database() -> str:
+    """Create a scratch database on the local server and return its URL."""
+    import psycopg
+
+    name = f"semkv_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+
+
+def drop_pg_database(url: str) -> None:
+    import psycopg
+
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def postgres_db() -> Iterator[str]:
+    """A migrated ledger in a scratch PostgreSQL database (dropped afterwards)."""
+    from ledger.migrate import upgrade
+
+    if not _pg_available():
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is required in CI and not reachable at {PG_ADMIN_URL}")
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}")
+    url = create_pg_database()
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        drop_pg_database(url)

@@ -1,0 +1,346 @@
+"""The recorder contract: one suite, run against every backend (STYLE §1).
+
+Each test names the DESIGN §5 rule (or §2 safety rule) it pins. Subclasses provide the ``db``
+fixture: a migrated scratch ledger on SQLite (``test_sqlite.py``) or PostgreSQL (``test_postgres.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from sqlalchemy import select, text
+
+from ledger import events as ev
+from ledger.db import sync_engine
+from ledger.errors import EventRejected
+from ledger.queries import LedgerClient
+from ledger.replay import replay
+from ledger.schema import BlockRow, CounterRow, EngineRow, LogRow
+from ledger.types import BlockState, FreshnessPolicy, StaleReason, join_hash, split_hash
+from ledger.writer import LedgerWriter
+from tests.builders import batch, cleared, created, removed, stored, updated
+
+ENGINE = "engine-a"
+
+
+def append(db: str, *items, now: float | None = None):
+    async def run():
+        writer = await LedgerWriter.open(db)
+        try:
+            return await writer.append(list(items), now=now)
+        finally:
+            await writer.close()
+
+    return asyncio.run(run())
+
+
+def blocks(db: str, engine_id: str = ENGINE) -> dict:
+    engine = sync_engine(db)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(select(BlockRow.__table__).where(BlockRow.__table__.c.engine_id == engine_id)).all()
+    finally:
+        engine.dispose()
+    return {join_hash(r.block_hash, r.block_hash_ext): r._asdict() for r in rows}
+
+
+def state(db: str, block_hash) -> str | None:
+    row = blocks(db).get(block_hash)
+    return None if row is None else row["state"]
+
+
+def scalar(db: str, query):
+    engine = sync_engine(db)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(query).scalar()
+    finally:
+        engine.dispose()
+
+
+def counter(db: str, name: str, engine_id: str = ENGINE) -> int:
+    table = CounterRow.__table__
+    return scalar(db, select(table.c.value).where(table.c.engine_id == engine_id, table.c.name == name)) or 0
+
+
+def generation(db: str, engine_id: str = ENGINE) -> int:
+    return scalar(db, select(EngineRow.__table__.c.generation).where(EngineRow.__table__.c.engine_id == engine_id))
+
+
+def assert_replay_equal(db: str) -> None:
+    report = replay(db)
+    assert report.equal, [(d.table, d.totals, d.changed[:2], d.only_in_live[:2], d.only_in_replay[:2])
+                          for d in report.diffs if d.count]
+
+
+class RecorderContract:
+    """Subclass and provide a ``db`` fixture."""
+
+    # -- log ------------------------------------------------------------------------------------
+
+    def test_log_keeps_original_payload_bytes(self, db):
+        event = stored(11, event_id=1)
+        append(db, batch(0, created(), event))
+        payload = scalar(db, select(LogRow.__table__.c.payload).where(LogRow.__table__.c.kind == "block_stored"))
+        assert bytes(payload) == event.raw
+
+    def test_log_is_append_only_in_the_database(self, db):
+        append(db, batch(0, created()))
+        engine = sync_engine(db)
+        try:
+            for statement in ("UPDATE log SET kind = 'x'", "DELETE FROM log"):
+                with pytest.raises(Exception, match="append-only"):
+                    with engine.begin() as conn:
+                        conn.execute(text(statement))
+        finally:
+            engine.dispose()
+        assert scalar(db, select(LogRow.__table__.c.kind).where(LogRow.__table__.c.seq == 1)) == "engine_registered"
+
+    def test_every_event_logged_exactly_once_with_global_seq(self, db):
+        append(db, batch(0, created(), stored(1, 2, event_id=1)), batch(1, removed(1, event_id=2)))
+        seqs = [r for r in _all(db, select(LogRow.__table__.c.seq).order_by(LogRow.__table__.c.seq))]
+        assert seqs == list(range(1, len(seqs) + 1))
+        kinds = _all(db, select(LogRow.__table__.c.type_name).where(LogRow.__table__.c.batch_index >= 0))
+        assert kinds == ["created", "stored", "removed"]
+
+    # -- idempotency (DESIGN §5) -----------------------------------------------------------------
+
+    def test_duplicate_batch_is_a_noop(self, db):
+        first = batch(0, created(), stored(1, event_id=1))
+        append(db, first)
+        rows_before = scalar(db, _count())
+        result = append(db, first)
+        assert result.duplicate_batches == 1 and result.events_applied == 0
+        assert scalar(db, _count()) == rows_before
+        assert generation(db) == 1
+
+    # -- per-stream event_id order ---------------------------------------------------------------
+
+    def test_older_event_id_is_logged_not_applied(self, db):
+        # A late Stored(A) must not resurrect A after Removed(A) (DESIGN §5).
+        append(db, batch(0, created(), stored(7, event_id=1), removed(7, event_id=2)))
+        result = append(db, batch(1, stored(7, event_id=1)))
+        assert result.events_stale == 1
+        assert state(db, 7) == BlockState.REMOVED
+        assert counter(db, "events_stale") == 1
+        applied = _all(db, select(LogRow.__table__.c.applied).where(LogRow.__table__.c.zmq_seq == 1,
+                                                                    LogRow.__table__.c.batch_index == 0))
+        assert applied == [False]
+
+    def test_event_id_jump_bumps_generation_and_quarantines(self, db):
+        append(db, batch(0, created(), stored(1, 2, event_id=1)))
+        result = append(db, batch(1, stored(3, event_id=5)))
+        assert result.gaps == 1 and generation(db) == 2
+        assert state(db, 1) == state(db, 2) == BlockState.QUARANTINED
+        assert state(db, 3) == BlockState.LIVE and blocks(db)[3]["generation"] == 2
+        assert counter(db, "gaps.event_id_gap") == 1
+
+    # -- gaps, restarts, generations --------------------------------------------------------------
+
+    def test_seq_gap_bumps_generation_and_quarantines(self, db):
+        append(db, batch(0, stored(1)))
+        result = append(db, batch(3, stored(2)))
+        assert result.gaps == 1 and generation(db) == 2
+        assert state(db, 1) == BlockState.QUARANTINED and state(db, 2) == BlockState.LIVE
+        assert counter(db, "generation_bumps.seq_gap") == 1
+
+    def test_seq_reset_is_a_restart(self, db):
+        append(db, batch(0, stored(1)), batch(1, stored(2)))
+        result = append(db, batch(0, stored(1), ts=99.0))
+        assert result.generation_bumps == 1 and generation(db) == 2
+        assert counter(db, "generation_bumps.seq_reset") == 1
+        assert state(db, 1) == BlockState.LIVE and blocks(db)[1]["generation"] == 2
+        assert state(db, 2) == BlockState.QUARANTINED
+
+    def test_created_on_known_stream_is_a_restart(self, db):
+        append(db, batch(0, created(), stored(1, event_id=1)))
+        append(db, batch(1, created(0), stored(2, event_id=1)))
+        assert generation(db) == 2 and counter(db, "generation_bumps.created") == 1
+        assert state(db, 1) == BlockState.QUARANTINED and state(db, 2) == BlockState.LIVE
+
+    def test_created_per_window_after_restart_bumps_once(self, db):
+        append(db, batch(0, created(window_size=128), created(window_size=4096),
+                         stored(1, event_id=1, window_size=128)))
+        append(db, batch(1, created(window_size=128), created(window_size=4096)))
+        assert generation(db) == 2
+
+    def test_all_blocks_cleared_bumps_and_quarantines(self, db):
+        append(db, batch(0, stored(1, 2)))
+        append(db, batch(1, cleared(), stored(3)))
+        assert generation(db) == 2 and counter(db, "generation_bumps.all_blocks_cleared") == 1
+        assert state(db, 1) == BlockState.QUARANTINED and state(db, 3) == BlockState.LIVE
+
+    def test_block_stored_again_is_live_in_new_generation(self, db):
+        append(db, batch(0, stored(1)))
+        append(db, batch(1, cleared()))
+        append(db, batch(2, stored(1)))
+        row = blocks(db)[1]
+        assert row["state"] == BlockState.LIVE and row["generation"] == 2
+
+    def test_gap_report_bumps(self, db):
+        append(db, batch(0, stored(1)))
+        append(db, ev.GapReport(source_id="s", engine_id=ENGINE, from_seq=1, to_seq=1,
+                                reason="consumer_resume"))
+        assert generation(db) == 2 and state(db, 1) == BlockState.QUARANTINED
+
+    # -- block semantics -------------------------------------------------------------------------
+
+    def test_updated_moves_cache_level_and_priority(self, db):
+        append(db, batch(0, stored(1, cache_level=0, priority=35)))
+        append(db, batch(1, updated(1, cache_level=(0, 1), priority=(35, 80))))
+        row = blocks(db)[1]
+        assert (row["cache_level"], row["priority"], row["state"]) == (1, 80, BlockState.LIVE)
+
+    def test_removed_unknown_block_is_logged_and_counted(self, db):
+        append(db, batch(0, removed(424242)))
+        assert counter(db, "removed_unknown") == 1
+        assert scalar(db, _count().where(LogRow.__table__.c.kind == "block_removed")) == 1
+
+    def test_duplicate_store_then_double_remove(self, db):
+        # Decided semantics (ledger.apply docstring): a removal is authoritative at once.
+        append(db, batch(0, stored(5), stored(5)))
+        assert blocks(db)[5]["store_count"] == 2
+        append(db, batch(1, removed(5)))
+        assert state(db, 5) == BlockState.REMOVED
+        append(db, batch(2, removed(5)))
+        assert counter(db, "removed_not_live") == 1 and counter(db, "stored_while_live") == 1
+
+    def test_chain_parent_hashes(self, db):
+        append(db, batch(0, stored(10, 11, 12, parent=9)))
+        rows = blocks(db)
+        assert [join_hash(rows[h]["parent_hash"], rows[h]["parent_hash_ext"] or b"") for h in (10, 11, 12)] == [9, 10, 11]
+
+    def test_hashes_round_trip_losslessly(self, db):
+        wide = bytes(range(32))
+        hashes = [9622824665191806685, 2**64 - 1, 2**63, 0, 1, wide]
+        append(db, batch(0, stored(*hashes)))
+        assert set(blocks(db)) == set(hashes)
+        assert split_hash(2**64 - 1) == (-1, b"")
+
+    def test_projection_equals_replay(self, db):
+        append(db, batch(0, created(), stored(1, 2, event_id=1), removed(1, event_id=2)),
+               batch(1, updated(2, cache_level=(0, 1), event_id=3)), batch(4, stored(3, event_id=4)))
+        assert_replay_equal(db)
+
+    # -- donors, leases, freshness ---------------------------------------------------------------
+
+    def _donor(self, db, donor_id="d1", hashes=(1, 2, 3), namespace="ns", **kw):
+        client = LedgerClient(db)
+        try:
+            gen = client.engine(ENGINE).generation
+            client.register_donor(ev.DonorRegistered(
+                donor_id=donor_id, namespace=namespace, engine_id=ENGINE, generation=gen,
+                content_keys=[f"{namespace}-k{i}".encode() for i in range(len(hashes))],
+                block_hashes=list(hashes), num_tokens=4 * len(hashes), tokens_per_block=4, **kw))
+            client.mark_donor_saved(donor_id, store_ref=f"file:{donor_id}", checksum="abc", size_bytes=100)
+        finally:
+            client.close()
+
+    def test_donor_fresh_then_stale_by_reason(self, db):
+        append(db, batch(0, stored(1, 2, 3)))
+        self._donor(db)
+        client = LedgerClient(db)
+        try:
+            assert client.donor_freshness("d1", namespace="ns") is None
+            assert client.donor_freshness("d1", namespace="other") == StaleReason.NAMESPACE_MISMATCH
+            assert client.donor_freshness("nope", namespace="ns") == StaleReason.UNKNOWN_DONOR
+            append(db, batch(1, removed(3)))
+            assert client.donor_freshness("d1", namespace="ns") == StaleReason.BLOCKS_NOT_LIVE
+            assert client.donor_freshness("d1", namespace="ns", num_blocks=2) is None
+            assert client.donor_freshness("d1", namespace="ns", policy=FreshnessPolicy.STORE) is None
+            append(db, batch(2, cleared()))
+            assert client.donor_freshness("d1", namespace="ns", policy=FreshnessPolicy.STORE) == StaleReason.QUARANTINED
+        finally:
+            client.close()
+        assert_replay_equal(db)
+
+    def test_donor_expiry_and_eviction(self, db):
+        append(db, batch(0, stored(1, 2, 3)))
+        self._donor(db, expires_at=time.time() + 3600)
+        client = LedgerClient(db)
+        try:
+            assert client.donor_freshness("d1", namespace="ns", now=time.time() + 7200) == StaleReason.EXPIRED
+            client.evict_donor("d1", "capacity")
+            assert client.donor_freshness("d1", namespace="ns") == StaleReason.EVICTED
+            with pytest.raises(EventRejected):
+                client.evict_donor("missing", "x")
+        finally:
+            client.close()
+
+    def test_find_donor_span_is_longest_fresh_prefix(self, db):
+        append(db, batch(0, stored(1, 2, 3, 4)))
+        self._donor(db, "short", hashes=(1, 2))
+        client = LedgerClient(db)
+        try:
+            # "short" holds keys ns-k0, ns-k1; register a longer one over the same chain.
+            gen = client.engine(ENGINE).generation
+            client.register_donor(ev.DonorRegistered(
+                donor_id="long", namespace="ns", engine_id=ENGINE, generation=gen,
+                content_keys=[f"ns-k{i}".encode() for i in range(4)], block_hashes=[1, 2, 3, 4],
+                num_tokens=16, tokens_per_block=4))
+            keys = [f"ns-k{i}".encode() for i in range(6)]
+            assert client.find_donor_span("ns", keys).donor_id == "short"  # "long" not saved yet
+            client.mark_donor_saved("long", store_ref="f", checksum="c", size_bytes=1)
+            span = client.find_donor_span("ns", keys)
+            assert (span.donor_id, span.num_blocks) == ("long", 4)
+            assert client.find_donor_span("other-ns", keys) is None
+            append(db, batch(1, removed(3)))
+            span = client.find_donor_span("ns", keys)
+            assert span.num_blocks == 2
+            assert client.find_donor_span("ns", keys, policy=FreshnessPolicy.STORE).num_blocks == 4
+        finally:
+            client.close()
+
+    def test_lease_take_release_expiry(self, db):
+        append(db, batch(0, stored(1, 2, 3)))
+        self._donor(db)
+        client = LedgerClient(db)
+        try:
+            now = time.time()
+            lease = client.take_lease("d1", request_id="r1", holder="h", namespace="ns", num_blocks=3, ttl_s=30, now=now)
+            assert client.held_leases(now=now) == 1
+            assert client.donor_freshness("d1", namespace="ns", lease_id=lease.lease_id, now=now) is None
+            assert client.held_leases(now=now + 60) == 0  # expired
+            assert client.donor_freshness("d1", namespace="ns", lease_id=lease.lease_id,
+                                          now=now + 60) == StaleReason.LEASE_NOT_HELD
+            assert client.release_lease(lease.lease_id, "finished") is True
+            assert client.release_lease(lease.lease_id, "finished") is False
+            assert client.held_leases(now=now) == 0
+            append(db, batch(1, cleared()))
+            refused = client.take_lease("d1", request_id="r2", holder="h", namespace="ns", num_blocks=3, ttl_s=30)
+            assert refused == StaleReason.QUARANTINED
+        finally:
+            client.close()
+        assert_replay_equal(db)
+
+    def test_donor_registered_twice_is_rejected(self, db):
+        append(db, batch(0, stored(1, 2, 3)))
+        self._donor(db)
+        with pytest.raises(EventRejected):
+            self._donor(db)
+
+    def test_dead_letters_are_logged_with_reason(self, db):
+        letter = ev.DeadLetter(source_id="s", engine_id=ENGINE, reason="malformed_msgpack", detail="bad",
+                               raw=b"\xc1\xc1", seq=None)
+        append(db, letter)
+        assert counter(db, "dead_letters.malformed_msgpack") == 1
+        payload = scalar(db, select(LogRow.__table__.c.payload).where(LogRow.__table__.c.kind == "event_dead_lettered"))
+        assert bytes(payload) == b"\xc1\xc1"
+        assert_replay_equal(db)
+
+
+def _count():
+    from sqlalchemy import func
+
+    return select(func.count()).select_from(LogRow.__table__)
+
+
+def _all(db: str, query) -> list:
+    engine = sync_engine(db)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(query).scalars())
+    finally:
+        engine.dispose()
