@@ -143,8 +143,9 @@ def _advance_stream(proj: Projection, entry: LogEntry) -> None:
         row = {"engine_id": key.engine_id, "attention_dp_rank": key.attention_dp_rank,
                "window_size": key.window_size, "last_event_id": None, "resync": False}
     if entry.event_id is not None:
+        # Only an event that carries an event_id can become the new baseline after a bump.
         row["last_event_id"] = entry.event_id
-    row["resync"] = False
+        row["resync"] = False
     proj.put("streams", key, row)
     engine = proj.engines[entry.engine_id]
     engine.update(last_seq=entry.seq, status=EngineStatus.ACTIVE)
@@ -167,43 +168,72 @@ def _set_block_state(proj: Projection, key: BlockKey, row: Row, state: BlockStat
     proj.put("blocks", key, row)
 
 
+# The two handlers below run once per block on the ingest path; they inline what
+# _block_key/_set_block_state do (measured: tools/bench_ledger.py).
+
+
 def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
-    engine_id = entry.engine_id
+    engine_id, seq = entry.engine_id, entry.seq
+    dp_rank, window = entry.attention_dp_rank or 0, entry.window_size or 0
     generation = proj.engines[engine_id]["generation"]
-    parent = body.parent_hash
+    blocks, dirty = proj.blocks, proj.dirty["blocks"]
+    live = proj.live_blocks.setdefault(engine_id, set())
+    p_hash, p_ext = split_hash(body.parent_hash) if body.parent_hash is not None else (None, None)
+    again = 0
     for block in body.blocks:
-        key = _block_key(entry, block.block_hash)
-        row = proj.blocks.get(key)
-        if row is not None and row["state"] == BlockState.LIVE:
+        h, ext = split_hash(block.block_hash)
+        key = BlockKey(engine_id, dp_rank, window, h, ext)
+        row = blocks.get(key)
+        if row is not None and row["state"] == _LIVE:
             row["store_count"] += 1
-            proj.count(engine_id, "stored_while_live")
+            again += 1
         else:
-            row = {"engine_id": key.engine_id, "attention_dp_rank": key.attention_dp_rank,
-                   "window_size": key.window_size, "block_hash": key.block_hash,
-                   "block_hash_ext": key.block_hash_ext, "store_count": 1, "stored_seq": entry.seq}
-        p_hash, p_ext = split_hash(parent) if parent is not None else (None, None)
-        row.update(parent_hash=p_hash, parent_hash_ext=p_ext, num_tokens=block.num_tokens,
-                   tokens_digest=u64_to_i64(block.tokens_digest), cache_level=block.cache_level,
-                   priority=block.priority, cache_salt=block.cache_salt, lora_id=body.lora_id,
-                   generation=generation)
-        _set_block_state(proj, key, row, BlockState.LIVE, entry.seq)
-        parent = block.block_hash
+            row = blocks[key] = {"engine_id": engine_id, "attention_dp_rank": dp_rank, "window_size": window,
+                                 "block_hash": h, "block_hash_ext": ext, "store_count": 1, "stored_seq": seq}
+        row["parent_hash"] = p_hash
+        row["parent_hash_ext"] = p_ext
+        row["num_tokens"] = block.num_tokens
+        row["tokens_digest"] = u64_to_i64(block.tokens_digest)
+        row["cache_level"] = block.cache_level
+        row["priority"] = block.priority
+        row["cache_salt"] = block.cache_salt
+        row["lora_id"] = body.lora_id
+        row["generation"] = generation
+        row["state"] = _LIVE
+        row["updated_seq"] = seq
+        live.add(key)
+        dirty.add(key)
+        p_hash, p_ext = h, ext
     proj.count(engine_id, "blocks_stored", len(body.blocks))
+    if again:
+        proj.count(engine_id, "stored_while_live", again)
 
 
 def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> None:
+    engine_id, seq = entry.engine_id, entry.seq
+    dp_rank, window = entry.attention_dp_rank or 0, entry.window_size or 0
+    blocks, dirty = proj.blocks, proj.dirty["blocks"]
+    live = proj.live_blocks.setdefault(engine_id, set())
+    removed = unknown = not_live = 0
     for block_hash in body.block_hashes:
-        key = _block_key(entry, block_hash)
-        row = proj.blocks.get(key)
+        key = BlockKey(engine_id, dp_rank, window, *split_hash(block_hash))
+        row = blocks.get(key)
         if row is None:
-            proj.count(entry.engine_id, "removed_unknown")
-        elif row["state"] != BlockState.LIVE:
-            proj.count(entry.engine_id, "removed_not_live")
-            if row["state"] == BlockState.QUARANTINED:
-                _set_block_state(proj, key, row, BlockState.REMOVED, entry.seq)
+            unknown += 1
+            continue
+        if row["state"] == _LIVE:
+            removed += 1
         else:
-            _set_block_state(proj, key, row, BlockState.REMOVED, entry.seq)
-            proj.count(entry.engine_id, "blocks_removed")
+            not_live += 1
+            if row["state"] != BlockState.QUARANTINED:
+                continue
+        row["state"] = _REMOVED
+        row["updated_seq"] = seq
+        live.discard(key)
+        dirty.add(key)
+    for name, n in (("blocks_removed", removed), ("removed_unknown", unknown), ("removed_not_live", not_live)):
+        if n:
+            proj.count(engine_id, name, n)
 
 
 def _on_updated(proj: Projection, entry: LogEntry, body: ev.BlockUpdated) -> None:
@@ -321,6 +351,7 @@ def _on_lease_released(proj: Projection, entry: LogEntry, body: ev.LeaseReleased
     proj.count(GLOBAL, "leases_released")
 
 
+_LIVE, _REMOVED = BlockState.LIVE, BlockState.REMOVED
 _LIVE_DONOR_STATES = (DonorState.REGISTERED, DonorState.LIVE)
 _ENGINE_BODIES = (ev.EngineCreated, ev.BlockStored, ev.BlockRemoved, ev.BlockUpdated, ev.AllBlocksCleared)
 _HANDLERS: dict[type, Any] = {

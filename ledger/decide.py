@@ -120,7 +120,8 @@ class Decider:
         ts = self.result.max_event_ts
         self.result.max_event_ts = batch.ts if ts is None else max(ts, batch.ts)
         for index, event in enumerate(batch.events):
-            self._engine_event(batch.engine_id, index, event, source_cols)
+            self._engine_event(batch.engine_id, index if event.batch_index is None else event.batch_index,
+                               event, source_cols)
         for letter in batch.dead_letters:
             self.dead_letter(letter, epoch)
 

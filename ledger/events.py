@@ -97,6 +97,9 @@ class EngineEvent(msgspec.Struct, frozen=True, gc=False):
     event_id: int | None = None
     window_size: int = 0
     attention_dp_rank: int = 0
+    batch_index: int | None = None
+    """Position in the batch payload's event list (dead-lettered events keep theirs, so the
+    idempotency key (source, seq, index) never collides); None = position in ``events``."""
 
 
 class ReceivedBatch(msgspec.Struct, frozen=True, gc=False):

@@ -133,14 +133,14 @@ def _load_by_id(conn: Connection, proj: Projection, name: str, column, ids: set[
             target[row._mapping[column.name]] = row._asdict()
 
 
-def _touched_hashes(items: Sequence[Input]) -> dict[str, set[int]]:
-    """engine_id -> storage hashes (signed 64-bit) that the batch's events refer to."""
-    touched: dict[str, set[int]] = defaultdict(set)
+def _touched_hashes(items: Sequence[Input]) -> dict[StreamKey, set[int]]:
+    """stream -> storage hashes (signed 64-bit) that the batch's events refer to."""
+    touched: dict[StreamKey, set[int]] = defaultdict(set)
     for item in items:
         if not isinstance(item, ev.ReceivedBatch):
             continue
-        hashes = touched[item.engine_id]
         for event in item.events:
+            hashes = touched[StreamKey(item.engine_id, event.attention_dp_rank, event.window_size)]
             body = event.body
             if isinstance(body, ev.BlockStored):
                 hashes.update(split_hash(b.block_hash)[0] for b in body.blocks)
@@ -151,12 +151,22 @@ def _touched_hashes(items: Sequence[Input]) -> dict[str, set[int]]:
     return touched
 
 
-def _load_blocks(conn: Connection, proj: Projection, touched: dict[str, set[int]]) -> None:
+def _load_blocks(conn: Connection, proj: Projection, touched: dict[StreamKey, set[int]]) -> None:
+    """Load the touched blocks through the primary key's prefix (engine, dp rank, window, hash)."""
     table = BlockRow.__table__
-    for engine_id, hashes in touched.items():
+    names = [c.name for c in table.columns]
+    for stream, hashes in touched.items():
+        if not hashes:
+            continue
         for chunk in _chunks(sorted(hashes)):
-            rows = conn.execute(select(table).where(and_(table.c.engine_id == engine_id, table.c.block_hash.in_(chunk))))
-            proj.load_blocks(row._asdict() for row in rows)
+            query = select(table).where(and_(table.c.engine_id == stream.engine_id,
+                                             table.c.attention_dp_rank == stream.attention_dp_rank,
+                                             table.c.window_size == stream.window_size,
+                                             table.c.block_hash.in_(chunk)))
+            compiled = query.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
+            params = compiled.params if compiled.positiontup is None else tuple(compiled.params[k] for k in compiled.positiontup)
+            rows = conn.exec_driver_sql(compiled.string, params).fetchall()
+            proj.load_blocks(dict(zip(names, row)) for row in rows)
 
 
 def _digest_lookup(conn: Connection) -> Callable[[str, int, int], int | None]:
@@ -189,7 +199,7 @@ def log_row(entry: LogEntry) -> dict[str, Any]:
 def write(conn: Connection, proj: Projection, entries: Sequence[LogEntry]) -> None:
     """Insert log rows, run bulk ops, then upsert every dirty projection row."""
     if entries:
-        conn.execute(_LOG.insert(), [log_row(e) for e in entries])
+        insert(conn, _LOG, [log_row(e) for e in entries])
     for op in proj.bulk_ops:
         _run_bulk(conn, op.engine_id, op.seq)
     for name, keys in proj.dirty.items():
@@ -197,9 +207,9 @@ def write(conn: Connection, proj: Projection, entries: Sequence[LogEntry]) -> No
             rows = getattr(proj, name)
             upsert(conn, _TABLES[name], [rows[k] for k in keys])
     if proj.donor_blocks:
-        conn.execute(DonorBlockRow.__table__.insert(), proj.donor_blocks)
+        insert(conn, DonorBlockRow.__table__, proj.donor_blocks)
     if proj.dead_letters:
-        conn.execute(DeadLetterRow.__table__.insert(), proj.dead_letters)
+        insert(conn, DeadLetterRow.__table__, proj.dead_letters)
     if proj.counters:
         _add_counters(conn, proj.counters)
 
@@ -218,21 +228,76 @@ def _insert_for(conn: Connection):
     return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
 
 
+def executemany(conn: Connection, stmt, rows: Sequence[dict[str, Any]]) -> None:
+    """Execute a Core statement for many rows through the DBAPI's ``executemany``.
+
+    The statement is compiled once per dialect and cached; rows go to the driver as plain tuples
+    (or dicts for named paramstyles). This skips SQLAlchemy's per-row bind processing, which
+    cost more than the inserts themselves on the ingest path (tools/bench_ledger.py). Values must
+    already be driver-native: int, float, str, bytes, bool, None.
+    """
+    if not rows:
+        return
+    compiled = _compiled(conn.dialect, stmt)
+    if compiled.positiontup is not None:
+        order = compiled.positiontup
+        params = [tuple(row[k] for k in order) for row in rows]
+    else:
+        params = list(rows)
+    conn.exec_driver_sql(compiled.string, params)
+
+
+_COMPILED: dict[tuple[str, int], Any] = {}
+
+
+def _compiled(dialect, stmt):
+    key = (dialect.name, id(stmt))
+    hit = _COMPILED.get(key)
+    if hit is None:
+        hit = _COMPILED[key] = (stmt, stmt.compile(dialect=dialect))
+    return hit[1]
+
+
+def _upsert_stmt(conn: Connection, table: Table):
+    key = (conn.dialect.name, "upsert", table.name)
+    stmt = _STATEMENTS.get(key)
+    if stmt is None:
+        stmt = _insert_for(conn)(table)
+        keys = [c.name for c in table.primary_key.columns]
+        stmt = _STATEMENTS[key] = stmt.on_conflict_do_update(
+            index_elements=keys, set_={c.name: stmt.excluded[c.name] for c in table.columns if c.name not in keys})
+    return stmt
+
+
+_STATEMENTS: dict[tuple[str, str, str], Any] = {}
+
+
+def _insert_stmt(conn: Connection, table: Table):
+    key = (conn.dialect.name, "insert", table.name)
+    stmt = _STATEMENTS.get(key)
+    if stmt is None:
+        stmt = _STATEMENTS[key] = table.insert()
+    return stmt
+
+
 def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
     """INSERT … ON CONFLICT (primary key) DO UPDATE every other column (both dialects)."""
-    stmt = _insert_for(conn)(table)
-    keys = [c.name for c in table.primary_key.columns]
-    stmt = stmt.on_conflict_do_update(
-        index_elements=keys, set_={c.name: stmt.excluded[c.name] for c in table.columns if c.name not in keys})
-    conn.execute(stmt, rows)
+    executemany(conn, _upsert_stmt(conn, table), rows)
+
+
+def insert(conn: Connection, table: Table, rows: Sequence[dict[str, Any]]) -> None:
+    executemany(conn, _insert_stmt(conn, table), rows)
 
 
 def _add_counters(conn: Connection, deltas) -> None:
-    table = CounterRow.__table__
-    stmt = _insert_for(conn)(table)
-    stmt = stmt.on_conflict_do_update(index_elements=["engine_id", "name"],
-                                      set_={"value": table.c.value + stmt.excluded.value})
-    conn.execute(stmt, [{"engine_id": e or GLOBAL, "name": n, "value": v} for (e, n), v in sorted(deltas.items())])
+    key = (conn.dialect.name, "add", "counters")
+    stmt = _STATEMENTS.get(key)
+    if stmt is None:
+        table = CounterRow.__table__
+        stmt = _insert_for(conn)(table)
+        stmt = _STATEMENTS[key] = stmt.on_conflict_do_update(
+            index_elements=["engine_id", "name"], set_={"value": table.c.value + stmt.excluded.value})
+    executemany(conn, stmt, [{"engine_id": e or GLOBAL, "name": n, "value": v} for (e, n), v in sorted(deltas.items())])
 
 
 def _translate(exc: SQLAlchemyError) -> PersistenceError:

@@ -37,6 +37,7 @@ BlockHash = int | bytes
 U64_MAX = 2**64 - 1
 _I64_MIN = -(2**63)
 _TWO_64 = 2**64
+_I64_MAX = 2**63 - 1
 WIDE_HASH_BYTES = 32
 
 
@@ -98,8 +99,8 @@ def i64_to_u64(value: int) -> int:
 
 def split_hash(block_hash: BlockHash) -> tuple[int, bytes]:
     """Canonical hash -> ``(block_hash BIGINT, block_hash_ext BLOB)`` storage columns."""
-    if isinstance(block_hash, int):
-        return u64_to_i64(block_hash), b""
+    if type(block_hash) is int:
+        return (block_hash - _TWO_64 if block_hash > _I64_MAX else block_hash), b""
     return u64_to_i64(int.from_bytes(block_hash[:8], "big")), block_hash
 
 

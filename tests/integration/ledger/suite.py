@@ -321,6 +321,19 @@ class RecorderContract:
         with pytest.raises(EventRejected):
             self._donor(db)
 
+    def test_dead_letter_inside_a_batch_keeps_every_index_unique(self, db):
+        import msgspec
+
+        good = [msgspec.structs.replace(stored(1), batch_index=0), msgspec.structs.replace(stored(2), batch_index=2)]
+        bad = ev.DeadLetter(source_id="s", engine_id=ENGINE, reason="schema_mismatch", detail="x", raw=b"\x01",
+                            seq=0, batch_index=1)
+        received = msgspec.structs.replace(batch(0, *good), dead_letters=[bad])
+        append(db, received)
+        indices = _all(db, select(LogRow.__table__.c.batch_index).where(LogRow.__table__.c.zmq_seq == 0)
+                       .order_by(LogRow.__table__.c.batch_index))
+        assert indices == [-1, 0, 1, 2]
+        assert append(db, received).duplicate_batches == 1
+
     def test_dead_letters_are_logged_with_reason(self, db):
         letter = ev.DeadLetter(source_id="s", engine_id=ENGINE, reason="malformed_msgpack", detail="bad",
                                raw=b"\xc1\xc1", seq=None)
