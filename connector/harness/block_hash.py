@@ -1,0 +1,160 @@
+"""REFERENCE ENGINE HARNESS — TensorRT-LLM's ``v1_block_key`` block hash, in Python.
+
+Test and demo infrastructure only; never an engine for serving. This is the hash TensorRT-LLM's
+KV cache manager reports as ``block_hash`` in its KV-cache events and in
+``RequestData.block_hashes`` (WIRE.md §A.1). All arithmetic is unsigned 64-bit (mod 2**64).
+
+Sources (NVIDIA/TensorRT-LLM):
+
+- ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`` (``BlockKeyHasher::hash``): seed =
+  ``num_tokens ^ parent_hash * 0xbf58476d1ce4e5b9``; the cache salt id is mixed (``hash64Mix``) only
+  into a root block (``parentHash == 0``); each token id is mixed with ``hash32Mix`` (and its extra id
+  with ``hash64Mix`` when the request uses extra ids); then the LoRA task id (``hash64Mix``); then
+  multimodal keys (not modelled here: text only).
+- ``tensorrt_llm/runtime/kv_cache_hash.py`` (``hash_v1_block_key``, ``get_cache_salt_id``): the Python
+  replica TensorRT-LLM tests bit-exact against the C++ hasher; in 1.1/1.2 the salt id is the first
+  8 bytes of BLAKE3(salt UTF-8), little-endian (``tensorrt_llm/inputs`` ``get_cache_salt_id`` uses
+  ``default_hasher`` = blake3).
+
+Newer TensorRT-LLM C++ mixes ``std::hash<std::string>(cache_salt)`` instead, which Python cannot
+reproduce: connectors must take salted hashes from events or ``RequestData.block_hashes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from blake3 import blake3
+
+__all__ = [
+    "MASK32",
+    "MASK64",
+    "block_hash_chain",
+    "cache_salt_id",
+    "chop_into_blocks",
+    "mix32",
+    "mix64",
+    "v1_block_key",
+]
+
+MASK32 = (1 << 32) - 1
+MASK64 = (1 << 64) - 1
+_HASH32_CONST = 0x45D9F3B
+_HASH64_CONST_1 = 0xBF58476D1CE4E5B9
+_HASH64_CONST_2 = 0x94D049BB133111EB
+_COMBINE_CONST = 0x9E3779B9
+_PARENT_CONST = 0xBF58476D1CE4E5B9
+
+
+def mix32(value: int, seed: int) -> int:
+    """``hash32Mix``: fold a 32-bit value into a 64-bit seed.
+
+    The value is truncated to 32 bits; ``value + 0x9E3779B9`` wraps at 32 bits (both operands are
+    ``uint32_t`` in C++) before the 64-bit ``(seed << 6) + (seed >> 2)`` terms are added.
+    """
+    v = value & MASK32
+    v = (((v >> 16) ^ v) * _HASH32_CONST) & MASK32
+    v = (((v >> 16) ^ v) * _HASH32_CONST) & MASK32
+    v = ((v >> 16) ^ v) & MASK32
+    v = (v + _COMBINE_CONST) & MASK32
+    return (seed ^ ((v + ((seed << 6) & MASK64) + (seed >> 2)) & MASK64)) & MASK64
+
+
+def mix64(value: int, seed: int) -> int:
+    """``hash64Mix``: fold a 64-bit value (splitmix64 finaliser) into a 64-bit seed."""
+    v = value & MASK64
+    v = ((v ^ (v >> 30)) * _HASH64_CONST_1) & MASK64
+    v = ((v ^ (v >> 27)) * _HASH64_CONST_2) & MASK64
+    v = (v ^ (v >> 31)) & MASK64
+    combined = (v + _COMBINE_CONST + ((seed << 6) & MASK64) + (seed >> 2)) & MASK64
+    return (seed ^ combined) & MASK64
+
+
+def cache_salt_id(cache_salt: str) -> int:
+    """Salt id of TensorRT-LLM 1.1/1.2: first 8 bytes of BLAKE3(salt UTF-8), little-endian, unsigned."""
+    digest = blake3(cache_salt.encode("utf-8")).digest(length=8)
+    return int.from_bytes(digest, "little", signed=False)
+
+
+def v1_block_key(
+    token_ids: Sequence[int],
+    parent_hash: int = 0,
+    *,
+    lora_task_id: int | None = None,
+    cache_salt_id: int | None = None,
+    token_extra_ids: Sequence[int] | None = None,
+) -> int:
+    """Hash one block exactly as ``BlockKeyHasher::hash(blockKey, parentHash)``.
+
+    Args:
+        token_ids: the block's token ids (``tokens_per_block`` of them, or fewer for a partial
+            last block).
+        parent_hash: the previous block's hash in the chain; 0 at the root.
+        lora_task_id: mixed in after the tokens when not None (``std::optional`` set; 0 counts).
+        cache_salt_id: mixed in before the tokens, only when ``parent_hash == 0``.
+        token_extra_ids: per-token extra ids, mixed only when given (``usesExtraIds``).
+
+    Returns:
+        The unsigned 64-bit block hash (values above 2**63 occur).
+
+    Raises:
+        ValueError: ``token_extra_ids`` is given with a length different from ``token_ids``.
+    """
+    if token_extra_ids is not None and len(token_extra_ids) != len(token_ids):
+        raise ValueError("token_extra_ids must have one entry per token id")
+    seed = (len(token_ids) ^ ((parent_hash * _PARENT_CONST) & MASK64)) & MASK64
+    if parent_hash == 0 and cache_salt_id is not None:
+        seed = mix64(cache_salt_id, seed)
+    for i, token_id in enumerate(token_ids):
+        seed = mix32(int(token_id), seed)
+        if token_extra_ids is not None:
+            seed = mix64(int(token_extra_ids[i]), seed)
+    if lora_task_id is not None:
+        seed = mix64(lora_task_id, seed)
+    return seed
+
+
+def chop_into_blocks(
+    token_ids: Sequence[int], usable_size: int, tokens_per_block: int, *, allow_partial: bool
+) -> list[list[int]]:
+    """``chopVectorIntoBlocks``: split ``token_ids[:usable_size]`` into blocks of ``tokens_per_block``.
+
+    A trailing block shorter than ``tokens_per_block`` is kept only when ``allow_partial``.
+
+    Raises:
+        ValueError: ``usable_size`` exceeds ``len(token_ids)`` or ``tokens_per_block`` < 1.
+    """
+    if usable_size > len(token_ids):
+        raise ValueError(f"usable_size={usable_size} > len(token_ids)={len(token_ids)}")
+    if tokens_per_block < 1:
+        raise ValueError("tokens_per_block must be >= 1")
+    blocks: list[list[int]] = []
+    for start in range(0, max(usable_size, 0), tokens_per_block):
+        block = list(token_ids[start : min(start + tokens_per_block, usable_size)])
+        if len(block) == tokens_per_block or allow_partial:
+            blocks.append(block)
+    return blocks
+
+
+def block_hash_chain(
+    token_ids: Sequence[int],
+    tokens_per_block: int,
+    *,
+    cache_salt: str | None = None,
+    lora_task_id: int | None = None,
+    allow_partial: bool = False,
+) -> list[int]:
+    """Chained ``v1_block_key`` hashes of ``token_ids`` split into blocks (root parent 0).
+
+    Only full blocks unless ``allow_partial``. The salt (1.1/1.2 BLAKE3 id) enters the root block and,
+    through the chain, every later hash.
+    """
+    salt_id = cache_salt_id(cache_salt) if cache_salt is not None else None
+    hashes: list[int] = []
+    parent = 0
+    for block in chop_into_blocks(
+        token_ids, len(token_ids), tokens_per_block, allow_partial=allow_partial
+    ):
+        parent = v1_block_key(block, parent, lora_task_id=lora_task_id, cache_salt_id=salt_id)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,309 @@
+"""REFERENCE ENGINE HARNESS — a small decoder-only transformer that reads and writes a paged KV cache.
+
+Test and demo infrastructure only; never an engine for serving. Llama-style: token embedding, per
+layer RMSNorm → grouped-query attention with RoPE → residual → RMSNorm → SwiGLU (or GELU) MLP →
+residual, final RMSNorm, untied LM head. fp32, weights drawn from a seeded ``torch.Generator`` so
+every process that builds the same :class:`ModelConfig` gets bit-identical weights (two harness
+engines in two processes compute the same KV).
+
+Paged attention: the K/V of every token lives in the pool ``[num_blocks, num_layers, 2,
+num_kv_heads * head_dim * tokens_per_block]`` (viewed per block as NHD ``[tokens_per_block,
+num_kv_heads, head_dim]``); a chunk of queries at positions ``[start, start + T)`` writes its K/V
+into the blocks of its block table, then gathers K/V for positions ``[0, start + T)`` through the
+block table and attends causally. :meth:`HarnessTransformer.forward_dense` is the single-pass
+reference the paged path is tested against.
+
+Bit-identity: the same chunk (same tokens, same ``start``, same length) over the same KV values
+produces the same bits whatever block ids hold the KV, so reuse can be checked bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["HarnessTransformer", "LayerHooks", "ModelConfig"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the harness model. Defaults: a 2K-token prefill takes well under a second on 2 cores.
+
+    Attributes:
+        vocab_size: tokens.
+        num_layers: decoder layers.
+        num_heads: query heads; must be a multiple of ``num_kv_heads`` (GQA).
+        num_kv_heads: KV heads.
+        head_dim: per-head width (even, for RoPE).
+        intermediate_size: MLP width.
+        tokens_per_block: KV block size (tokens); also ``kv_cache_config.tokens_per_block``.
+        max_context: longest sequence (tokens) the RoPE tables cover.
+        mlp: ``"swiglu"`` or ``"gelu"``.
+        seed: weight seed.
+    """
+
+    vocab_size: int = 512
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    tokens_per_block: int = 32
+    max_context: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
+            raise ValueError("num_heads must be a multiple of num_kv_heads and head_dim even")
+
+    @property
+    def hidden_size(self) -> int:
+        """Residual width = ``num_heads * head_dim``."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def name(self) -> str:
+        """A model id that changes whenever anything that changes the KV bytes changes."""
+        return (f"semkv-harness-decoder-v{self.vocab_size}-l{self.num_layers}-h{self.num_heads}"
+                f"-kv{self.num_kv_heads}-d{self.head_dim}-i{self.intermediate_size}-{self.mlp}"
+                f"-rope{self.rope_theta:g}-s{self.seed}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token across all layers (fp32)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
+
+
+class LayerHooks(Protocol):
+    """Callbacks around each decoder layer of a paged forward (the connector's layer hooks)."""
+
+    def before_layer(self, layer_idx: int) -> None:
+        """Called before the layer's work: ``wait_for_layer_load``."""
+
+    def before_attention_read(self, layer_idx: int) -> None:
+        """Called right before attention gathers the layer's K/V from the pool."""
+
+    def after_layer(self, layer_idx: int) -> None:
+        """Called after the layer's work: ``save_kv_layer``."""
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden, kv_width = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+        self.cfg = cfg
+        self.attn_norm = _RMSNorm(hidden, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.mlp_norm = _RMSNorm(hidden, cfg.rms_norm_eps)
+        self.up_proj = nn.Linear(hidden, cfg.intermediate_size, bias=False)
+        self.gate_proj = nn.Linear(hidden, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, hidden, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Project ``x [T, hidden]`` to q ``[T, Hq, D]`` and k, v ``[T, Hkv, D]``; RoPE on q and k."""
+        cfg, h = self.cfg, self.attn_norm(x)
+        q = self.q_proj(h).view(-1, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(h).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(h).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, MLP, residual."""
+        x = x + self.o_proj(attn.reshape(x.shape[0], -1))
+        h = self.mlp_norm(x)
+        if self.cfg.mlp == "swiglu":
+            act = F.silu(self.gate_proj(h)) * self.up_proj(h)
+        else:
+            act = F.gelu(self.up_proj(h))
+        return x + self.down_proj(act)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+_SMALL_ATTENTION = 128 * 1024
+"""Chunks with at most this many (query, key) pairs use plain matmul/softmax attention."""
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal GQA attention of queries at ``[start, start+T)`` over keys ``[0, S)``; ``[T, Hq, D]``.
+
+    Small chunks (decode steps, short prompts) use plain matmul/softmax; larger ones PyTorch's fused
+    CPU kernel with 4-D ``[1, H, T, D]`` inputs (3-D inputs take a far slower path). Queries go in row groups so the boolean mask stays under 64 Mi elements at 32K
+    contexts; the path and grouping depend only on ``(T, S)``, so equal chunks give equal bits.
+    """
+    num_q, num_k = q.shape[0], k.shape[0]
+    groups = q.shape[1] // k.shape[1]
+    kh = k.transpose(0, 1).repeat_interleave(groups, dim=0).unsqueeze(0)
+    vh = v.transpose(0, 1).repeat_interleave(groups, dim=0).unsqueeze(0)
+    qh = q.transpose(0, 1).unsqueeze(0)
+    key_pos = torch.arange(num_k)
+    if num_q * num_k <= _SMALL_ATTENTION:  # plain matmul/softmax: less fixed cost than the fused kernel
+        mask = key_pos[None, :] <= torch.arange(start, start + num_q)[:, None]
+        scores = (qh[0] @ kh[0].transpose(1, 2)) * (q.shape[-1] ** -0.5)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        return (probs @ vh[0]).transpose(0, 1)
+    rows = max(1, min(num_q, (64 * 1024 * 1024) // max(1, num_k)))
+    out = []
+    for r0 in range(0, num_q, rows):
+        r1 = min(num_q, r0 + rows)
+        mask = key_pos[None, :] <= torch.arange(start + r0, start + r1)[:, None]
+        out.append(F.scaled_dot_product_attention(qh[:, :, r0:r1], kh, vh, attn_mask=mask))
+    return torch.cat(out, dim=2)[0].transpose(0, 1)
+
+
+@contextmanager
+def _intra_op_threads(num_threads: int | None) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    if num_threads and num_threads != previous:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != previous:
+            torch.set_num_threads(previous)
+
+
+class HarnessTransformer(nn.Module):
+    """The harness model. Build with a :class:`ModelConfig`; weights are seeded and deterministic.
+
+    Args:
+        cfg: the model shape.
+        num_threads: torch intra-op threads during a forward (restored afterwards); default 1,
+            because on small shared CPUs the thread pool's synchronisation costs more than it gains
+            at these sizes (a 2K prefill: ~0.35 s on 1 thread vs ~1.7 s on 2 contended threads).
+            None keeps the process setting.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_threads: int | None = 1) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.num_threads = num_threads
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(_DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._init_weights()
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+        angles = torch.outer(torch.arange(cfg.max_context).float(), inv_freq)
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        self.requires_grad_(False)
+        self.eval()
+
+    def _init_weights(self) -> None:
+        gen = torch.Generator().manual_seed(self.cfg.seed)
+        for name, param in sorted(self.named_parameters()):
+            if name.endswith("norm.weight"):
+                continue
+            fan_in = param.shape[-1] if "embed" not in name else 1
+            with torch.no_grad():
+                param.copy_(torch.randn(param.shape, generator=gen) / math.sqrt(fan_in))
+
+    def _rope_tables(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if start + length > self.cfg.max_context:
+            raise ValueError(f"position {start + length} exceeds max_context={self.cfg.max_context}")
+        return self.rope_cos[start : start + length], self.rope_sin[start : start + length]
+
+    @torch.inference_mode()
+    def forward_dense(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """Single-pass causal forward without any cache; logits ``[T, vocab]`` (the reference)."""
+        with _intra_op_threads(self.num_threads):
+            return self._forward_dense(torch.as_tensor(token_ids, dtype=torch.long))
+
+    def _forward_dense(self, ids: torch.Tensor) -> torch.Tensor:
+        cos, sin = self._rope_tables(0, ids.shape[0])
+        x = self.embed(ids)
+        for layer in self.layers:
+            q, k, v = layer.qkv(x, cos, sin)
+            groups = q.shape[1] // k.shape[1]
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).repeat_interleave(groups, 0).unsqueeze(0),
+                v.transpose(0, 1).repeat_interleave(groups, 0).unsqueeze(0), is_causal=True,
+            )[0].transpose(0, 1)
+            x = layer.finish(x, attn)
+        return self.lm_head(self.norm(x))
+
+    @torch.inference_mode()
+    def forward_paged(
+        self,
+        token_ids: list[int] | torch.Tensor,
+        start: int,
+        block_table: list[int] | torch.Tensor,
+        kv_cache: torch.Tensor,
+        hooks: LayerHooks | None = None,
+    ) -> torch.Tensor:
+        """Forward one chunk at positions ``[start, start+T)`` through the paged KV cache.
+
+        Args:
+            token_ids: the chunk's ``T`` tokens.
+            start: position of the first token (tokens already in the cache before it).
+            block_table: block ids of the sequence, covering at least ``start + T`` tokens.
+            kv_cache: ``[num_blocks, num_layers, 2, num_kv_heads * head_dim * tokens_per_block]``;
+                the chunk's K/V are written into it, and K/V of ``[0, start+T)`` are read from it.
+            hooks: per-layer callbacks (connector ``wait_for_layer_load``/``save_kv_layer``).
+
+        Returns:
+            logits ``[T, vocab]`` (fp32).
+
+        Raises:
+            ValueError: the block table is too short or positions exceed ``max_context``.
+        """
+        with _intra_op_threads(self.num_threads):
+            return self._forward_paged(token_ids, start, block_table, kv_cache, hooks)
+
+    def _forward_paged(self, token_ids, start, block_table, kv_cache, hooks) -> torch.Tensor:
+        cfg, tpb = self.cfg, self.cfg.tokens_per_block
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        table = torch.as_tensor(block_table, dtype=torch.long)
+        end = start + ids.shape[0]
+        if table.shape[0] * tpb < end:
+            raise ValueError(f"block table covers {table.shape[0] * tpb} tokens, need {end}")
+        pool = kv_cache.view(kv_cache.shape[0], cfg.num_layers, 2, tpb, cfg.num_kv_heads, cfg.head_dim)
+        positions = torch.arange(start, end)
+        write_blocks, write_offsets = table[positions // tpb], positions % tpb
+        read_blocks = table[: -(-end // tpb)]
+        cos, sin = self._rope_tables(start, ids.shape[0])
+        x = self.embed(ids)
+        for layer_idx, layer in enumerate(self.layers):
+            if hooks is not None:
+                hooks.before_layer(layer_idx)
+            q, k, v = layer.qkv(x, cos, sin)
+            pool[write_blocks, layer_idx, 0, write_offsets] = k
+            pool[write_blocks, layer_idx, 1, write_offsets] = v
+            if hooks is not None:
+                hooks.before_attention_read(layer_idx)
+            keys = pool[read_blocks, layer_idx, 0].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:end]
+            values = pool[read_blocks, layer_idx, 1].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:end]
+            x = layer.finish(x, _attend(q, keys, values, start))
+            if hooks is not None:
+                hooks.after_layer(layer_idx)
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,498 @@
+"""Publisher bridge: TensorRT-LLM KV cache events → ZMQ PUB with a replay ROUTER (DESIGN §4, §6).
+
+Runs inside the TensorRT-LLM process (or beside an ``LLM`` object). TensorRT-LLM's LLM API only
+offers a pull queue (``LLM.get_kv_cache_events``, reference/WIRE.md §A); this module turns it into
+the same wire as vLLM's ``ZmqEventPublisher`` (vllm-project/vllm ``vllm/distributed/kv_events.py``)
+so one consumer ingests all engines::
+
+    llm = LLM(model=path, kv_cache_config=KvCacheConfig(enable_block_reuse=True, event_buffer_max_size=16384))
+    with LlmEventBridge(llm, KvEventPublisher("tcp://*:5557", "tcp://*:5558")):  # start() ... close()
+        llm.generate(prompts)  # on exit: drain the engine's queue, flush, close the publisher
+
+Wire (reference/WIRE.md §B, checked against the recorded engine in shared/fixtures/README.md):
+
+* live: PUB multipart ``[topic, seq as 8 bytes big-endian, payload]``; ``payload`` is msgpack
+  ``[ts: float (s since epoch), events: list, attention_dp_rank: int | None]``. ``seq`` starts at 0
+  and grows by 1 per batch, also for batches that were dropped (full queue) or failed to encode,
+  so a subscriber sees every loss as a gap, never as a silent hole. Python ints ≥ 2**63 encode
+  as msgpack uint64, as TensorRT-LLM's unsigned block hashes need.
+* replay: ROUTER. A DEALER sends ``[b"", start_seq8]`` (a REQ the same on the wire); the server
+  answers every buffered batch with ``seq >= start_seq`` as ``envelope + [topic, seq8, payload]``
+  (byte-identical to live) and then the end marker ``envelope + [b"", ff×8, b""]``. A start beyond
+  the buffer gets only the end marker. Like vLLM, the buffer holds the *encoded* frames.
+
+Defaults: ``endpoint="tcp://*:5557"``, ``buffer_steps=10_000``, ``hwm=100_000``,
+``max_queue_size=100_000`` are vLLM's ``KVEventsConfig`` defaults. vLLM's ``replay_endpoint``
+defaults to None (off); ours defaults to ``tcp://*:5558`` (the port vLLM's example subscriber
+uses) because DESIGN §5 recovers gaps through replay. Pass ``None`` to turn it off.
+Unlike vLLM, binding is explicit (``bind=True``) rather than guessed from a ``*`` in the endpoint.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+import msgspec
+import structlog
+import zmq
+
+from consumer.wire import SEQ_END_MARKER, encode_frames
+
+__all__ = [
+    "DEFAULT_ENDPOINT", "DEFAULT_REPLAY_ENDPOINT", "DEFAULT_TOPIC", "KvEventPublisher", "LlmEventBridge",
+    "PublisherStats", "ReplayBuffer", "ReplayStats", "group_by_dp_rank", "open_socket",
+    "serve_replay_request", "socket_endpoint",
+]  # fmt: skip
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_ENDPOINT = "tcp://*:5557"
+DEFAULT_REPLAY_ENDPOINT = "tcp://*:5558"
+DEFAULT_TOPIC = b"kv"
+
+_SEQ_BYTES = 8
+
+
+def _unpack_start_seq(frame: bytes) -> int:
+    # unsigned, as vLLM reads the request: ff×8 asks for nothing rather than (signed -1) everything
+    return int.from_bytes(frame, "big")
+
+
+# --- replay serving, shared with consumer/publish.py ------------------------------------------
+
+_IDLE_WAIT_S = 0.01  # publisher thread wake-up: bounds replay latency when no batch arrives
+_REPLAYS_PER_TURN = 16  # replay requests served between two batches, so a flood cannot starve live
+_CLOSE_LINGER_MS = 2000  # time ZMQ keeps sending already-queued frames after a socket closes
+_FINAL_DRAINS = 100  # LlmEventBridge polls at close, at most
+
+
+@dataclass
+class ReplayStats:
+    """Counters of one replay ROUTER (mutated by the thread that owns the socket)."""
+
+    requests: int = 0
+    batches_sent: int = 0
+    aborted: int = 0  # client vanished or stopped reading: no end marker sent
+    bad_requests: int = 0  # not ``envelope + [seq8]``: ignored, like vLLM
+
+
+class ReplayBuffer:
+    """The last ``max_batches`` encoded batches ``(seq, frames)``, oldest first.
+
+    Seqs must be appended in increasing order; a publisher whose seq restarts (engine restart)
+    calls :meth:`clear` first so a replay never mixes two runs.
+    """
+
+    def __init__(self, max_batches: int) -> None:
+        if max_batches < 1:
+            raise ValueError("buffer_steps must be >= 1")
+        self._items: deque[tuple[int, tuple[bytes, ...]]] = deque(maxlen=max_batches)
+
+    def append(self, seq: int, frames: Sequence[bytes]) -> None:
+        self._items.append((seq, tuple(frames)))
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def since(self, start_seq: int) -> list[tuple[bytes, ...]]:
+        """Frames of every buffered batch with ``seq >= start_seq``, in seq order."""
+        return [frames for seq, frames in self._items if seq >= start_seq]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _split_envelope(request: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """ROUTER request -> (envelope to echo, body). The envelope ends at the first empty frame
+    (REQ, or a DEALER that sends ``b""`` first); without one, it is the identity frames alone."""
+    for index in range(1, len(request)):
+        if not request[index]:
+            return request[: index + 1], request[index + 1 :]
+    return request[:-1], request[-1:]
+
+
+def serve_replay_request(sock: zmq.Socket, buffer: ReplayBuffer, stats: ReplayStats) -> bool:
+    """Answer one pending replay request on ROUTER ``sock`` without blocking.
+
+    Returns False when no request was waiting. Sends ``envelope + frames`` per buffered batch
+    with seq >= the requested start, then ``envelope + [b"", SEQ_END_MARKER, b""]``. ``sock``
+    should have ``ROUTER_MANDATORY`` set (see :func:`open_socket`): if the client is gone or
+    stops reading, the replay stops without the end marker, so the client's timeout reports a
+    failed replay instead of silently accepting a truncated one.
+    """
+    try:
+        request = sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    envelope, body = _split_envelope(request)
+    if not envelope or len(body) != 1 or len(body[0]) != _SEQ_BYTES:
+        stats.bad_requests += 1
+        log.warning("replay.bad_request", frame_lens=[len(f) for f in request])
+        return True
+    stats.requests += 1
+    batches = buffer.since(_unpack_start_seq(body[0]))
+    try:
+        for frames in batches:
+            sock.send_multipart([*envelope, *frames], zmq.NOBLOCK)
+        sock.send_multipart([*envelope, b"", SEQ_END_MARKER, b""], zmq.NOBLOCK)
+    except zmq.ZMQError as exc:  # EAGAIN: client's pipe full; EHOSTUNREACH: client gone
+        stats.aborted += 1
+        log.warning("replay.aborted", error=str(exc), batches=len(batches))
+        return True
+    stats.batches_sent += len(batches)
+    return True
+
+
+def open_socket(
+    ctx: zmq.Context, socket_type: int, endpoint: str, *, bind: bool, sndhwm: int
+) -> zmq.Socket:
+    """Create a socket, set its send high-water mark, then bind or connect it.
+
+    ROUTER sockets get ``ROUTER_MANDATORY`` so replies to vanished or slow clients fail loudly.
+    Raises ``zmq.ZMQError`` (socket closed first) when the endpoint is invalid or in use.
+    """
+    sock = ctx.socket(socket_type)
+    try:
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+        if socket_type == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if bind:
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def socket_endpoint(sock: zmq.Socket) -> str:
+    """The resolved endpoint (``tcp://127.0.0.1:*`` -> the port the OS picked)."""
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+# --- the publisher ------------------------------------------------------------------------------
+
+
+class _Batch(NamedTuple):
+    seq: int
+    ts: float
+    events: list[Any]
+    attention_dp_rank: int | None
+
+
+@dataclass
+class PublisherStats:
+    """Counters of a :class:`KvEventPublisher` (:meth:`~KvEventPublisher.stats` returns a copy).
+
+    Every seq below ``next_seq`` is exactly one of: published, send_failures (buffered, so
+    replay can still recover it), dropped_queue_full, encode_failures, abandoned_at_close, or
+    still queued / being encoded.
+    """
+
+    next_seq: int = 0
+    published: int = 0
+    dropped_queue_full: int = 0
+    encode_failures: int = 0
+    send_failures: int = 0
+    abandoned_at_close: int = 0
+    queued: int = 0
+    buffered: int = 0
+    replay: ReplayStats = field(default_factory=ReplayStats)
+
+
+class KvEventPublisher:
+    """ZMQ PUB + replay ROUTER owned by one background thread; callers only enqueue.
+
+    Args:
+        endpoint: PUB endpoint; ``tcp://host:0`` or ``tcp://host:*`` picks a free port
+            (read it back from :attr:`endpoint`).
+        replay_endpoint: ROUTER endpoint (always bound, as in vLLM); None disables replay.
+        topic: first frame of every message (str is UTF-8 encoded).
+        bind: bind the PUB (default) or connect it to a subscriber that binds.
+        hwm: PUB send high-water mark in messages (ZMQ drops beyond it per subscriber; the seq
+            gap shows it).
+        buffer_steps: batches kept for replay.
+        max_queue_size: batches waiting for the thread; when full, :meth:`publish` drops.
+        encode: payload encoder ``(ts, events, rank) -> bytes``; default msgspec msgpack.
+        context: ZMQ context (default: the process-wide instance, never terminated here).
+
+    Raises:
+        zmq.ZMQError: binding or connecting failed (raised from the constructor).
+    """
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        replay_endpoint: str | None = DEFAULT_REPLAY_ENDPOINT,
+        *,
+        topic: bytes | str = DEFAULT_TOPIC,
+        bind: bool = True,
+        hwm: int = 100_000,
+        buffer_steps: int = 10_000,
+        max_queue_size: int = 100_000,
+        encode: Callable[[tuple[float, list[Any], int | None]], bytes] | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._topic = topic.encode() if isinstance(topic, str) else bytes(topic)
+        self._buffer = ReplayBuffer(buffer_steps)
+        self._queue: queue.Queue[_Batch] = queue.Queue(maxsize=max_queue_size)
+        self._encode = encode or msgspec.msgpack.Encoder().encode
+        self._ctx = context or zmq.Context.instance()
+        self._config = (endpoint, replay_endpoint, bind, hwm, buffer_steps)
+        self._lock = threading.Lock()  # seq allocation + enqueue happen together: queue order = seq order
+        self._done = threading.Condition()
+        self._closing = threading.Event()
+        self._abort = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._enqueued = self._processed = 0
+        self._stats = PublisherStats()  # counters written by one thread each, read anywhere
+        self.endpoint: str | None = None  # resolved by the thread before the constructor returns
+        self.replay_endpoint: str | None = None
+        self._thread = threading.Thread(target=self._run, name="semkv-kv-publisher", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            raise self._start_error
+
+    # -- caller side (any thread; never blocks) --
+
+    def publish(self, events: list[Any], attention_dp_rank: int | None = None) -> int:
+        """Enqueue one batch and return the seq it will carry (also when it is dropped).
+
+        ``events`` is encoded later on the publisher thread: do not mutate it afterwards.
+        Raises RuntimeError after :meth:`close`.
+        """
+        ts = time.time()
+        with self._lock:
+            if self._closing.is_set():
+                raise RuntimeError("KvEventPublisher is closed")
+            seq = self._stats.next_seq
+            self._stats.next_seq += 1  # consumed even if dropped: the loss must show up as a seq gap
+            try:
+                self._queue.put_nowait(_Batch(seq, ts, events, attention_dp_rank))
+            except queue.Full:
+                self._stats.dropped_queue_full += 1
+                dropped = self._stats.dropped_queue_full
+            else:
+                self._enqueued += 1
+                return seq
+        if dropped == 1 or dropped % 1000 == 0:  # rate-limited: an overloaded engine must not log per batch
+            log.warning("publisher.queue_full_dropped", seq=seq, dropped_total=dropped)
+        return seq
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every batch enqueued so far was sent (or failed); False on timeout."""
+        with self._lock:
+            target = self._enqueued
+        with self._done:
+            return self._done.wait_for(lambda: self._processed >= target, timeout=timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting batches, send what is queued (up to ``timeout_s``), close the sockets.
+
+        Batches still queued at the deadline are abandoned and counted. Idempotent.
+        """
+        with self._lock:
+            self._closing.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._abort.set()  # deadline passed: stop sending, let the thread close its sockets
+            self._thread.join()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._stats.abandoned_at_close += 1
+        if self._stats.abandoned_at_close:
+            log.warning("publisher.abandoned_at_close", batches=self._stats.abandoned_at_close)
+
+    def stats(self) -> PublisherStats:
+        s = self._stats
+        return replace(s, queued=self._queue.qsize(), buffered=len(self._buffer), replay=replace(s.replay))
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return f"<KvEventPublisher {self.endpoint} next_seq={s.next_seq} published={s.published}>"
+
+    def __enter__(self) -> KvEventPublisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- publisher thread: owns both sockets for their whole life --
+
+    def _run(self) -> None:
+        try:
+            pub, replay = self._open_sockets()
+        except BaseException as exc:  # reported to the constructor, which re-raises it
+            self._start_error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(pub, replay)
+        finally:
+            pub.close()
+            if replay is not None:
+                replay.close()
+
+    def _open_sockets(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+        endpoint, replay_endpoint, bind, hwm, buffer_steps = self._config
+        pub = open_socket(self._ctx, zmq.PUB, endpoint, bind=bind, sndhwm=hwm)
+        self.endpoint = socket_endpoint(pub)
+        if replay_endpoint is None:
+            return pub, None
+        try:
+            # the HWM must hold a whole replay, or ZMQ would refuse part of it (EAGAIN)
+            replay = open_socket(self._ctx, zmq.ROUTER, replay_endpoint, bind=True, sndhwm=max(hwm, buffer_steps + 1))
+        except zmq.ZMQError:
+            pub.close(linger=0)
+            raise
+        self.replay_endpoint = socket_endpoint(replay)
+        return pub, replay
+
+    def _loop(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
+        while not self._abort.is_set():
+            for _ in range(_REPLAYS_PER_TURN):
+                if replay is None or not serve_replay_request(replay, self._buffer, self._stats.replay):
+                    break
+            try:
+                batch = self._queue.get(timeout=_IDLE_WAIT_S)
+            except queue.Empty:
+                if self._closing.is_set():  # closing and drained: publish() can no longer enqueue
+                    return
+                continue
+            self._emit(pub, batch)
+            with self._done:
+                self._processed += 1
+                self._done.notify_all()
+
+    def _emit(self, pub: zmq.Socket, batch: _Batch) -> None:
+        try:
+            payload = self._encode((batch.ts, batch.events, batch.attention_dp_rank))
+        except Exception as exc:  # boundary: one unencodable batch must not stop the publisher
+            self._stats.encode_failures += 1
+            log.error("publisher.encode_failed", seq=batch.seq, error=repr(exc))
+            return
+        frames = encode_frames(self._topic, batch.seq, payload)
+        # buffered before sending: a batch whose send fails can still be recovered by replay
+        self._buffer.append(batch.seq, frames)
+        try:
+            pub.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._stats.send_failures += 1
+            log.error("publisher.send_failed", seq=batch.seq, error=str(exc))
+            return
+        self._stats.published += 1
+
+
+# --- the LLM-API bridge -------------------------------------------------------------------------
+
+
+def group_by_dp_rank(events: list[Any]) -> list[tuple[int | None, list[Any]]]:
+    """Split one drain into batches per ``attention_dp_rank`` (None when absent), keeping the
+    events' order inside each rank and ranks in order of first appearance. Under attention DP
+    TensorRT-LLM gathers every rank's events to rank 0 (reference/WIRE.md §A)."""
+    groups: dict[int | None, list[Any]] = {}
+    for event in events:
+        rank = event.get("attention_dp_rank") if isinstance(event, dict) else None
+        # a malformed rank stays with its event under None: the consumer's decoder judges it
+        groups.setdefault(rank if isinstance(rank, int) else None, []).append(event)
+    return list(groups.items())
+
+
+class LlmEventBridge:
+    """Background thread: ``llm.get_kv_cache_events(timeout=poll_timeout_s)`` → publisher.
+
+    ``llm`` is TensorRT-LLM's ``LLM`` or anything with ``get_kv_cache_events(timeout=seconds) ->
+    list[dict]`` that drains a queue (reference/WIRE.md §A). Each non-empty drain becomes one
+    batch per attention-DP rank. The engine never waits on the bridge: TensorRT-LLM queues events
+    itself, and :meth:`KvEventPublisher.publish` never blocks.
+    Errors raised by the LLM are counted and logged, then retried after a back-off.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        publisher: KvEventPublisher,
+        *,
+        poll_timeout_s: float = 0.1,
+        close_publisher: bool = True,
+        max_backoff_s: float = 1.0,
+    ) -> None:
+        self._llm = llm
+        self.publisher = publisher
+        self._poll_timeout_s = poll_timeout_s
+        self._close_publisher = close_publisher
+        self._max_backoff_s = max_backoff_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="semkv-llm-event-bridge", daemon=True)
+        self.events_seen = self.batches_published = self.poll_errors = 0
+
+    def start(self) -> LlmEventBridge:
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop polling, drain what the engine still holds, flush (and close) the publisher."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("bridge.close_timeout", timeout_s=timeout_s)
+        if self._close_publisher:
+            self.publisher.close(timeout_s)
+        else:
+            self.publisher.flush(timeout_s)
+
+    def __enter__(self) -> LlmEventBridge:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        backoff_s = 0.0
+        while not self._stop.is_set():
+            if self._drain_once(self._poll_timeout_s) is None:
+                backoff_s = min(max(2 * backoff_s, 0.01), self._max_backoff_s)
+                self._stop.wait(backoff_s)  # don't spin on a broken executor
+            else:
+                backoff_s = 0.0
+        # Final drain of what the engine queued before close(); timeout 0, never None (None may
+        # mean "wait forever" to the executor); bounded in case the engine is still generating.
+        for _ in range(_FINAL_DRAINS):
+            if not self._drain_once(0):
+                break
+
+    def _drain_once(self, timeout_s: float) -> int | None:
+        """One poll; returns the number of events published, or None when the LLM raised."""
+        try:
+            events = self._llm.get_kv_cache_events(timeout=timeout_s)
+        except Exception as exc:  # boundary: an executor error must not kill the bridge
+            self.poll_errors += 1
+            log.error("bridge.poll_failed", error=repr(exc), errors_total=self.poll_errors)
+            return None
+        if not events:
+            return 0
+        self.events_seen += len(events)
+        for rank, group in group_by_dp_rank(list(events)):
+            try:
+                self.publisher.publish(group, rank)
+            except RuntimeError:  # publisher closed under us (close() timed out): nothing to send to
+                log.error("bridge.publisher_closed", events_lost=len(group))
+                return None
+            self.batches_published += 1
+        return len(events)

@@ -1,0 +1,166 @@
+"""Read and write ZMQ message captures (the ``*.frames.bin`` format of ``shared/fixtures/README.md``).
+
+A capture is a plain concatenation of messages, each laid out as::
+
+    u64 BE  receive_time_ns      # wall clock (time.time_ns) when the message was received
+    u32 BE  frame_count
+    frame_count × (u32 BE length, length bytes)
+
+There is no file header and no index, so captures can be appended to and concatenated (a
+multi-run capture is just two captures back to back). ``semkv-ledger publish --from-file``
+replays this format (``consumer/publish.py``); live KV-event messages are 3 frames
+``[topic, seq as 8 bytes big-endian, msgpack payload]`` (reference/WIRE.md §B).
+
+Errors: a file that ends inside a message raises :class:`CaptureFormatError`, which names the
+byte offset of the message and of the missing field, so a half-written capture is never read as
+a shorter valid one.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
+
+__all__ = ["CaptureFormatError", "CaptureWriter", "CapturedMessage", "encode_message", "read_capture"]
+
+_MESSAGE_HEADER = struct.Struct(">QI")  # receive_time_ns, frame_count
+_FRAME_HEADER = struct.Struct(">I")  # frame length
+_U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+
+
+class CaptureFormatError(ValueError):
+    """The capture is truncated or malformed; ``offset`` is where the bad field starts (bytes)."""
+
+    def __init__(self, message: str, *, path: str, offset: int) -> None:
+        super().__init__(f"{path}: {message} at byte offset {offset}")
+        self.path = path
+        self.offset = offset
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedMessage:
+    """One recorded multipart message.
+
+    Attributes:
+        received_ns: receive time in nanoseconds since the Unix epoch (as recorded).
+        frames: the message frames exactly as received (for a live KV-event message:
+            ``[topic, seq8, payload]``).
+    """
+
+    received_ns: int
+    frames: list[bytes]
+
+
+def encode_message(frames: Iterable[bytes], received_ns: int) -> bytes:
+    """Serialize one message in the capture layout.
+
+    Raises:
+        ValueError: ``received_ns`` outside ``[0, 2**64)``, more than 2**32-1 frames, or a frame
+            longer than 2**32-1 bytes (the format's u64/u32 fields cannot hold them).
+    """
+    frame_list = [bytes(f) for f in frames]
+    if not 0 <= received_ns <= _U64_MAX:
+        raise ValueError(f"received_ns {received_ns} outside [0, 2**64)")
+    if len(frame_list) > _U32_MAX:
+        raise ValueError("too many frames for a u32 frame_count")
+    parts = [_MESSAGE_HEADER.pack(received_ns, len(frame_list))]
+    for frame in frame_list:
+        if len(frame) > _U32_MAX:
+            raise ValueError(f"frame of {len(frame)} bytes exceeds the u32 length field")
+        parts.append(_FRAME_HEADER.pack(len(frame)))
+        parts.append(frame)
+    return b"".join(parts)
+
+
+def read_capture(path: str | Path) -> Iterator[CapturedMessage]:
+    """Yield the messages of a capture file in recorded order.
+
+    The file is streamed (one message in memory at a time) and closed when the iterator is
+    exhausted or closed.
+
+    Raises:
+        OSError: the file cannot be opened.
+        CaptureFormatError: the file ends inside a message (the error names the offset).
+    """
+    name = str(path)
+    with open(path, "rb") as stream:
+        offset = 0
+        while True:
+            header = stream.read(_MESSAGE_HEADER.size)
+            if not header:
+                return  # clean end: exactly at a message boundary
+            _check_length(header, _MESSAGE_HEADER.size, "message header", name, offset)
+            received_ns, frame_count = _MESSAGE_HEADER.unpack(header)
+            message_offset = offset
+            offset += _MESSAGE_HEADER.size
+            frames: list[bytes] = []
+            for index in range(frame_count):
+                frame, offset = _read_frame(stream, name, offset, index, message_offset)
+                frames.append(frame)
+            yield CapturedMessage(received_ns=received_ns, frames=frames)
+
+
+def _read_frame(stream: BinaryIO, name: str, offset: int, index: int, message_offset: int) -> tuple[bytes, int]:
+    where = f"frame {index} of the message starting at offset {message_offset}"
+    raw_len = stream.read(_FRAME_HEADER.size)
+    _check_length(raw_len, _FRAME_HEADER.size, f"length of {where}", name, offset)
+    (length,) = _FRAME_HEADER.unpack(raw_len)
+    offset += _FRAME_HEADER.size
+    frame = stream.read(length)
+    _check_length(frame, length, f"body of {where} ({length} bytes)", name, offset)
+    return frame, offset + length
+
+
+def _check_length(data: bytes, expected: int, what: str, name: str, offset: int) -> None:
+    if len(data) != expected:
+        raise CaptureFormatError(
+            f"truncated capture: {what} needs {expected} bytes, only {len(data)} left",
+            path=name,
+            offset=offset,
+        )
+
+
+class CaptureWriter:
+    """Append messages to a capture file.
+
+    ``CaptureWriter(path)`` truncates an existing file; pass ``append=True`` to extend it (the
+    format has no header, so appending yields a valid multi-run capture). Writes are buffered:
+    call :meth:`flush` to make them visible to readers, :meth:`close` (or use ``with``) when done.
+    """
+
+    def __init__(self, path: str | Path, *, append: bool = False) -> None:
+        self.path = Path(path)
+        self._stream: BinaryIO | None = open(self.path, "ab" if append else "wb")
+        self.messages_written = 0
+
+    def write(self, frames: Iterable[bytes], received_ns: int) -> None:
+        """Append one message (see :func:`encode_message` for the errors)."""
+        if self._stream is None:
+            raise ValueError(f"{self.path}: capture writer is closed")
+        self._stream.write(encode_message(frames, received_ns))
+        self.messages_written += 1
+
+    def flush(self) -> None:
+        if self._stream is not None:
+            self._stream.flush()
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def __enter__(self) -> CaptureWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
