@@ -247,11 +247,12 @@ def executemany(conn: Connection, stmt, rows: Sequence[dict[str, Any]]) -> None:
     conn.exec_driver_sql(compiled.string, params)
 
 
-_COMPILED: dict[tuple[str, int], Any] = {}
+_COMPILED: dict[tuple[type, str, int], Any] = {}
 
 
 def _compiled(dialect, stmt):
-    key = (dialect.name, id(stmt))
+    # Keyed by dialect class and paramstyle: asyncpg ($1) and psycopg (%(name)s) are both "postgresql".
+    key = (type(dialect), dialect.paramstyle, id(stmt))
     hit = _COMPILED.get(key)
     if hit is None:
         hit = _COMPILED[key] = (stmt, stmt.compile(dialect=dialect))
