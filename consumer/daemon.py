@@ -1,0 +1,454 @@
+"""The consumer daemon: one asyncio process serving every source of one ledger database (DESIGN §4).
+
+Tasks, supervised by one ``asyncio.TaskGroup`` (hypercorn ``asyncio/run.py``, STYLE §4):
+
+* one :class:`~consumer.source.Source` task per engine endpoint (restarted with back-off if it
+  crashes; ``/healthz`` reports it down meanwhile);
+* ONE writer task for the database, fed by a bounded ``asyncio.Queue`` of decoded messages. It
+  commits up to ``batch_max_events`` events, or what arrived within ``batch_max_delay_ms`` of the
+  first waiting message, in one ledger transaction (:meth:`ledger.writer.LedgerWriter.append`);
+* the metrics/health HTTP server (``metrics_port``) and the shutdown watcher.
+
+Back-pressure policy (memory stays bounded whatever the publishers do): when the queue holds
+``queue_max_batches`` messages, a source awaits ``queue.put`` and stops reading its SUB socket
+(counted: ``semkv_consumer_backpressure_total`` and ``…_seconds_total``). ZMQ then buffers up to the
+SUB's receive HWM (``rcv_hwm``) and the publisher's send HWM; beyond those the PUB socket drops
+messages. A dropped message is a seq gap at the consumer, recovered from the engine's replay buffer
+when it still holds it, otherwise recorded by the ledger as a gap with a generation bump and
+quarantine. Nothing unbounded is ever held by the daemon.
+
+Database errors: a transient :class:`~ledger.errors.PersistenceError` (SQLite locked, connection
+lost) leaves nothing recorded, so the writer keeps the same items and retries with exponential
+back-off (``db_retry_initial_s`` … ``db_retry_max_s``; ``semkv_consumer_db_retries_total``) while the
+queue fills and back-pressure engages: nothing accepted is lost. A permanent one (a constraint
+violation) stops the daemon with an error; the items were not recorded, so a restart replays them.
+
+Shutdown (``shutdown_trigger`` awaitable; SIGINT/SIGTERM handlers only when it is None): sources stop
+reading and return, the writer commits everything already received, then :meth:`Daemon.run`
+returns (exit code 0). ``shutdown_timeout_s`` bounds the wait. A SIGKILL loses only what was not
+committed, and the next start resumes from the ledger's position by replay (``consumer/source.py``).
+
+Logs: structlog JSON lines (:func:`configure_logging`), ``engine_id``/``source_id`` bound per source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq.asyncio
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+from consumer.capture import CaptureWriter
+from consumer.metrics import ConsumerMetrics, MetricsServer
+from consumer.settings import ConsumerSettings, SourceSettings
+from consumer.source import Item, Source
+from ledger.errors import LedgerError, PersistenceError, SchemaOutOfDate, url_for_humans
+from ledger.events import GapReport, ReceivedBatch
+from ledger.writer import LedgerWriter, SourcePosition
+
+__all__ = ["ConfigurationError", "Daemon", "DaemonStats", "ShutdownTrigger", "configure_logging", "serve"]
+
+ShutdownTrigger = Awaitable[Any] | Callable[[], Awaitable[Any]]
+_STOP = object()  # queue sentinel: every source has returned
+_SUPERVISE_BACKOFF_S = (0.5, 30.0)
+_HEALTH_DB_TIMEOUT_S = 2.0
+
+
+class ConfigurationError(LedgerError):
+    """Settings contradict the ledger (e.g. a source bound to another engine)."""
+
+
+@dataclasses.dataclass
+class DaemonStats:
+    """Counters of one :meth:`Daemon.run` (also in ``repr``, arq style). Events unless named."""
+
+    transactions: int = 0
+    batches: int = 0
+    duplicate_batches: int = 0
+    events_applied: int = 0
+    events_stale: int = 0
+    events_duplicate: int = 0
+    dead_letters: int = 0
+    gaps: int = 0
+    generation_bumps: int = 0
+    db_retries: int = 0
+    clean_exit: bool = False
+
+
+class Daemon:
+    """Consume every configured source into the ledger until shut down.
+
+    Args:
+        settings: the frozen settings (:func:`consumer.settings.load_settings`).
+        shutdown_trigger: awaitable (or callable returning one) that ends the daemon when it
+            completes; None installs SIGINT/SIGTERM handlers instead.
+        stop_after_batches: for tests/benchmarks: stop once the ledger recorded this many new
+            batches in this run.
+        exit_when_idle_s: "burst" mode: stop once no message arrived for this long and the
+            queue is empty.
+    """
+
+    def __init__(self, settings: ConsumerSettings, *, shutdown_trigger: ShutdownTrigger | None = None,
+                 stop_after_batches: int | None = None, exit_when_idle_s: float | None = None) -> None:
+        self.settings = settings
+        self.metrics = ConsumerMetrics()
+        self.stats = DaemonStats()
+        self.sources: list[Source] = []
+        self.metrics_port: int | None = None
+        self._trigger, self._stop_after, self._idle_exit_s = shutdown_trigger, stop_after_batches, exit_when_idle_s
+        self._queue: asyncio.Queue[Item | object] = asyncio.Queue(settings.queue_max_batches)
+        self._stopping = asyncio.Event()  # sources stop reading
+        self._wake = asyncio.Event()  # something was queued
+        self._writer: LedgerWriter | None = None
+        self._writer_task: asyncio.Task[None] | None = None
+        self._db_error: str | None = None
+        self._last_put = time.monotonic()
+        self.ready = asyncio.Event()  # sockets open, server listening
+        self.log = structlog.get_logger("consumer.daemon")
+
+    def __repr__(self) -> str:
+        return f"<Daemon db={url_for_humans(self.settings.db)} sources={len(self.settings.sources)} {self.stats}>"
+
+    # -- run ----------------------------------------------------------------------------------
+
+    async def run(self) -> DaemonStats:
+        """Run until shut down; returns the stats (``clean_exit`` False if the shutdown timed out).
+
+        Raises:
+            SchemaOutOfDate: the database is not migrated (run ``semkv-ledger migrate``).
+            PersistenceError: the database cannot be opened, or refused a transaction permanently.
+            ConfigurationError: a configured source is bound to another engine in the ledger.
+            zmq.ZMQError: an endpoint cannot be bound or connected.
+        """
+        self._writer = await LedgerWriter.open(self.settings.db)
+        ctx = zmq.asyncio.Context()
+        records: list[CaptureWriter] = []
+        server: MetricsServer | None = None
+        try:
+            positions = await self._writer.source_positions()
+            self.sources = [self._make_source(cfg, ctx, positions, records, i)
+                            for i, cfg in enumerate(self.settings.sources)]
+            server = await self._start_server()
+            with self._signal_handlers():
+                try:
+                    await self._supervise_all()
+                except ExceptionGroup as group:  # re-raise the first failure as itself (documented types)
+                    for exc in group.exceptions[1:]:
+                        self.log.error("daemon.task_failed", error=repr(exc))
+                    raise _leaf(group) from group
+        finally:
+            if server is not None:
+                await server.close()
+            for record in records:
+                record.close()
+            ctx.destroy(linger=0)
+            await self._writer.close()
+        self.log.info("daemon.stopped", **dataclasses.asdict(self.stats))
+        return self.stats
+
+    def _make_source(self, cfg: SourceSettings, ctx: zmq.asyncio.Context, positions: dict[str, SourcePosition],
+                     records: list[CaptureWriter], index: int) -> Source:
+        position = positions.get(cfg.source_id)
+        if position is not None and position.engine_id != cfg.engine_id:
+            raise ConfigurationError(f"source {cfg.source_id!r} belongs to engine {position.engine_id!r} in the "
+                                     f"ledger, not {cfg.engine_id!r}: give it another source_id")
+        record = None
+        if self.settings.record is not None:
+            record = CaptureWriter(_record_path(self.settings.record, cfg, index, len(self.settings.sources)),
+                                   append=True)
+            records.append(record)
+
+        async def submit(item: Item) -> None:
+            await self._put(cfg.engine_id, item)
+
+        return Source(cfg, self.settings, ctx, submit, self.metrics, position, record)
+
+    async def _start_server(self) -> MetricsServer | None:
+        if self.settings.metrics_port is None:
+            return None
+        server = MetricsServer(self.metrics, self.health, self.settings.metrics_host, self.settings.metrics_port)
+        await server.start()
+        self.metrics_port = server.port
+        return server
+
+    async def _supervise_all(self) -> None:
+        self.metrics.queue_capacity.set(self.settings.queue_max_batches)
+        self.metrics.queue_depth.set_function(self._queue.qsize)
+        async with asyncio.TaskGroup() as group:
+            self._writer_task = group.create_task(self._write_loop(), name="semkv-writer")
+            tasks = [group.create_task(self._supervise(s), name=f"semkv-source-{s.source_id}")
+                     for s in self.sources]
+            group.create_task(self._shutdown_when_asked(tasks), name="semkv-shutdown")
+            self.log.info("daemon.started", db=url_for_humans(self.settings.db), sources=len(tasks),
+                          metrics_port=self.metrics_port)
+            self.ready.set()
+
+    async def _supervise(self, source: Source) -> None:
+        """Run a source until shutdown; a crash is logged, counted and restarted with back-off."""
+        delay = _SUPERVISE_BACKOFF_S[0]
+        while not self._stopping.is_set():
+            try:
+                await source.run(self._stopping)
+                return
+            except (zmq.ZMQError, OSError, ValueError) as exc:  # boundary: one source must not stop the others
+                source.log.error("source.crashed", error=repr(exc), restart_in_s=delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            delay = min(delay * 2, _SUPERVISE_BACKOFF_S[1])
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Begin a graceful shutdown (what the trigger and the signals do)."""
+        if not self._stopping.is_set():
+            self.log.info("daemon.stopping")
+            self._stopping.set()
+
+    async def _shutdown_when_asked(self, source_tasks: list[asyncio.Task[None]]) -> None:
+        waiters = [asyncio.ensure_future(self._stopping.wait())]
+        if self._trigger is not None:
+            trigger = self._trigger() if callable(self._trigger) else self._trigger
+            waiters.append(asyncio.ensure_future(trigger))
+        if self._idle_exit_s is not None:
+            waiters.append(asyncio.ensure_future(self._idle_watch(self._idle_exit_s)))
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        self.request_stop()
+        deadline = time.monotonic() + self.settings.shutdown_timeout_s
+        await asyncio.wait(source_tasks, timeout=self.settings.shutdown_timeout_s)
+        assert self._writer_task is not None
+        try:
+            await asyncio.wait_for(self._queue.put(_STOP), max(0.0, deadline - time.monotonic()))
+            self._wake.set()
+            await asyncio.wait_for(asyncio.shield(self._writer_task), max(0.0, deadline - time.monotonic()))
+            self.stats.clean_exit = True
+        except TimeoutError:
+            self.log.error("daemon.shutdown_timeout", queued=self._queue.qsize(), db_error=self._db_error)
+            self._writer_task.cancel()
+            for task in source_tasks:
+                task.cancel()
+
+    async def _idle_watch(self, idle_s: float) -> None:
+        while True:
+            await asyncio.sleep(min(idle_s / 4, 0.25))
+            quiet_since = max(self._last_put, *(s.last_activity for s in self.sources)) if self.sources else 0
+            if time.monotonic() - quiet_since >= idle_s and self._queue.empty():
+                self.log.info("daemon.idle_exit", idle_s=idle_s)
+                return
+
+    @contextlib.contextmanager
+    def _signal_handlers(self):  # noqa: ANN202
+        if self._trigger is not None:
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+                loop.add_signal_handler(sig, self.request_stop)
+                installed.append(sig)
+        try:
+            yield
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    # -- queue and writer ---------------------------------------------------------------------
+
+    async def _put(self, engine_id: str, item: Item) -> None:
+        if self._queue.full():
+            self.metrics.backpressure.labels(engine_id=engine_id).inc()
+            started = time.monotonic()
+            await self._queue.put(item)
+            self.metrics.backpressure_seconds.labels(engine_id=engine_id).inc(time.monotonic() - started)
+        else:
+            self._queue.put_nowait(item)
+        self._last_put = time.monotonic()
+        self._wake.set()
+
+    async def _write_loop(self) -> None:
+        while True:
+            items, stop = await self._collect()
+            if items:
+                await self._commit(items)
+            if stop:
+                return
+
+    async def _collect(self) -> tuple[list[Item], bool]:
+        """Wait for one message, then gather up to batch_max_events events or batch_max_delay_ms."""
+        first = await self._queue.get()
+        if first is _STOP:
+            return [], True
+        items: list[Item] = [first]  # type: ignore[list-item]
+        weight = _weight(first)
+        limit = self.settings.batch_max_events
+        deadline = time.monotonic() + self.settings.batch_max_delay_ms / 1000
+        while weight < limit:
+            while weight < limit and not self._queue.empty():
+                item = self._queue.get_nowait()
+                if item is _STOP:
+                    return items, True
+                items.append(item)  # type: ignore[arg-type]
+                weight += _weight(item)
+            remaining = deadline - time.monotonic()
+            if weight >= limit or remaining <= 0 or self._stopping.is_set():
+                break
+            self._wake.clear()
+            if self._queue.empty():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), remaining)
+        return items, False
+
+    async def _commit(self, items: list[Item]) -> None:
+        """One ledger transaction for ``items``; transient database errors are retried forever."""
+        assert self._writer is not None
+        delay = self.settings.db_retry_initial_s
+        while True:
+            started = time.perf_counter()
+            try:
+                result = await self._writer.append(items)
+                break
+            except PersistenceError as exc:
+                if not is_transient(exc):
+                    self.log.error("ledger.append_failed", error=str(exc), items=len(items))
+                    raise
+                self._db_error = str(exc)
+                self.stats.db_retries += 1
+                self.metrics.db_retries.inc()
+                self.log.warning("ledger.append_retry", error=str(exc), retry_in_s=delay, items=len(items))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.db_retry_max_s)
+        self._db_error = None
+        self._observe(items, result, time.perf_counter() - started)
+        if self._stop_after is not None and self.stats.batches >= self._stop_after:
+            self.request_stop()
+
+    def _observe(self, items: list[Item], result: Any, elapsed_s: float) -> None:
+        m = self.metrics
+        self.stats.transactions += 1
+        m.transactions.inc()
+        m.commit_seconds.observe(elapsed_s)
+        for name, counter in (("batches", m.batches_committed), ("events_applied", m.events_applied),
+                              ("events_duplicate", m.events_duplicate), ("events_stale", m.events_stale),
+                              ("dead_letters", m.dead_letters_committed), ("gaps", m.gaps_recorded),
+                              ("generation_bumps", m.generation_bumps), ("duplicate_batches", None)):
+            value = getattr(result, name)
+            setattr(self.stats, name, getattr(self.stats, name) + value)
+            if counter is not None:
+                counter.inc(value)
+        now, newest = time.time(), {}
+        for item in items:
+            if isinstance(item, ReceivedBatch) and item.ts > 0:
+                m.lag_seconds.observe(max(0.0, now - item.ts))
+                newest[item.engine_id] = max(newest.get(item.engine_id, 0.0), item.ts)
+            elif isinstance(item, GapReport):
+                self.log.warning("ledger.gap_reported", engine_id=item.engine_id, from_seq=item.from_seq,
+                                 to_seq=item.to_seq)
+        for engine_id, ts in newest.items():
+            m.lag_last_seconds.labels(engine_id=engine_id).set(max(0.0, now - ts))
+        if result.gaps or result.generation_bumps:
+            self.log.warning("ledger.continuity_lost", gaps=result.gaps, generation_bumps=result.generation_bumps)
+
+    # -- health -------------------------------------------------------------------------------
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        """DB reachable (a read within 2 s, no failing transaction) and every source task alive."""
+        db: dict[str, Any] = {"ok": True}
+        if self._db_error is not None:
+            db = {"ok": False, "error": self._db_error}
+        elif self._writer is not None:
+            try:
+                await asyncio.wait_for(self._writer.source_positions(), _HEALTH_DB_TIMEOUT_S)
+            except (SQLAlchemyError, LedgerError, OSError, TimeoutError) as exc:
+                db = {"ok": False, "error": repr(exc)}
+        writer_alive = self._writer_task is not None and not self._writer_task.done()
+        sources = {s.source_id: s.status() for s in self.sources}
+        healthy = db["ok"] and writer_alive and all(s.alive for s in self.sources)
+        return healthy, {"db": db, "writer_alive": writer_alive, "queue_depth": self._queue.qsize(),
+                         "sources": sources}
+
+
+def is_transient(exc: PersistenceError) -> bool:
+    """A database error worth retrying: lock/busy, lost connection, pool timeout."""
+    cause = exc.__cause__
+    if isinstance(cause, (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)):
+        return True
+    return bool(getattr(cause, "connection_invalidated", False))
+
+
+def _leaf(group: BaseExceptionGroup) -> BaseException:
+    first = group.exceptions[0]
+    return _leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
+def _weight(item: object) -> int:
+    if isinstance(item, ReceivedBatch):
+        return max(1, len(item.events) + len(item.dead_letters))
+    return 1
+
+
+def _record_path(path: Path, cfg: SourceSettings, index: int, count: int) -> Path:
+    """One capture per source: ``path`` itself for one source, ``stem.<i>-<engine_id>.suffix`` otherwise."""
+    if count == 1:
+        return path
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in cfg.engine_id)
+    return path.with_name(f"{path.stem}.{index}-{safe}{path.suffix}")
+
+
+def configure_logging(level: str = "info") -> None:
+    """structlog → JSON lines on stderr (one event per line, ISO timestamps, level names)."""
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def serve(settings: ConsumerSettings, *, migrate: bool = False, exit_when_idle_s: float | None = None) -> int:
+    """Blocking entry point of ``semkv-ledger consume``: logging, optional migration, the daemon.
+
+    Returns the exit code: 0 clean shutdown; 1 the shutdown timed out or the ledger refused a
+    transaction permanently; 2 database not migrated / unreachable, bad configuration or endpoint.
+    """
+    from ledger.migrate import upgrade
+
+    configure_logging(settings.log_level)
+    log = structlog.get_logger("consumer.daemon")
+    daemon = Daemon(settings, exit_when_idle_s=exit_when_idle_s)
+    try:
+        if migrate:
+            before, after = upgrade(settings.db)
+            log.info("ledger.migrated", db=url_for_humans(settings.db), before=before, after=after)
+        stats = asyncio.run(daemon.run())
+    except SchemaOutOfDate as exc:
+        print(f"error: {exc} (or start with --migrate)", file=sys.stderr)
+        return 2
+    except (ConfigurationError, zmq.ZMQError, SQLAlchemyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except PersistenceError as exc:
+        log.error("daemon.database_error", error=str(exc))
+        print(f"error: ledger database: {exc}", file=sys.stderr)
+        return 1 if daemon.ready.is_set() else 2
+    return 0 if stats.clean_exit else 1

@@ -1,0 +1,161 @@
+"""Prometheus metrics of the consumer daemon and its HTTP endpoint (DESIGN §8).
+
+Every :class:`ConsumerMetrics` owns its own ``CollectorRegistry`` (never the process-global one),
+so several daemons can run in one process (tests). Names are ``semkv_consumer_*``; counters end in
+``_total``, durations are histograms in ``_seconds``.
+
+Which side counts what:
+
+* sources (label ``engine_id``): messages and events received, dead letters (label ``reason``),
+  seq gaps seen, replays (label ``outcome``: ``ok`` covered the gap, ``partial`` recovered some
+  batches, ``failed`` recovered none or timed out), duplicates dropped before the ledger,
+  back-pressure waits;
+* the writer (one per database): what the ledger decided in each transaction (events applied /
+  duplicate / stale, gaps it recorded, generation bumps), commit latency, lag (engine ``ts`` of a
+  batch to its commit), database retries, queue depth.
+
+:class:`MetricsServer` serves ``GET /metrics`` (Prometheus text format) and ``GET /healthz`` (JSON:
+``{"status": "ok"|"unhealthy", "db": {...}, "sources": {source_id: {...}}}``, HTTP 200 or 503)
+on one port, as a small asyncio server in the daemon's event loop (no thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["ConsumerMetrics", "HealthCheck", "MetricsServer"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+_ENGINE = ("engine_id",)
+
+HealthCheck = Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]
+"""Returns (healthy, JSON-able details)."""
+
+
+class ConsumerMetrics:
+    """All metrics of one daemon, registered on :attr:`registry`."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.messages_received = Counter("semkv_consumer_messages_received_total",
+                                         "ZMQ messages (batches) received, live or by replay", _ENGINE, registry=r)
+        self.events_received = Counter("semkv_consumer_events_received_total",
+                                       "Engine events decoded from received messages", _ENGINE, registry=r)
+        self.dead_letters = Counter("semkv_consumer_dead_letters_total",
+                                    "Inputs dead-lettered by the decoder", (*_ENGINE, "reason"), registry=r)
+        self.gaps_seen = Counter("semkv_consumer_seq_gaps_total",
+                                 "ZMQ seq gaps seen by a source (before replay)", _ENGINE, registry=r)
+        self.replays = Counter("semkv_consumer_replays_total", "Replay requests by outcome",
+                               (*_ENGINE, "outcome"), registry=r)
+        self.replayed_batches = Counter("semkv_consumer_replayed_batches_total",
+                                        "Batches recovered by replay and passed to the ledger", _ENGINE, registry=r)
+        self.replay_probes = Counter("semkv_consumer_replay_probes_total",
+                                     "Replay requests made without a seen gap (start-up, idle)", _ENGINE, registry=r)
+        self.replay_seconds = Histogram("semkv_consumer_replay_seconds", "Duration of one replay request",
+                                        _ENGINE, buckets=_LATENCY_BUCKETS, registry=r)
+        self.restarts_seen = Counter("semkv_consumer_engine_restarts_seen_total",
+                                     "Seq went backwards with a new payload (engine restart)", _ENGINE, registry=r)
+        self.duplicates_dropped = Counter("semkv_consumer_duplicate_batches_dropped_total",
+                                          "Batches a source had already passed on (same seq, same digest)",
+                                          _ENGINE, registry=r)
+        self.backpressure = Counter("semkv_consumer_backpressure_total",
+                                    "Times a source found the writer queue full and stopped reading ZMQ",
+                                    _ENGINE, registry=r)
+        self.backpressure_seconds = Counter("semkv_consumer_backpressure_seconds_total",
+                                            "Time sources spent waiting on a full queue", _ENGINE, registry=r)
+        self.source_up = Gauge("semkv_consumer_source_up", "1 while the source task runs", _ENGINE, registry=r)
+        self._writer_metrics(r)
+
+    def _writer_metrics(self, r: CollectorRegistry) -> None:
+        self.transactions = Counter("semkv_consumer_transactions_total", "Ledger transactions committed", registry=r)
+        self.batches_committed = Counter("semkv_consumer_batches_committed_total",
+                                         "Batches the ledger recorded (not duplicates)", registry=r)
+        self.events_applied = Counter("semkv_consumer_events_applied_total",
+                                      "Engine events the ledger applied to its projections", registry=r)
+        self.events_duplicate = Counter("semkv_consumer_events_duplicate_total",
+                                        "Engine events in batches the ledger already had (no-op)", registry=r)
+        self.events_stale = Counter("semkv_consumer_events_stale_total",
+                                    "Engine events logged but not applied (older event_id)", registry=r)
+        self.dead_letters_committed = Counter("semkv_consumer_dead_letters_committed_total",
+                                              "Dead letters written to the ledger", registry=r)
+        self.gaps_recorded = Counter("semkv_consumer_gaps_total",
+                                     "Gaps the ledger recorded (replay could not cover them)", registry=r)
+        self.generation_bumps = Counter("semkv_consumer_generation_bumps_total",
+                                        "Engine generation bumps decided by the ledger", registry=r)
+        self.commit_seconds = Histogram("semkv_consumer_commit_seconds", "Duration of one ledger transaction",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.lag_seconds = Histogram("semkv_consumer_lag_seconds", "Engine batch ts to ledger commit",
+                                     buckets=_LAG_BUCKETS, registry=r)
+        self.lag_last_seconds = Gauge("semkv_consumer_lag_last_seconds",
+                                      "Lag of the newest committed batch of each engine", _ENGINE, registry=r)
+        self.db_retries = Counter("semkv_consumer_db_retries_total",
+                                  "Transactions retried after a transient database error", registry=r)
+        self.queue_depth = Gauge("semkv_consumer_queue_depth", "Messages waiting for the writer", registry=r)
+        self.queue_capacity = Gauge("semkv_consumer_queue_capacity", "Bound of the writer queue", registry=r)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of :attr:`registry`."""
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of one sample (0.0 when absent), e.g. ``value("semkv_consumer_gaps_total")``."""
+        found = self.registry.get_sample_value(name, labels)
+        return 0.0 if found is None else found
+
+
+class MetricsServer:
+    """``/metrics`` and ``/healthz`` over HTTP/1.0 on one port (asyncio; one request per connection).
+
+    ``port=0`` picks a free port; read it back from :attr:`port` after :meth:`start`.
+    Raises ``OSError`` from :meth:`start` when the port cannot be bound.
+    """
+
+    _READ_TIMEOUT_S = 5.0
+
+    def __init__(self, metrics: ConsumerMetrics, health: HealthCheck, host: str, port: int) -> None:
+        self._metrics, self._health = metrics, health
+        self._host, self.port = host, port
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self._host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._READ_TIMEOUT_S)
+            parts = head.split(b"\r\n", 1)[0].split()
+            method, path = (parts[0], parts[1].split(b"?")[0]) if len(parts) >= 2 else (b"", b"")
+            status, ctype, body = await self._route(method, path)
+            writer.write(b"HTTP/1.0 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                         % (status, ctype.encode(), len(body)))
+            if method != b"HEAD":
+                writer.write(body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+            pass  # a client that hangs up or sends garbage gets nothing; the server goes on
+        finally:
+            writer.close()
+
+    async def _route(self, method: bytes, path: bytes) -> tuple[bytes, str, bytes]:
+        if method not in (b"GET", b"HEAD"):
+            return b"405 Method Not Allowed", "text/plain", b"GET only\n"
+        if path == b"/metrics":
+            return b"200 OK", CONTENT_TYPE_LATEST, self._metrics.render()
+        if path == b"/healthz":
+            healthy, details = await self._health()
+            body = json.dumps({"status": "ok" if healthy else "unhealthy", **details}).encode()
+            return (b"200 OK" if healthy else b"503 Service Unavailable"), "application/json", body
+        return b"404 Not Found", "text/plain", b"try /metrics or /healthz\n"

@@ -1,0 +1,201 @@
+"""Settings of the consumer daemon (``semkv-ledger consume``): one frozen model built once at the edge.
+
+Sources of values, highest priority first (hypercorn's ``Config`` + pydantic-settings, STYLE §4):
+
+1. command-line flags (passed to :func:`load_settings` as ``overrides`` / ``cli_source``);
+2. environment variables, prefix ``SEMKV_``, nested fields with ``__``
+   (``SEMKV_DB=postgresql://…``, ``SEMKV_BATCH_MAX_EVENTS=4096``,
+   ``SEMKV_SOURCES='[{"engine_id": "trt-0", "endpoint": "tcp://10.0.0.5:5557"}]'``);
+3. a TOML file (``--config semkv.toml``) listing many engines::
+
+       db = "sqlite:///semkv-ledger.db"
+       metrics_port = 9400
+       [[sources]]
+       engine_id = "trtllm-0"
+       endpoint = "tcp://10.0.0.5:5557"
+       replay_endpoint = "tcp://10.0.0.5:5558"
+       topic = "kv"
+
+4. the defaults below.
+
+A source given on the command line (``--engine-id``/``--endpoint``) is *added* to the sources of
+the environment or TOML file; two sources with the same ``source_id`` are an error.
+
+Defaults follow reference/WIRE.md §B: engines bind ``tcp://*:5557``, so a consumer on the same host
+connects to ``tcp://127.0.0.1:5557``. Replay is off unless ``replay_endpoint`` is set (the
+publisher bridge and ``semkv-ledger publish`` serve it on port 5558 by default).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from ledger.db import DEFAULT_DB
+
+__all__ = ["DEFAULT_ENDPOINT", "ConsumerSettings", "SourceSettings", "load_settings"]
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+MIB = 2**20
+_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("semkv_config_file", default=None)
+
+
+class SourceSettings(BaseModel):
+    """One engine event endpoint (DESIGN §3 "source")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine_id: str = Field(min_length=1, max_length=200)
+    """Stable id of the engine's deployment slot (kept across restarts)."""
+    endpoint: str = DEFAULT_ENDPOINT
+    """ZMQ endpoint of the engine's PUB socket (or, with ``bind``, where our SUB binds)."""
+    replay_endpoint: str | None = None
+    """ZMQ endpoint of the engine's replay ROUTER; None: gaps cannot be recovered, only recorded."""
+    topic: str = ""
+    """Subscription prefix; "" receives every topic (vLLM's default topic is "")."""
+    bind: bool = False
+    """Bind the SUB socket instead of connecting (for vLLM engines that connect their PUB)."""
+    source_id: str = ""
+    """Ledger key of this source; default ``f"{engine_id}@{endpoint}"``."""
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _transport(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(_TRANSPORTS):
+            raise ValueError(f"endpoint {value!r} must start with one of {', '.join(_TRANSPORTS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _default_source_id(self) -> SourceSettings:
+        if not self.source_id:
+            object.__setattr__(self, "source_id", f"{self.engine_id}@{self.endpoint}")
+        return self
+
+
+class ConsumerSettings(BaseSettings):
+    """Everything ``semkv-ledger consume`` needs. Units are in the field names."""
+
+    model_config = SettingsConfigDict(env_prefix="SEMKV_", env_nested_delimiter="__", frozen=True,
+                                      extra="forbid")
+
+    db: str = DEFAULT_DB
+    """Ledger database URL or SQLite file path (default: ``semkv-ledger.db`` in the working directory)."""
+    sources: list[SourceSettings] = Field(default_factory=list)
+    batch_max_events: int = Field(1024, ge=1)
+    """Engine events per ledger transaction, at most (a single larger message still goes alone)."""
+    batch_max_delay_ms: float = Field(20.0, ge=0)
+    """How long the writer waits for more messages before committing a partial transaction."""
+    queue_max_batches: int = Field(1024, ge=1)
+    """Messages waiting between the sources and the writer; a full queue stops the sources reading."""
+    replay_timeout_s: float = Field(2.0, gt=0)
+    """Replay gives up when no reply arrives for this long (between two replies)."""
+    idle_replay_s: float | None = Field(5.0, gt=0)
+    """After this long without a message, ask the replay endpoint for anything newer (finds lost
+    trailing batches, and batches published before the SUB connected); None disables."""
+    max_frame_bytes: int = Field(16 * MIB, ge=1024)
+    """A frame above this is dead-lettered undecoded (``oversized_frame``)."""
+    rcv_hwm: int = Field(10_000, ge=1)
+    """ZMQ receive high-water mark of each SUB socket, in messages: with the writer queue, the bound
+    on memory when a publisher outpaces the ledger (about rcv_hwm × message size; beyond it the PUB
+    drops, the source sees a gap and recovers it from the engine's replay buffer)."""
+    dedup_window_batches: int = Field(16_384, ge=16)
+    """Per source, how many recent (seq, digest) pairs are kept to drop duplicates before the ledger."""
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """HTTP port for ``/metrics`` (Prometheus) and ``/healthz`` (JSON); None: no server; 0: any free port."""
+    metrics_host: str = "127.0.0.1"
+    """Loopback by default; set 0.0.0.0 (or an interface) to let a remote Prometheus scrape."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    record: Path | None = None
+    """Append every message passed to the ledger to this capture file (shared/fixtures format)."""
+    db_retry_initial_s: float = Field(0.05, gt=0)
+    db_retry_max_s: float = Field(2.0, gt=0)
+    """Back-off bounds while the database refuses a transaction (e.g. SQLite locked)."""
+    shutdown_timeout_s: float = Field(30.0, gt=0)
+    """On SIGTERM/SIGINT: how long to wait for the received messages to commit before giving up."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _unique_sources(self) -> ConsumerSettings:
+        seen: set[str] = set()
+        for source in self.sources:
+            if source.source_id in seen:
+                raise ValueError(f"two sources have source_id {source.source_id!r}")
+            seen.add(source.source_id)
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        config_file = _CONFIG_FILE.get()
+        if config_file is None:
+            return init_settings, env_settings
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_file)
+
+
+def load_settings(
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    config_file: str | Path | None = None,
+    cli_source: Mapping[str, Any] | None = None,
+) -> ConsumerSettings:
+    """Build the daemon's settings from flags, environment and an optional TOML file.
+
+    Args:
+        overrides: flag values (``None`` values are ignored, so unset flags do not hide env/TOML).
+        config_file: TOML file (see the module docstring).
+        cli_source: one source given by flags (``engine_id``, ``endpoint``…), appended.
+
+    Raises:
+        FileNotFoundError: ``config_file`` does not exist.
+        pydantic.ValidationError: a value is invalid, no source is configured, or two sources
+            share a ``source_id``.
+    """
+    path = None
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} not found")
+    values = {k: v for k, v in (overrides or {}).items() if v is not None}
+    token = _CONFIG_FILE.set(path)
+    try:
+        settings = ConsumerSettings(**values)
+    finally:
+        _CONFIG_FILE.reset(token)
+    if cli_source is not None:
+        source = SourceSettings(**{k: v for k, v in cli_source.items() if v is not None})
+        merged = settings.model_dump()
+        merged["sources"] = [*merged["sources"], source.model_dump()]
+        settings = ConsumerSettings.model_validate(merged)
+    if not settings.sources:
+        raise _no_source_error()
+    return settings
+
+
+def _no_source_error() -> Exception:
+    from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+    error = PydanticCustomError("no_source", "no source configured: give --engine-id (and --endpoint), "
+                                "SEMKV_SOURCES, or [[sources]] in --config")
+    details: list[InitErrorDetails] = [{"type": error, "loc": ("sources",), "input": []}]
+    return ValidationError.from_exception_data("ConsumerSettings", details)

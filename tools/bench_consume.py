@@ -1,0 +1,436 @@
+"""Benchmark: block events/s from a local ZMQ publisher into the ledger (DESIGN §7: ≥ 100k/s, flat RSS).
+
+Runs, each against the same pre-encoded vLLM-dialect stream (``--events-per-message`` events of
+``--blocks-per-event`` blocks, half BlockStored, half BlockRemoved of blocks stored earlier):
+
+* ``discard``     a SUB that receives and drops every message (the transport's ceiling);
+* ``decode``      a SUB that also runs ``consumer.wire.decode_message``;
+* ``sqlite``      ``semkv-ledger consume`` (a subprocess) into a fresh SQLite file;
+* ``postgresql``  the same into a scratch database created on ``--pg-url`` and dropped afterwards;
+* ``append-only`` in-process ``LedgerWriter.append`` of pre-decoded batches (no ZMQ, no daemon);
+
+then a soak: the consumer against a publisher paced at ``--soak-rate`` block events/s (default 50 %
+of the SQLite burst rate: the sustained rate on a growing ledger is lower than a burst into a fresh
+one) for ``--soak-s`` seconds, RSS sampled every second; flat RSS needs a backlog near 0 (a backlog
+waits in ZMQ's queues, bounded by the HWMs, and shows up as RSS).
+
+Rates are block events (blocks stored + blocks removed) divided by the time from the publisher's
+first send to the last message received (discard/decode) or committed (consumer: polled from its
+``/metrics`` every 50 ms). ``--profile`` samples the SQLite consumer with py-spy (if installed)
+and lists where its time goes. Results: a Markdown table on stdout and in
+``tools/results/consume-YYYY-MM-DD.md``.
+
+Usage: ``python tools/bench_consume.py [--messages 2000] [--soak-s 60] [--profile]``
+(``--soak-s 600`` for the 10-minute soak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import msgspec
+import zmq
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from consumer.bridge import ReplayBuffer, ReplayStats, serve_replay_request  # noqa: E402
+from consumer.wire import decode_message, encode_frames  # noqa: E402
+
+MiB = 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# the stream
+# ---------------------------------------------------------------------------------------------
+
+
+def make_stream(messages: int, events: int, blocks: int, block_size: int = 16) -> list[bytes]:
+    """Payloads ``[ts, events, 0]``; each removal targets blocks stored 4 messages earlier."""
+    enc, out, serial = msgspec.msgpack.Encoder(), [], 0
+    stored: list[list[int]] = []
+    tokens = list(range(block_size * blocks))
+    for _ in range(messages):
+        evs = []
+        for e in range(events):
+            if e % 2 == 0:
+                hashes = [(serial + i) * 0x9E3779B97F4A7C15 % 2**64 for i in range(blocks)]
+                serial += blocks
+                stored.append(hashes)
+                evs.append({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+                            "token_ids": tokens, "block_size": block_size, "lora_id": None, "medium": "GPU"})
+            else:
+                old = stored[-4 * (events // 2) - 1] if len(stored) > 4 * (events // 2) else stored[0]
+                evs.append({"type": "BlockRemoved", "block_hashes": old, "medium": "GPU"})
+        out.append(enc.encode([time.time(), evs, 0]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# child processes: publisher, discarding/decoding subscriber
+# ---------------------------------------------------------------------------------------------
+
+
+def publisher_main(conn, messages: int, events: int, blocks: int, rate_msgs: float, repeat: bool) -> None:
+    """XPUB + replay ROUTER on ephemeral ports; start once subscribed; report (t_first, t_last)."""
+    payloads = make_stream(messages, events, blocks)
+    ctx = zmq.Context()
+    pub, router = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    ports = pub.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
+    conn.send(ports)
+    buffer, stats = ReplayBuffer(100_000), ReplayStats()
+    while not pub.poll(100) or pub.recv()[:1] != b"\x01":
+        serve_replay_request(router, buffer, stats)
+    t_first, seq, n = time.time(), 0, 0
+    while n < messages or repeat:
+        frames = encode_frames(b"kv", seq, payloads[n % messages])
+        buffer.append(seq, frames)
+        pub.send_multipart(frames)
+        seq, n = seq + 1, n + 1
+        if rate_msgs:
+            serve_replay_request(router, buffer, stats)
+            delay = t_first + n / rate_msgs - time.time()
+            if delay > 0:
+                time.sleep(delay)
+        if repeat and conn.poll():
+            break
+    conn.send((t_first, time.time(), seq))
+    while not conn.poll(0.01):  # keep serving replay until told to stop
+        serve_replay_request(router, buffer, stats)
+    pub.close(0)
+    router.close(0)
+    ctx.term()
+
+
+def subscriber_main(conn, port: int, messages: int, decode: bool) -> None:
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.subscribe(b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    conn.send("ready")
+    for _ in range(messages):
+        frames = sub.recv_multipart()
+        if decode:
+            decode_message(frames, source_id="s", engine_id="e", received_at=0.0)
+    conn.send(time.time())
+    sub.close(0)
+    ctx.term()
+
+
+class Publisher:
+    def __init__(self, args: argparse.Namespace, rate_msgs: float = 0.0, repeat: bool = False) -> None:
+        self.conn, child = mp.Pipe()
+        self.proc = mp.Process(target=publisher_main, args=(child, args.messages, args.events_per_message,
+                                                            args.blocks_per_event, rate_msgs, repeat), daemon=True)
+        self.proc.start()
+        self.port, self.replay_port = self.conn.recv()
+
+    def finish(self) -> tuple[float, float, int]:
+        return self.conn.recv()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send("stop")
+        self.proc.join(10)
+
+
+def run_subscriber(args: argparse.Namespace, decode: bool) -> float:
+    pub = Publisher(args)
+    conn, child = mp.Pipe()
+    proc = mp.Process(target=subscriber_main, args=(child, pub.port, args.messages, decode), daemon=True)
+    proc.start()
+    conn.recv()
+    t_first, _, _ = pub.finish()
+    t_done = conn.recv()
+    proc.join(10)
+    pub.close()
+    return t_done - t_first
+
+
+# ---------------------------------------------------------------------------------------------
+# the consumer daemon as a subprocess
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int, name: str) -> float:
+    with contextlib.suppress(OSError):
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        for line in body.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return -1.0
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Consumer:
+    def __init__(self, db: str, pub: Publisher, args: argparse.Namespace) -> None:
+        self.metrics_port = free_port()
+        cli = Path(sys.executable).with_name("semkv-ledger")
+        self.proc = subprocess.Popen([str(cli), "consume", "--db", db, "--engine-id", "bench", "--endpoint",
+                                      f"tcp://127.0.0.1:{pub.port}", "--replay-endpoint",
+                                      f"tcp://127.0.0.1:{pub.replay_port}", "--metrics-port", str(self.metrics_port),
+                                      "--metrics-host", "127.0.0.1", "--batch-max-events", str(args.batch_max_events),
+                                      "--log-level", "warning"], stderr=subprocess.DEVNULL)
+        self.rss: list[float] = []
+
+    def wait_batches(self, n: int, timeout_s: float) -> float:
+        """Poll /metrics until ``n`` batches are committed; returns the wall time then."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if scrape(self.metrics_port, "semkv_consumer_batches_committed_total") >= n:
+                return time.time()
+            self.rss.append(rss_mib(self.proc.pid))
+            time.sleep(0.05)
+        raise TimeoutError(f"consumer did not commit {n} batches in {timeout_s} s")
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(60)
+
+
+def run_consumer(db: str, args: argparse.Namespace, profile_to: Path | None = None) -> tuple[float, float]:
+    """(seconds from first send to last commit, peak RSS MiB)."""
+    from ledger.migrate import upgrade
+
+    upgrade(db)
+    pub = Publisher(args)
+    consumer = Consumer(db, pub, args)
+    spy = None
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if profile_to is not None and Path(py_spy).exists():
+        while scrape(consumer.metrics_port, "semkv_consumer_transactions_total") < 0:  # imports done
+            time.sleep(0.02)
+        spy = subprocess.Popen([py_spy, "record", "--pid", str(consumer.proc.pid), "--format", "raw", "-r", "200",
+                                "-o", str(profile_to), "--nonblocking"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        t_first, _, _ = pub.finish()
+        t_done = consumer.wait_batches(args.messages, args.timeout_s)
+    finally:
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait(30)
+        consumer.stop()
+        pub.close()
+    return t_done - t_first, max(consumer.rss, default=0.0)
+
+
+def run_append_only(db: str, args: argparse.Namespace) -> float:
+    from ledger.migrate import upgrade
+    from ledger.writer import LedgerWriter
+
+    upgrade(db)
+    payloads = make_stream(args.messages, args.events_per_message, args.blocks_per_event)
+    items = [decode_message(encode_frames(b"kv", s, p), source_id="b", engine_id="bench", received_at=0.0)
+             for s, p in enumerate(payloads)]
+    per_tx = max(1, args.batch_max_events // args.events_per_message)
+
+    async def go() -> float:
+        writer = await LedgerWriter.open(db)
+        started = time.perf_counter()
+        for i in range(0, len(items), per_tx):
+            await writer.append(items[i:i + per_tx])
+        elapsed = time.perf_counter() - started
+        await writer.close()
+        return elapsed
+
+    return asyncio.run(go())
+
+
+def soak(db: str, args: argparse.Namespace, rate_block_events: float) -> dict:
+    """Paced publisher for ``soak_s``; RSS every second; backlog (published - committed) at the end."""
+    from ledger.migrate import upgrade
+
+    upgrade(db)
+    per_msg = args.events_per_message * args.blocks_per_event
+    pub = Publisher(args, rate_msgs=rate_block_events / per_msg, repeat=True)
+    consumer = Consumer(db, pub, args)
+    samples: list[tuple[float, float]] = []
+    started = time.time()
+    while time.time() - started < args.soak_s:
+        samples.append((time.time() - started, rss_mib(consumer.proc.pid)))
+        time.sleep(1.0)
+    committed = scrape(consumer.metrics_port, "semkv_consumer_batches_committed_total")
+    pub.conn.send("halt")
+    t_first, t_last, sent = pub.finish()
+    gaps = scrape(consumer.metrics_port, "semkv_consumer_gaps_total")
+    consumer.stop()
+    pub.close()
+    half = [(t, r) for t, r in samples if t >= args.soak_s / 2] or samples
+    return {"seconds": t_last - t_first, "block_events": sent * per_msg, "committed_per_s":
+            committed * per_msg / (t_last - t_first), "backlog": int(sent - committed), "rss_first": half[0][1],
+            "rss_last": half[-1][1], "rss_max": max(r for _, r in samples), "slope": 60 * _slope(half), "gaps": gaps}
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope (MiB/s) of (t, rss) points."""
+    n = len(points)
+    if n < 2:
+        return 0.0
+    mt, mr = sum(t for t, _ in points) / n, sum(r for _, r in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return sum((t - mt) * (r - mr) for t, r in points) / var if var else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# databases, profile, report
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def postgres_scratch(admin_url: str):
+    import psycopg
+
+    name = f"semkv_bench_{os.getpid()}"
+    with psycopg.connect(admin_url, autocommit=True, connect_timeout=3) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield admin_url.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+PROFILE_PARTS = [  # (label, path fragments): a sample counts for a part if any frame of its stack matches
+    ("ledger transaction, all of it (ledger/writer.py)", ("ledger/writer.py",)),
+    ("  decide + apply (ledger/decide.py, apply.py)", ("ledger/decide.py", "ledger/apply.py")),
+    ("  SQLAlchemy (compile, params, results)", ("sqlalchemy/",)),
+    ("SQLite itself (aiosqlite worker thread)", ("aiosqlite/core.py",)),
+    ("consumer: receive, track, decode (consumer/source.py)", ("consumer/source.py",)),
+    ("  wire decode (consumer/wire.py)", ("consumer/wire.py",)),
+    ("consumer: writer task, metrics (consumer/daemon.py)", ("consumer/daemon.py",)),
+    ("event loop waiting (selectors)", ("selectors.py",)),
+]
+
+
+def summarize_profile(path: Path, top: int = 12) -> list[tuple[str, float]]:
+    """py-spy raw (collapsed) stacks -> inclusive share per part, then the top leaf functions."""
+    parts: Counter[str] = Counter()
+    leaves: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        leaves[stack.rsplit(";", 1)[-1]] += n
+        for label, fragments in PROFILE_PARTS:
+            if any(f in stack for f in fragments):
+                parts[label] += n
+    if not total:
+        return []
+    rows = [(label, 100.0 * parts[label] / total) for label, _ in PROFILE_PARTS]
+    return rows + [(f"leaf: {leaf}", 100.0 * n / total) for leaf, n in leaves.most_common(top)]
+
+
+def report(rows: list[tuple], soak_row: dict | None, profile: list[tuple[str, float]], args) -> str:
+    per_msg = args.events_per_message * args.blocks_per_event
+    total = args.messages * per_msg
+    lines = [f"# consume benchmark {dt.date.today().isoformat()}", "",
+             f"Host: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, load average "
+             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. Stream: {args.messages} messages × "
+             f"{args.events_per_message} events × {args.blocks_per_event} blocks = {total:,} block events "
+             f"(vLLM map dialect, half stored / half removed); batch_max_events {args.batch_max_events}.", "",
+             "| run | block events/s | seconds | vs discard | peak RSS MiB |", "|---|---:|---:|---:|---:|"]
+    base = next((r[1] for r in rows if r[0] == "discard" and r[1]), None)
+    for name, seconds, rss in rows:
+        if seconds is None:
+            lines.append(f"| {name} | skipped: {rss} | | | |")
+            continue
+        rate = total / seconds
+        ratio = f"{base / seconds:.3f}" if base else ""
+        lines.append(f"| {name} | {rate:,.0f} | {seconds:.2f} | {ratio} | {rss or ''} |")
+    if soak_row:
+        lines += ["", f"Soak ({args.soak_s:.0f} s, SQLite, publisher paced at {soak_row['target']:,.0f} block "
+                  "events/s; RSS of the consumer process, second half of the soak):", "",
+                  "| published | committed /s | backlog at end (msgs) | RSS at half MiB | RSS at end MiB | "
+                  "RSS max MiB | RSS slope MiB/min | gaps |", "|---:|---:|---:|---:|---:|---:|---:|---:|",
+                  f"| {soak_row['block_events']:,} | {soak_row['committed_per_s']:,.0f} | {soak_row['backlog']} | "
+                  f"{soak_row['rss_first']:.1f} | {soak_row['rss_last']:.1f} | {soak_row['rss_max']:.1f} | "
+                  f"{soak_row['slope']:+.2f} | {soak_row['gaps']:.0f} |"]
+    if profile:
+        lines += ["", "py-spy (200 Hz, all threads, start-up excluded), SQLite consumer: % of samples", "",
+                  "| where | % |", "|---|---:|"]
+        lines += [f"| {name.replace('  ', '&nbsp;&nbsp;')} | {share:.1f} |" for name, share in profile]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--messages", type=int, default=2000)
+    parser.add_argument("--events-per-message", type=int, default=8)
+    parser.add_argument("--blocks-per-event", type=int, default=16)
+    parser.add_argument("--batch-max-events", type=int, default=1024)
+    parser.add_argument("--soak-s", type=float, default=60.0)
+    parser.add_argument("--soak-rate", type=float, default=None, help="block events/s (default 50%% of SQLite)")
+    parser.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--no-postgres", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="sample the SQLite consumer with py-spy")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--out", type=Path, default=REPO / "tools" / "results" / f"consume-{dt.date.today()}.md")
+    args = parser.parse_args()
+    mp.set_start_method("spawn")
+    work = Path(tempfile.mkdtemp(prefix="semkv-bench-"))
+    rows: list[tuple] = [("discard", run_subscriber(args, decode=False), None),
+                         ("decode", run_subscriber(args, decode=True), None)]
+    profile_file = work / "spy.txt" if args.profile else None
+    sqlite_s, rss = run_consumer(f"sqlite:///{work}/bench.db", args, profile_file)
+    rows.append(("sqlite (consume)", sqlite_s, f"{rss:.1f}"))
+    rows.append(("sqlite append-only", run_append_only(f"sqlite:///{work}/append.db", args), None))
+    if args.no_postgres:
+        rows.append(("postgresql (consume)", None, "--no-postgres"))
+    else:
+        try:
+            with postgres_scratch(args.pg_url) as pg:
+                seconds, rss = run_consumer(pg, args)
+                rows.append(("postgresql (consume)", seconds, f"{rss:.1f}"))
+            with postgres_scratch(args.pg_url) as pg:
+                rows.append(("postgresql append-only", run_append_only(pg, args), None))
+        except Exception as exc:  # noqa: BLE001 - the report says why PostgreSQL was skipped
+            rows.append(("postgresql (consume)", None, type(exc).__name__))
+    soak_row = None
+    if args.soak_s > 0:
+        total = args.messages * args.events_per_message * args.blocks_per_event
+        target = args.soak_rate or 0.5 * total / sqlite_s
+        soak_row = {**soak(f"sqlite:///{work}/soak.db", args, target), "target": target}
+    profile = summarize_profile(profile_file) if profile_file and profile_file.exists() else []
+    text = report(rows, soak_row, profile, args)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
