@@ -10,6 +10,7 @@ Exit codes: 0 success, 1 a check failed (e.g. replay differs), 2 usage or databa
 
 from __future__ import annotations
 
+import sys
 from importlib.metadata import entry_points
 
 import typer
@@ -27,7 +28,12 @@ ENTRY_POINT_GROUP = "semkv_ledger.commands"
 
 def _register_plugins() -> None:
     for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        ep.load()(app)
+        try:
+            register = ep.load()
+        except ImportError as exc:  # e.g. a consumer-only host: the other commands must still work
+            print(f"warning: semkv-ledger commands of {ep.value!r} unavailable: {exc}", file=sys.stderr)
+            continue
+        register(app)
 
 
 def main() -> None:
