@@ -6,7 +6,7 @@ the same wire as vLLM's ``ZmqEventPublisher`` (vllm-project/vllm ``vllm/distribu
 so one consumer ingests all engines::
 
     llm = LLM(model=path, kv_cache_config=KvCacheConfig(enable_block_reuse=True, event_buffer_max_size=16384))
-    with LlmEventBridge(llm, KvEventPublisher("tcp://*:5557", "tcp://*:5558")):  # start() ... close()
+    with LlmEventBridge(llm, KvEventPublisher("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")):  # start() ... close()
         llm.generate(prompts)  # on exit: drain the engine's queue, flush, close the publisher
 
 Wire (reference/WIRE.md §B, checked against the recorded engine in shared/fixtures/README.md):
@@ -21,11 +21,17 @@ Wire (reference/WIRE.md §B, checked against the recorded engine in shared/fixtu
   (byte-identical to live) and then the end marker ``envelope + [b"", ff×8, b""]``. A start beyond
   the buffer gets only the end marker. Like vLLM, the buffer holds the *encoded* frames.
 
-Defaults: ``endpoint="tcp://*:5557"``, ``buffer_steps=10_000``, ``hwm=100_000``,
-``max_queue_size=100_000`` are vLLM's ``KVEventsConfig`` defaults. vLLM's ``replay_endpoint``
-defaults to None (off); ours defaults to ``tcp://*:5558`` (the port vLLM's example subscriber
-uses) because DESIGN §5 recovers gaps through replay. Pass ``None`` to turn it off.
-Unlike vLLM, binding is explicit (``bind=True``) rather than guessed from a ``*`` in the endpoint.
+Defaults: port 5557, ``buffer_steps=10_000``, ``hwm=100_000``, ``max_queue_size=100_000`` are
+vLLM's ``KVEventsConfig`` defaults, but we bind loopback only (``tcp://127.0.0.1:5557``; vLLM binds
+``*``). vLLM's ``replay_endpoint`` defaults to None (off); ours defaults to
+``tcp://127.0.0.1:5558`` (the port vLLM's example subscriber uses) because DESIGN §5 recovers gaps
+through replay. Pass ``None`` to turn it off. Unlike vLLM, binding is explicit (``bind=True``)
+rather than guessed from a ``*`` in the endpoint.
+
+Security (``consumer/curve.py``, docs/security.md): ``curve=CurveKeys.from_files("engine.key_secret",
+"consumers/")`` makes the PUB and the replay ROUTER CURVE servers that admit only the consumers'
+public keys; binding a non-loopback address without it raises an :class:`InsecureEndpointWarning`.
+Refused handshakes are counted in :meth:`KvEventPublisher.stats` (``handshakes_refused``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import msgspec
 import structlog
 import zmq
 
+from consumer.curve import CurveKeys, HandshakeMonitor, ZapAuthorizer, warn_if_exposed
 from consumer.wire import SEQ_END_MARKER, encode_frames
 
 __all__ = [
@@ -52,8 +59,9 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_ENDPOINT = "tcp://*:5557"
-DEFAULT_REPLAY_ENDPOINT = "tcp://*:5558"
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+DEFAULT_REPLAY_ENDPOINT = "tcp://127.0.0.1:5558"
+CURVE_DOMAIN = "semkv-publisher"  # ZAP domain of the publishers' CURVE server sockets
 DEFAULT_TOPIC = b"kv"
 
 _SEQ_BYTES = 8
@@ -150,24 +158,32 @@ def serve_replay_request(sock: zmq.Socket, buffer: ReplayBuffer, stats: ReplaySt
 
 
 def open_socket(
-    ctx: zmq.Context, socket_type: int, endpoint: str, *, bind: bool, sndhwm: int
+    ctx: zmq.Context, socket_type: int, endpoint: str, *, bind: bool, sndhwm: int,
+    curve: CurveKeys | None = None,
+    on_create: Callable[[zmq.Socket], None] | None = None,
 ) -> zmq.Socket:
-    """Create a socket, set its send high-water mark, then bind or connect it.
+    """Create a socket, set its send high-water mark (and CURVE: server when it binds, client when
+    it connects), call ``on_create`` (e.g. attach a handshake monitor), then bind or connect it.
 
     ROUTER sockets get ``ROUTER_MANDATORY`` so replies to vanished or slow clients fail loudly.
-    Raises ``zmq.ZMQError`` (socket closed first) when the endpoint is invalid or in use.
+    Raises ``zmq.ZMQError`` (socket closed first) when the endpoint is invalid or in use, and
+    ``consumer.curve.CurveError`` when a connecting CURVE socket has not exactly one server key.
     """
     sock = ctx.socket(socket_type)
     try:
         sock.setsockopt(zmq.SNDHWM, sndhwm)
         sock.setsockopt(zmq.LINGER, _CLOSE_LINGER_MS)
+        if curve is not None:
+            curve.configure(sock, server=bind, domain=CURVE_DOMAIN)
         if socket_type == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if on_create is not None:
+            on_create(sock)
         if bind:
             sock.bind(endpoint)
         else:
             sock.connect(endpoint)
-    except zmq.ZMQError:
+    except BaseException:
         sock.close(linger=0)
         raise
     return sock
@@ -206,6 +222,9 @@ class PublisherStats:
     queued: int = 0
     buffered: int = 0
     replay: ReplayStats = field(default_factory=ReplayStats)
+    handshakes_succeeded: int = 0  # subscribers/replay clients admitted (PUB and ROUTER together)
+    handshakes_refused: int = 0  # refused: key not authorized, no CURVE, wrong server key (consumer/curve.py)
+    refused_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 class KvEventPublisher:
@@ -223,9 +242,15 @@ class KvEventPublisher:
         max_queue_size: batches waiting for the thread; when full, :meth:`publish` drops.
         encode: payload encoder ``(ts, events, rank) -> bytes``; default msgspec msgpack.
         context: ZMQ context (default: the process-wide instance, never terminated here).
+        curve: CURVE keys (``CurveKeys.from_files(own NAME.key_secret, consumer key file or
+            directory)``): the bound PUB and the ROUTER admit only those consumers; a connecting
+            PUB pins the one consumer key. The publisher then uses a private context (with its ZAP
+            handler), so ``context`` must be None.
 
     Raises:
         zmq.ZMQError: binding or connecting failed (raised from the constructor).
+        ValueError: ``curve`` together with ``context``; ``consumer.curve.CurveError`` (a
+            ValueError) for a connecting CURVE PUB without exactly one consumer key.
     """
 
     def __init__(
@@ -240,12 +265,24 @@ class KvEventPublisher:
         max_queue_size: int = 100_000,
         encode: Callable[[tuple[float, list[Any], int | None]], bytes] | None = None,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
+        if curve is not None and context is not None:
+            raise ValueError("a CURVE publisher owns its context (its ZAP handler is per context): pass no context")
+        if bind:
+            warn_if_exposed(endpoint, curve=curve is not None, what="KvEventPublisher's PUB")
+        warn_if_exposed(replay_endpoint, curve=curve is not None, what="KvEventPublisher's replay ROUTER")
         self._topic = topic.encode() if isinstance(topic, str) else bytes(topic)
         self._buffer = ReplayBuffer(buffer_steps)
         self._queue: queue.Queue[_Batch] = queue.Queue(maxsize=max_queue_size)
         self._encode = encode or msgspec.msgpack.Encoder().encode
-        self._ctx = context or zmq.Context.instance()
+        self._curve = curve
+        self._own_ctx = curve is not None
+        self._ctx = zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
+        self._zap = ZapAuthorizer(self._ctx) if curve is not None else None
+        if self._zap is not None and curve is not None:
+            self._zap.authorize(CURVE_DOMAIN, curve.peers)
+        self.handshakes = HandshakeMonitor("publisher")  # drained by the publisher thread
         self._config = (endpoint, replay_endpoint, bind, hwm, buffer_steps)
         self._lock = threading.Lock()  # seq allocation + enqueue happen together: queue order = seq order
         self._done = threading.Condition()
@@ -262,6 +299,7 @@ class KvEventPublisher:
         self._ready.wait()
         if self._start_error is not None:
             self._thread.join()
+            self._release_context()
             raise self._start_error
 
     # -- caller side (any thread; never blocks) --
@@ -316,10 +354,20 @@ class KvEventPublisher:
             self._stats.abandoned_at_close += 1
         if self._stats.abandoned_at_close:
             log.warning("publisher.abandoned_at_close", batches=self._stats.abandoned_at_close)
+        self._release_context()
+
+    def _release_context(self) -> None:
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.term()
 
     def stats(self) -> PublisherStats:
         s = self._stats
-        return replace(s, queued=self._queue.qsize(), buffered=len(self._buffer), replay=replace(s.replay))
+        succeeded, refused, by_reason = self.handshakes.snapshot()
+        return replace(s, queued=self._queue.qsize(), buffered=len(self._buffer), replay=replace(s.replay),
+                       handshakes_succeeded=succeeded, handshakes_refused=refused, refused_by_reason=by_reason)
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -337,6 +385,7 @@ class KvEventPublisher:
         try:
             pub, replay = self._open_sockets()
         except BaseException as exc:  # reported to the constructor, which re-raises it
+            self.handshakes.close()
             self._start_error = exc
             self._ready.set()
             return
@@ -344,20 +393,25 @@ class KvEventPublisher:
         try:
             self._loop(pub, replay)
         finally:
+            self.handshakes.drain()
+            self.handshakes.close()
             pub.close()
             if replay is not None:
                 replay.close()
 
     def _open_sockets(self) -> tuple[zmq.Socket, zmq.Socket | None]:
         endpoint, replay_endpoint, bind, hwm, buffer_steps = self._config
-        pub = open_socket(self._ctx, zmq.PUB, endpoint, bind=bind, sndhwm=hwm)
+        pub = open_socket(self._ctx, zmq.PUB, endpoint, bind=bind, sndhwm=hwm, curve=self._curve,
+                          on_create=lambda sock: self.handshakes.watch("pub", sock))
         self.endpoint = socket_endpoint(pub)
         if replay_endpoint is None:
             return pub, None
         try:
             # the HWM must hold a whole replay, or ZMQ would refuse part of it (EAGAIN)
-            replay = open_socket(self._ctx, zmq.ROUTER, replay_endpoint, bind=True, sndhwm=max(hwm, buffer_steps + 1))
-        except zmq.ZMQError:
+            replay = open_socket(self._ctx, zmq.ROUTER, replay_endpoint, bind=True, sndhwm=max(hwm, buffer_steps + 1),
+                                 curve=self._curve, on_create=lambda sock: self.handshakes.watch("replay", sock))
+        except BaseException:
+            self.handshakes.close()
             pub.close(linger=0)
             raise
         self.replay_endpoint = socket_endpoint(replay)
@@ -365,6 +419,7 @@ class KvEventPublisher:
 
     def _loop(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
         while not self._abort.is_set():
+            self.handshakes.drain()
             for _ in range(_REPLAYS_PER_TURN):
                 if replay is None or not serve_replay_request(replay, self._buffer, self._stats.replay):
                     break

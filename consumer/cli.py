@@ -9,20 +9,48 @@ capture or socket error.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-_DEFAULT_ENDPOINT = "tcp://*:5557"  # = consumer.bridge.DEFAULT_ENDPOINT (not imported: keeps --help light)
-_DEFAULT_REPLAY_ENDPOINT = "tcp://*:5558"  # = consumer.bridge.DEFAULT_REPLAY_ENDPOINT
+_DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # = consumer.bridge.DEFAULT_ENDPOINT (not imported: keeps --help light)
+_DEFAULT_REPLAY_ENDPOINT = "tcp://127.0.0.1:5558"  # = consumer.bridge.DEFAULT_REPLAY_ENDPOINT
 
 
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the ``semkv-ledger`` app."""
     _register_publish(app)
     _register_consume(app)
+    _register_keygen(app)
+
+
+def _register_keygen(app: typer.Typer) -> None:
+    app.command("keygen", no_args_is_help=True)(keygen_command)
+
+
+def keygen_command(
+    directory: Annotated[Path, typer.Argument(help="Directory for the key files (created if missing).",
+                                              file_okay=False)],
+    name: Annotated[str, typer.Option(help="Key name: writes NAME.key and NAME.key_secret.")],
+) -> None:
+    """Create a CurveZMQ key pair: DIR/NAME.key (public: give it to the peers) and
+    DIR/NAME.key_secret (mode 0600: stays on this host). Never overwrites a key.
+
+    Prints one JSON line with both paths and the public key (Z85).
+    """
+    from consumer.curve import CurveError, keygen, load_public_keys
+
+    try:
+        public, secret = keygen(directory, name)
+    except (CurveError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    key = load_public_keys(public)[0].decode()
+    typer.echo(json.dumps({"event": "keygen.done", "public_key_file": str(public),
+                           "secret_key_file": str(secret), "public_key": key}))
 
 
 def _register_publish(app: typer.Typer) -> None:
@@ -91,6 +119,16 @@ def publish_command(
     buffer_steps: Annotated[
         int, typer.Option(min=1, help="Batches kept for replay (vLLM's default).")
     ] = 10_000,
+    curve_secret_key: Annotated[
+        Path | None,
+        typer.Option(dir_okay=False, help="CURVE on: this publisher's key pair (ENGINE.key_secret from "
+                     "`semkv-ledger keygen`). Needs --curve-subscriber-keys."),
+    ] = None,
+    curve_subscriber_keys: Annotated[
+        Path | None,
+        typer.Option(help="CURVE: public key file, or directory of *.key files, of the consumers allowed "
+                     "to subscribe and replay; with --connect, the one consumer's key."),
+    ] = None,
 ) -> None:
     """Publish a recorded capture on ZMQ byte-exact, with its recorded seq numbers, and serve
     replay requests like the engine that produced it (a seq reset starts a fresh replay buffer).
@@ -100,24 +138,38 @@ def publish_command(
     import zmq
 
     from consumer.capture import CaptureFormatError
+    from consumer.curve import CurveError, CurveKeys, InsecureEndpointWarning, exposure_warning
     from consumer.publish import CapturePublisher, SubscriberTimeout
 
+    if (curve_secret_key is None) != (curve_subscriber_keys is None):
+        typer.echo("error: --curve-secret-key and --curve-subscriber-keys go together", err=True)
+        raise typer.Exit(2)
+    for what, point, bound in (("publish's PUB", endpoint, bind), ("publish's replay ROUTER", replay_endpoint,
+                                                                      replay_bind)):
+        warning = exposure_warning(point or None, curve=curve_secret_key is not None, what=what) if bound else None
+        if warning:
+            typer.echo(f"warning: {warning}", err=True)
     try:
-        publisher = CapturePublisher(
-            from_file,
-            endpoint,
-            replay_endpoint or None,
-            topic_override=topic.encode() if topic is not None else None,
-            speed=speed,
-            wait_for_subscriber=wait_for_subscriber,
-            subscriber_timeout_s=subscriber_timeout,
-            bind=bind,
-            replay_bind=replay_bind,
-            linger_s=linger,
-            max_gap_s=max_gap,
-            buffer_steps=buffer_steps,
-        )
-    except (OSError, zmq.ZMQError) as exc:
+        curve = (None if curve_secret_key is None or curve_subscriber_keys is None
+                 else CurveKeys.from_files(curve_secret_key, curve_subscriber_keys))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", InsecureEndpointWarning)  # printed above, as a plain line
+            publisher = CapturePublisher(
+                from_file,
+                endpoint,
+                replay_endpoint or None,
+                topic_override=topic.encode() if topic is not None else None,
+                speed=speed,
+                wait_for_subscriber=wait_for_subscriber,
+                subscriber_timeout_s=subscriber_timeout,
+                bind=bind,
+                replay_bind=replay_bind,
+                linger_s=linger,
+                max_gap_s=max_gap,
+                buffer_steps=buffer_steps,
+                curve=curve,
+            )
+    except (OSError, zmq.ZMQError, CurveError) as exc:
         typer.echo(f"error: cannot start publishing: {exc}", err=True)
         raise typer.Exit(2) from exc
     with publisher:
@@ -140,7 +192,8 @@ def publish_command(
 _CONSUME_HELP = (
     "Consume engine KV-cache events (ZMQ) into the ledger until SIGINT/SIGTERM.\n\n"
     "One source from --engine-id/--endpoint, plus any from --config or SEMKV_SOURCES. "
-    "Logs are JSON lines on stderr.\n\n"
+    "Logs are JSON lines on stderr. CURVE: --curve-secret-key and --curve-publisher-key "
+    "(docs/security.md); every setting: docs/consume-settings.md.\n\n"
     "Exit codes: 0 clean shutdown (everything received was committed), 1 runtime failure, "
     "2 configuration, endpoint or database error (e.g. not migrated: run `semkv-ledger migrate` "
     "or pass --migrate)."
@@ -193,6 +246,13 @@ def consume_command(
     log_level: Annotated[str | None, typer.Option(help="debug, info (default), warning or error.")] = None,
     exit_when_idle: Annotated[float | None, typer.Option(help="Exit (code 0) after this many seconds "
                                                          "without a message: a burst run.")] = None,
+    curve_secret_key: Annotated[Path | None, typer.Option(dir_okay=False, help="CURVE on: this consumer's key "
+                                                          "pair (NAME.key_secret from `semkv-ledger keygen`); "
+                                                          "every source then needs a publisher key. Env: "
+                                                          "SEMKV_CURVE_SECRET_KEY.")] = None,
+    curve_publisher_key: Annotated[Path | None, typer.Option(help="CURVE: the flag source's engine public key "
+                                                             "(ENGINE.key); with --bind, a key file or "
+                                                             "directory of the publishers admitted.")] = None,
 ) -> None:
     """``semkv-ledger consume``: see ``_CONSUME_HELP`` and :func:`consumer.daemon.serve`."""
     from pydantic import ValidationError
@@ -203,11 +263,13 @@ def consume_command(
     overrides = {"db": db, "metrics_port": metrics_port, "metrics_host": metrics_host, "record": record,
                  "batch_max_events": batch_max_events, "batch_max_delay_ms": batch_max_delay_ms,
                  "queue_max_batches": queue_max_batches, "replay_timeout_s": replay_timeout_s,
-                 "idle_replay_s": idle_replay_s, "max_frame_bytes": max_frame_bytes, "log_level": log_level}
+                 "idle_replay_s": idle_replay_s, "max_frame_bytes": max_frame_bytes, "log_level": log_level,
+                 "curve_secret_key": curve_secret_key}
     flag_source = {"engine_id": engine_id, "endpoint": endpoint, "replay_endpoint": replay_endpoint,
-                   "topic": topic, "bind": bind, "source_id": source_id}
+                   "topic": topic, "bind": bind, "source_id": source_id, "curve_publisher_key": curve_publisher_key}
     if engine_id is None and any(v is not None for v in flag_source.values()):
-        typer.echo("error: --endpoint/--replay-endpoint/--topic/--bind/--source-id need --engine-id", err=True)
+        typer.echo("error: --endpoint/--replay-endpoint/--topic/--bind/--source-id/--curve-publisher-key need "
+                   "--engine-id", err=True)
         raise typer.Exit(2)
     try:
         settings = load_settings(overrides, config_file=config,

@@ -29,6 +29,11 @@ returns (exit code 0). ``shutdown_timeout_s`` bounds the wait. A SIGKILL loses o
 committed, and the next start resumes from the ledger's position by replay (``consumer/source.py``).
 
 Logs: structlog JSON lines (:func:`configure_logging`), ``engine_id``/``source_id`` bound per source.
+
+Security: with ``curve_secret_key`` every source is CURVE-secured (``consumer/curve.py``); key files
+are read at start (a bad one is a :class:`ConfigurationError`, exit 2) and a ZAP handler admits, per
+``bind`` source, only that source's publisher keys. A ``bind`` source on a non-loopback address
+without CURVE is logged as ``source.exposed_without_curve`` (warning) at start.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError,
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from consumer.capture import CaptureWriter
+from consumer.curve import CurveError, CurveKeys, ZapAuthorizer, exposure_warning
 from consumer.metrics import ConsumerMetrics, MetricsServer
 from consumer.settings import ConsumerSettings, SourceSettings
 from consumer.source import Item, Source
@@ -131,13 +137,20 @@ class Daemon:
             ConfigurationError: a configured source is bound to another engine in the ledger.
             zmq.ZMQError: an endpoint cannot be bound or connected.
         """
+        curve = self._load_curve()
         self._writer = await LedgerWriter.open(self.settings.db)
         ctx = zmq.asyncio.Context()
         records: list[CaptureWriter] = []
         server: MetricsServer | None = None
+        zap: ZapAuthorizer | None = None
         try:
+            if any(cfg.bind for cfg in self.settings.sources if cfg.source_id in curve):
+                zap = ZapAuthorizer(ctx)  # before any CURVE server socket exists
+                for cfg in self.settings.sources:
+                    if cfg.bind:
+                        zap.authorize(cfg.source_id, curve[cfg.source_id].peers)
             positions = await self._writer.source_positions()
-            self.sources = [self._make_source(cfg, ctx, positions, records, i)
+            self.sources = [self._make_source(cfg, ctx, positions, records, i, curve.get(cfg.source_id))
                             for i, cfg in enumerate(self.settings.sources)]
             server = await self._start_server()
             with self._signal_handlers():
@@ -152,13 +165,43 @@ class Daemon:
                 await server.close()
             for record in records:
                 record.close()
+            if zap is not None:
+                zap.stop()
             ctx.destroy(linger=0)
             await self._writer.close()
         self.log.info("daemon.stopped", **dataclasses.asdict(self.stats))
         return self.stats
 
+    def _load_curve(self) -> dict[str, CurveKeys]:
+        """Each source's CURVE keys (none without ``curve_secret_key``); warns about exposed binds.
+
+        Raises:
+            ConfigurationError: a key file is missing or unusable, or a connecting source (or a
+                replay endpoint) has not exactly one publisher key to pin.
+        """
+        keys: dict[str, CurveKeys] = {}
+        secret_file = self.settings.curve_secret_key
+        for cfg in self.settings.sources:
+            if secret_file is None or cfg.curve_publisher_key is None:
+                warning = exposure_warning(cfg.endpoint if cfg.bind else None, curve=False,
+                                           what=f"source {cfg.source_id!r} (SUB --bind)")
+                if warning:
+                    self.log.warning("source.exposed_without_curve", engine_id=cfg.engine_id,
+                                     source_id=cfg.source_id, endpoint=cfg.endpoint, message=warning)
+                continue
+            try:
+                source_keys = CurveKeys.from_files(secret_file, cfg.curve_publisher_key)
+                if not cfg.bind or cfg.replay_endpoint is not None:
+                    source_keys.server_key()  # a client pins exactly one engine key
+            except CurveError as exc:
+                raise ConfigurationError(f"source {cfg.source_id!r}: {exc}") from exc
+            keys[cfg.source_id] = source_keys
+        if keys:
+            self.log.info("daemon.curve_on", sources=len(keys))
+        return keys
+
     def _make_source(self, cfg: SourceSettings, ctx: zmq.asyncio.Context, positions: dict[str, SourcePosition],
-                     records: list[CaptureWriter], index: int) -> Source:
+                     records: list[CaptureWriter], index: int, curve: CurveKeys | None = None) -> Source:
         position = positions.get(cfg.source_id)
         if position is not None and position.engine_id != cfg.engine_id:
             raise ConfigurationError(f"source {cfg.source_id!r} belongs to engine {position.engine_id!r} in the "
@@ -172,7 +215,7 @@ class Daemon:
         async def submit(item: Item) -> None:
             await self._put(cfg.engine_id, item)
 
-        return Source(cfg, self.settings, ctx, submit, self.metrics, position, record)
+        return Source(cfg, self.settings, ctx, submit, self.metrics, position, record, curve)
 
     async def _start_server(self) -> MetricsServer | None:
         if self.settings.metrics_port is None:
@@ -420,7 +463,8 @@ def configure_logging(level: str = "info") -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # Resolve sys.stderr per logger, not once: an embedding process (or pytest) may replace it.
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
         cache_logger_on_first_use=False,
     )
 

@@ -7,7 +7,8 @@ so several daemons can run in one process (tests). Names are ``semkv_consumer_*`
 Which side counts what:
 
 * sources (label ``engine_id``): messages and events received, dead letters (label ``reason``),
-  seq gaps seen, replays (label ``outcome``: ``ok`` covered the gap, ``partial`` recovered some
+  seq gaps seen, handshakes completed and refused (labels ``socket`` = ``sub``/``replay`` and
+  ``reason``, see ``consumer/curve.py``), replays (label ``outcome``: ``ok`` covered the gap, ``partial`` recovered some
   batches, ``failed`` recovered none or timed out), duplicates dropped before the ledger,
   back-pressure waits;
 * the writer (one per database): what the ledger decided in each transaction (events applied /
@@ -70,6 +71,13 @@ class ConsumerMetrics:
         self.backpressure_seconds = Counter("semkv_consumer_backpressure_seconds_total",
                                             "Time sources spent waiting on a full queue", _ENGINE, registry=r)
         self.source_up = Gauge("semkv_consumer_source_up", "1 while the source task runs", _ENGINE, registry=r)
+        self.curve_refused = Counter("semkv_consumer_curve_refused_total",
+                                     "Security handshakes refused on a source's sockets (CURVE key not "
+                                     "authorized, wrong publisher key, or CURVE on one side only)",
+                                     (*_ENGINE, "socket", "reason"), registry=r)
+        self.handshakes = Counter("semkv_consumer_handshakes_total",
+                                  "ZMQ handshakes completed on a source's sockets (CURVE or plain)",
+                                  (*_ENGINE, "socket"), registry=r)
         self._writer_metrics(r)
 
     def _writer_metrics(self, r: CollectorRegistry) -> None:

@@ -20,6 +20,9 @@ Behaviour:
   replay ROUTER binds in both cases, as vLLM's does; ``replay_bind=False`` connects it.
 * after the last message the replay socket keeps answering for ``linger_s`` (or until
   :meth:`CapturePublisher.stop`), so a late subscriber can still recover everything.
+* ``curve`` (``consumer/curve.py``): the bound sockets are CURVE servers admitting only the given
+  consumer keys, a connecting PUB pins the one consumer key; refused handshakes are counted in
+  the report. Binding a non-loopback address without it raises an ``InsecureEndpointWarning``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import structlog
 import zmq
 
 from consumer.bridge import (
+    CURVE_DOMAIN,
     DEFAULT_ENDPOINT,
     DEFAULT_REPLAY_ENDPOINT,
     ReplayBuffer,
@@ -42,6 +46,7 @@ from consumer.bridge import (
     socket_endpoint,
 )
 from consumer.capture import CapturedMessage, read_capture
+from consumer.curve import CurveKeys, HandshakeMonitor, ZapAuthorizer, warn_if_exposed
 from consumer.wire import is_end_marker, unpack_seq
 
 __all__ = ["CapturePublisher", "PublishReport", "SubscriberTimeout", "publish_capture"]
@@ -62,7 +67,8 @@ class PublishReport:
     ``messages_sent`` counts messages handed to ZMQ; ``restarts`` seq resets (replay buffer
     restarted); ``unbuffered`` messages that were not ``[topic, seq8, payload]``;
     ``publish_duration_s`` the time from the first to the last message (excludes waiting for a
-    subscriber and lingering).
+    subscriber and lingering); ``handshakes_*`` the subscribers and replay clients admitted and
+    refused (CURVE: key not authorized, no CURVE, wrong server key).
     """
 
     messages_sent: int
@@ -72,6 +78,8 @@ class PublishReport:
     stopped_early: bool
     publish_duration_s: float
     replay: ReplayStats
+    handshakes_succeeded: int = 0
+    handshakes_refused: int = 0
 
 
 class CapturePublisher:
@@ -83,6 +91,7 @@ class CapturePublisher:
         ValueError: negative ``speed``, ``linger_s`` or ``max_gap_s``.
         OSError: the capture file cannot be read.
         zmq.ZMQError: an endpoint cannot be bound or connected.
+        consumer.curve.CurveError: a connecting CURVE PUB without exactly one consumer key.
     """
 
     def __init__(
@@ -101,6 +110,7 @@ class CapturePublisher:
         max_gap_s: float | None = None,
         hwm: int = 100_000,
         buffer_steps: int = 10_000,
+        curve: CurveKeys | None = None,
     ) -> None:
         if speed < 0 or linger_s < 0 or (max_gap_s is not None and max_gap_s < 0):
             raise ValueError("speed, linger_s and max_gap_s must be >= 0")
@@ -116,7 +126,17 @@ class CapturePublisher:
         self._ctx = zmq.Context()  # private, so close() can wait for queued frames to leave
         self._pub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
+        self._curve = curve
+        self.handshakes = HandshakeMonitor("publish")
+        self._zap: ZapAuthorizer | None = None
+        if bind:
+            warn_if_exposed(endpoint, curve=curve is not None, what="publish's PUB")
+        if replay_bind:
+            warn_if_exposed(replay_endpoint, curve=curve is not None, what="publish's replay ROUTER")
         try:
+            if curve is not None:
+                self._zap = ZapAuthorizer(self._ctx)
+                self._zap.authorize(CURVE_DOMAIN, curve.peers)
             self._open(endpoint, replay_endpoint, bind, replay_bind, hwm, buffer_steps)
         except BaseException:
             self.close()
@@ -125,13 +145,15 @@ class CapturePublisher:
     def _open(self, endpoint: str, replay_endpoint: str | None, bind: bool, replay_bind: bool,
               hwm: int, buffer_steps: int) -> None:  # fmt: skip
         pub_type = zmq.XPUB if self._wait else zmq.PUB
-        self._pub = open_socket(self._ctx, pub_type, endpoint, bind=bind, sndhwm=hwm)
+        self._pub = open_socket(self._ctx, pub_type, endpoint, bind=bind, sndhwm=hwm, curve=self._curve,
+                                on_create=lambda sock: self.handshakes.watch("pub", sock))
         self.endpoint = socket_endpoint(self._pub)
         self.replay_endpoint: str | None = None
         if replay_endpoint is not None:
             # the HWM must hold a whole replay, or ZMQ would refuse part of it
             sndhwm = max(hwm, buffer_steps + 1)
-            self._replay = open_socket(self._ctx, zmq.ROUTER, replay_endpoint, bind=replay_bind, sndhwm=sndhwm)
+            self._replay = open_socket(self._ctx, zmq.ROUTER, replay_endpoint, bind=replay_bind, sndhwm=sndhwm,
+                                       curve=self._curve, on_create=lambda sock: self.handshakes.watch("replay", sock))
             self.replay_endpoint = socket_endpoint(self._replay)
 
     def run(self) -> PublishReport:
@@ -161,6 +183,8 @@ class CapturePublisher:
             stopped_early=not completed,
             publish_duration_s=duration_s,
             replay=replace(self._replay_stats),
+            handshakes_succeeded=self.handshakes.succeeded,
+            handshakes_refused=self.handshakes.refused,
         )
 
     def stop(self) -> None:
@@ -169,10 +193,14 @@ class CapturePublisher:
 
     def close(self) -> None:
         """Close the sockets; waits up to ZMQ's linger (2 s) for frames still queued."""
+        self.handshakes.close()
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close()
         self._pub = self._replay = None
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
         if not self._ctx.closed:
             self._ctx.term()
 
@@ -252,6 +280,7 @@ class CapturePublisher:
                 self._replay.poll(wait_ms)
 
     def _serve_pending(self) -> None:
+        self.handshakes.drain()
         if self._replay is not None:
             while serve_replay_request(self._replay, self._buffer, self._replay_stats):
                 pass
@@ -264,6 +293,7 @@ class CapturePublisher:
             poller.register(self._replay, zmq.POLLIN)
         deadline = time.monotonic() + self._subscriber_timeout_s
         while not self._stop.is_set():
+            self.handshakes.drain()
             for sock, _ in poller.poll(_POLL_SLICE_MS):
                 if sock is self._replay:
                     self._serve_pending()

@@ -21,9 +21,13 @@ Sources of values, highest priority first (hypercorn's ``Config`` + pydantic-set
 A source given on the command line (``--engine-id``/``--endpoint``) is *added* to the sources of
 the environment or TOML file; two sources with the same ``source_id`` are an error.
 
-Defaults follow reference/WIRE.md §B: engines bind ``tcp://*:5557``, so a consumer on the same host
+Defaults follow reference/WIRE.md §B: engines bind port 5557, so a consumer on the same host
 connects to ``tcp://127.0.0.1:5557``. Replay is off unless ``replay_endpoint`` is set (the
 publisher bridge and ``semkv-ledger publish`` serve it on port 5558 by default).
+
+CURVE (``consumer/curve.py``, docs/security.md): ``curve_secret_key`` (this consumer's key pair)
+turns it on for every source, and then every source needs ``curve_publisher_key`` (the engine's
+public key). ``docs/consume-settings.md`` is generated from this model: ``python -m consumer.settings``.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("semk
 class SourceSettings(BaseModel):
     """One engine event endpoint (DESIGN §3 "source")."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     engine_id: str = Field(min_length=1, max_length=200)
     """Stable id of the engine's deployment slot (kept across restarts)."""
@@ -68,6 +72,10 @@ class SourceSettings(BaseModel):
     """Bind the SUB socket instead of connecting (for vLLM engines that connect their PUB)."""
     source_id: str = ""
     """Ledger key of this source; default ``f"{engine_id}@{endpoint}"``."""
+    curve_publisher_key: Path | None = None
+    """CURVE: the engine publisher's public key file (``ENGINE.key``), pinned when connecting; for a
+    ``bind`` source, the key file or directory of ``*.key`` files of the publishers admitted (ZAP).
+    Required when ``curve_secret_key`` is set."""
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
@@ -87,11 +95,12 @@ class ConsumerSettings(BaseSettings):
     """Everything ``semkv-ledger consume`` needs. Units are in the field names."""
 
     model_config = SettingsConfigDict(env_prefix="SEMKV_", env_nested_delimiter="__", frozen=True,
-                                      extra="forbid")
+                                      extra="forbid", use_attribute_docstrings=True)
 
     db: str = DEFAULT_DB
     """Ledger database URL or SQLite file path (default: ``semkv-ledger.db`` in the working directory)."""
     sources: list[SourceSettings] = Field(default_factory=list)
+    """Engine endpoints (``[[sources]]`` tables in TOML; fields in the second table below)."""
     batch_max_events: int = Field(1024, ge=1)
     """Engine events per ledger transaction, at most (a single larger message still goes alone)."""
     batch_max_delay_ms: float = Field(20.0, ge=0)
@@ -116,13 +125,18 @@ class ConsumerSettings(BaseSettings):
     metrics_host: str = "127.0.0.1"
     """Loopback by default; set 0.0.0.0 (or an interface) to let a remote Prometheus scrape."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest level logged (JSON lines on stderr)."""
     record: Path | None = None
     """Append every message passed to the ledger to this capture file (shared/fixtures format)."""
     db_retry_initial_s: float = Field(0.05, gt=0)
+    """First back-off while the database refuses a transaction (e.g. SQLite locked); doubles each retry."""
     db_retry_max_s: float = Field(2.0, gt=0)
-    """Back-off bounds while the database refuses a transaction (e.g. SQLite locked)."""
+    """Longest back-off between two retries of a refused transaction."""
     shutdown_timeout_s: float = Field(30.0, gt=0)
     """On SIGTERM/SIGINT: how long to wait for the received messages to commit before giving up."""
+    curve_secret_key: Path | None = None
+    """CURVE: this consumer's key pair (``NAME.key_secret`` from ``semkv-ledger keygen``). Set: every
+    source is secured and needs ``curve_publisher_key``; unset: plain ZMQ (keep it on loopback)."""
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -136,6 +150,13 @@ class ConsumerSettings(BaseSettings):
             if source.source_id in seen:
                 raise ValueError(f"two sources have source_id {source.source_id!r}")
             seen.add(source.source_id)
+        for source in self.sources:
+            if self.curve_secret_key is not None and source.curve_publisher_key is None:
+                raise ValueError(f"source {source.source_id!r} has no curve_publisher_key, but curve_secret_key "
+                                 "is set: every source of a CURVE consumer needs the engine's public key")
+            if self.curve_secret_key is None and source.curve_publisher_key is not None:
+                raise ValueError(f"source {source.source_id!r} has a curve_publisher_key but curve_secret_key is "
+                                 "not set: give this consumer's key pair (--curve-secret-key)")
         return self
 
     @classmethod
@@ -199,3 +220,66 @@ def _no_source_error() -> Exception:
                                 "SEMKV_SOURCES, or [[sources]] in --config")
     details: list[InitErrorDetails] = [{"type": error, "loc": ("sources",), "input": []}]
     return ValidationError.from_exception_data("ConsumerSettings", details)
+
+
+# --- the settings table (docs/consume-settings.md) -------------------------------------------------
+
+
+def _consume_flags() -> dict[str, str]:
+    """``{parameter name: "--flag"}`` of ``semkv-ledger consume`` (read from the real command)."""
+    import typer
+    from typer.main import get_command
+
+    from consumer.cli import register
+
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    register(app)
+    command = get_command(app).commands["consume"]  # type: ignore[attr-defined]
+    return {p.name: "/".join([*p.opts, *p.secondary_opts]) for p in command.params if p.name}
+
+
+def _default(field: Any) -> str:
+    if field.default_factory is not None:
+        return f"`{field.default_factory()!r}`"
+    value = field.default
+    if value is None:
+        return "unset"
+    return '`""`' if value == "" else f"`{value}`"
+
+
+def settings_markdown() -> str:
+    """The settings table of ``semkv-ledger consume``, generated from the models above."""
+    flags = _consume_flags()
+    lines = ["# `semkv-ledger consume` settings", "",
+             "Generated from `consumer/settings.py` by `python -m consumer.settings > docs/consume-settings.md`",
+             "(a test fails when this file and the model disagree). Priority: flag > environment > TOML file",
+             "(`--config`) > default. `SEMKV_SOURCES` is a JSON list of source objects.", "",
+             "| setting (TOML key) | environment | flag | default | meaning |", "|---|---|---|---|---|"]
+    for name, field in ConsumerSettings.model_fields.items():
+        lines.append(f"| `{name}` | `SEMKV_{name.upper()}` | {_flag(flags, name)} | {_default(field)} | "
+                     f"{_cell(field.description)} |")
+    lines += ["", "Each `[[sources]]` entry (or element of the JSON list in `SEMKV_SOURCES`); the flags give one",
+              "source, added to those of the file and the environment:", "",
+              "| source field | flag | default | meaning |", "|---|---|---|---|"]
+    for name, field in SourceSettings.model_fields.items():
+        default = "required" if field.is_required() else _default(field)
+        lines.append(f"| `{name}` | {_flag(flags, name)} | {default} | {_cell(field.description)} |")
+    only = sorted(set(flags) - set(ConsumerSettings.model_fields) - set(SourceSettings.model_fields))
+    lines += ["", "Flags that are not settings: " + ", ".join(f"`{flags[n]}`" for n in only) + " (see "
+              "`semkv-ledger consume --help`).", ""]
+    return "\n".join(lines)
+
+
+def _flag(flags: dict[str, str], name: str) -> str:
+    return f"`{flags[name]}`" if name in flags else "—"
+
+
+def _cell(text: str | None) -> str:
+    if not text:
+        raise ValueError("every setting needs a docstring (it is its documentation)")
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+if __name__ == "__main__":
+    print(settings_markdown(), end="")

@@ -36,6 +36,12 @@ again (finds lost trailing batches and batches published before the SUB connecte
 
 ``record``: every message passed on (live or recovered, in that order; duplicates excluded) is
 appended to a capture file (``consumer/capture.py``), replayable by ``semkv-ledger publish``.
+
+CURVE (``consumer/curve.py``): with keys, the SUB is a CURVE client pinning the engine's key (or,
+with ``bind``, a CURVE server whose ZAP domain is the ``source_id``: the daemon authorizes the
+engine's key there) and the replay DEALER a client pinning the same key. Both sockets carry a
+socket monitor; a task counts their handshakes (``semkv_consumer_handshakes_total``) and refusals
+(``semkv_consumer_curve_refused_total{socket, reason}``). A refused peer never delivers a frame.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import zmq
 import zmq.asyncio
 
 from consumer.capture import CaptureWriter
+from consumer.curve import HINTS, CurveKeys, classify, monitor
 from consumer.metrics import ConsumerMetrics
 from consumer.settings import ConsumerSettings, SourceSettings
 from consumer.wire import WireLimits, decode_message, is_end_marker, pack_seq
@@ -136,8 +143,12 @@ class Source:
 
     def __init__(self, source: SourceSettings, settings: ConsumerSettings, ctx: zmq.asyncio.Context,
                  submit: Submit, metrics: ConsumerMetrics, position: SourcePosition | None = None,
-                 record: CaptureWriter | None = None) -> None:
+                 record: CaptureWriter | None = None, curve: CurveKeys | None = None) -> None:
         self.config = source
+        self._curve = curve
+        self._monitors: list[tuple[str, zmq.asyncio.Socket]] = []  # (socket label, monitor PAIR)
+        self._retired: list[tuple[str, zmq.asyncio.Socket]] = []  # of closed sockets: drained, then closed
+        self.handshakes_refused = 0
         self._settings, self._ctx, self._submit, self._record = settings, ctx, submit, record
         self._limits = WireLimits(max_frame_bytes=settings.max_frame_bytes)
         self._topic = source.topic.encode()
@@ -180,6 +191,7 @@ class Source:
         """
         self.alive = True
         self._m.source_up.labels(**self._labels).set(1)
+        watcher = asyncio.create_task(self._watch_handshakes(), name=f"semkv-handshakes-{self.source_id}")
         try:
             if self.config.replay_endpoint is not None:
                 await self._probe()
@@ -191,6 +203,8 @@ class Source:
         finally:
             self.alive = self.running = False
             self._m.source_up.labels(**self._labels).set(0)
+            watcher.cancel()
+            await asyncio.wait([watcher])  # its own CancelledError stays inside; ours still propagates
             self._close()
             self.log.info("source.stopped", last_seq=self.tracker.last_seq, messages=self.messages)
 
@@ -199,6 +213,9 @@ class Source:
         sub.setsockopt(zmq.RCVHWM, self._settings.rcv_hwm)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        if self._curve is not None:  # the side that binds is the CURVE server (consumer/curve.py)
+            self._curve.configure(sub, server=self.config.bind, domain=self.source_id)
+        self._watch("sub", sub)
         try:
             (sub.bind if self.config.bind else sub.connect)(self.config.endpoint)
         except zmq.ZMQError:
@@ -432,6 +449,7 @@ class Source:
             self.log.warning("source.replay_timeout", start_seq=start_seq, received=batches)
             dealer.close(linger=0)  # late replies must not leak into the next replay
             self._dealer = None
+            self._retire("replay")
         self._m.replay_seconds.labels(**self._labels).observe(time.perf_counter() - started)
         return ReplayResult(batches, covered, complete)
 
@@ -440,9 +458,65 @@ class Source:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, 0)  # a whole replay buffer must fit
+            if self._curve is not None:  # the engine's ROUTER binds: it is the server
+                self._curve.configure(dealer, server=False)
+            self._watch("replay", dealer)
             dealer.connect(endpoint)
             self._dealer = dealer
         return self._dealer
+
+
+    # -- handshake counting (socket monitors) ---------------------------------------------------
+
+    def _watch(self, label: str, sock: zmq.asyncio.Socket) -> None:
+        self._monitors.append((label, monitor(sock)))  # type: ignore[arg-type]
+
+    def _retire(self, label: str) -> None:
+        """The socket ``label`` was closed: its monitor is drained and closed by the watcher."""
+        self._retired += [m for m in self._monitors if m[0] == label]
+        self._monitors = [m for m in self._monitors if m[0] != label]
+
+    async def _watch_handshakes(self) -> None:
+        """Count handshake outcomes of this source's sockets until cancelled (by :meth:`run`)."""
+        try:
+            while True:
+                for label, mon in self._retired:
+                    await self._drain_monitor(label, mon)
+                    mon.close(linger=0)
+                self._retired.clear()
+                watched = list(self._monitors)
+                if not watched:
+                    await asyncio.sleep(_POLL_MS / 1000)
+                    continue
+                poller = zmq.asyncio.Poller()
+                for _, mon in watched:
+                    poller.register(mon, zmq.POLLIN)
+                await poller.poll(_POLL_MS)
+                for label, mon in watched:
+                    await self._drain_monitor(label, mon)
+        finally:
+            for _, mon in [*self._monitors, *self._retired]:
+                mon.close(linger=0)  # the watched sockets close right after (Source._close)
+            self._monitors, self._retired = [], []
+
+    async def _drain_monitor(self, label: str, mon: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = classify(frames)
+            if event is None:
+                continue
+            if event.ok:
+                self._m.handshakes.labels(**self._labels, socket=label).inc()
+                continue
+            self.handshakes_refused += 1
+            self._m.curve_refused.labels(**self._labels, socket=label, reason=str(event.reason)).inc()
+            if self.handshakes_refused == 1 or self.handshakes_refused % 100 == 0:  # peers retry every ~100 ms
+                self.log.warning("source.handshake_refused", socket=label, reason=event.reason,
+                                 endpoint=event.endpoint, refused_total=self.handshakes_refused,
+                                 hint=HINTS[str(event.reason)])
 
 
 def seq_carrying_letter_as_batch(item: ReceivedBatch | DeadLetter, frames: list[bytes]) -> ReceivedBatch | DeadLetter:

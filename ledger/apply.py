@@ -89,6 +89,9 @@ class Projection:
     """Deltas when partial; absolute values when not."""
     live_blocks: dict[str, set[BlockKey]] = dataclasses.field(default_factory=dict)
     """engine_id -> keys of loaded live blocks (so a quarantine need not scan every block)."""
+    loaded_blocks: set[BlockKey] = dataclasses.field(default_factory=set)
+    """Keys of the block rows read from the database. The live writer loads every block a
+    transaction touches first, so a dirty key NOT in here is a new row (a plain INSERT)."""
     dirty: dict[str, set[Any]] = dataclasses.field(
         default_factory=lambda: {t: set() for t in ("engines", "streams", "sources", "blocks", "donors", "leases")}
     )
@@ -105,11 +108,17 @@ class Projection:
         self.counters[(engine_id or GLOBAL, name)] += n
 
     def load_blocks(self, rows: Iterable[Row]) -> None:
+        blocks, live_blocks, loaded = self.blocks, self.live_blocks, self.loaded_blocks
         for row in rows:
-            key = BlockKey(row["engine_id"], row["attention_dp_rank"], row["window_size"], row["block_hash"], row["block_hash_ext"])
-            self.blocks[key] = row
-            if row["state"] == BlockState.LIVE:
-                self.live_blocks.setdefault(row["engine_id"], set()).add(key)
+            key = _new(BlockKey, (row["engine_id"], row["attention_dp_rank"], row["window_size"], row["block_hash"],
+                                  row["block_hash_ext"]))
+            blocks[key] = row
+            loaded.add(key)
+            if row["state"] == _LIVE:
+                live = live_blocks.get(row["engine_id"])
+                if live is None:
+                    live = live_blocks[row["engine_id"]] = set()
+                live.add(key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,32 +133,38 @@ def apply(proj: Projection, entry: LogEntry) -> None:
         KeyError: an entry refers to an engine that was never registered (a corrupt log).
     """
     body = entry.body
-    handler = _HANDLERS.get(type(body))
-    if entry.engine_id is not None and isinstance(body, _ENGINE_BODIES):
-        proj.count(entry.engine_id, "events_logged")
+    body_type = type(body)
+    engine_id = entry.engine_id
+    if engine_id is not None and body_type in _ENGINE_BODY_TYPES:
+        counters = proj.counters
+        counters[(engine_id, "events_logged")] += 1
         if not entry.applied:
-            proj.count(entry.engine_id, "events_stale")
+            counters[(engine_id, "events_stale")] += 1
             return
         _advance_stream(proj, entry)
-        proj.count(entry.engine_id, "events_applied")
+        counters[(engine_id, "events_applied")] += 1
+    handler = _HANDLERS.get(body_type)
     if handler is not None:
         handler(proj, entry, body)
 
 
 def _advance_stream(proj: Projection, entry: LogEntry) -> None:
-    key = StreamKey(entry.engine_id, entry.attention_dp_rank or 0, entry.window_size or 0)  # type: ignore[arg-type]
+    engine_id = entry.engine_id
+    key = _new(StreamKey, (engine_id, entry.attention_dp_rank or 0, entry.window_size or 0))
     row = proj.streams.get(key)
     if row is None:
-        row = {"engine_id": key.engine_id, "attention_dp_rank": key.attention_dp_rank,
-               "window_size": key.window_size, "last_event_id": None, "resync": False}
+        row = {"engine_id": engine_id, "attention_dp_rank": key[1], "window_size": key[2], "last_event_id": None,
+               "resync": False}
     if entry.event_id is not None:
         # Only an event that carries an event_id can become the new baseline after a bump.
         row["last_event_id"] = entry.event_id
         row["resync"] = False
-    proj.put("streams", key, row)
-    engine = proj.engines[entry.engine_id]
-    engine.update(last_seq=entry.seq, status=EngineStatus.ACTIVE)
-    proj.touch("engines", entry.engine_id)
+    proj.streams[key] = row
+    proj.dirty["streams"].add(key)
+    engine = proj.engines[engine_id]
+    engine["last_seq"] = entry.seq
+    engine["status"] = EngineStatus.ACTIVE
+    proj.dirty["engines"].add(engine_id)
 
 
 def _block_key(entry: LogEntry, block_hash: ev.BlockHash) -> BlockKey:
@@ -169,7 +184,8 @@ def _set_block_state(proj: Projection, key: BlockKey, row: Row, state: BlockStat
 
 
 # The two handlers below run once per block on the ingest path; they inline what
-# _block_key/_set_block_state do (measured: tools/bench_ledger.py).
+# _block_key/_set_block_state/split_hash/u64_to_i64 do and build keys with tuple.__new__ (a
+# NamedTuple's own constructor costs ~0.6 µs, split_hash ~0.2 µs; tools/bench_ledger.py).
 
 
 def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
@@ -179,34 +195,46 @@ def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
     blocks, dirty = proj.blocks, proj.dirty["blocks"]
     live = proj.live_blocks.setdefault(engine_id, set())
     p_hash, p_ext = split_hash(body.parent_hash) if body.parent_hash is not None else (None, None)
+    lora_id = body.lora_id
     again = 0
     for block in body.blocks:
-        h, ext = split_hash(block.block_hash)
-        key = BlockKey(engine_id, dp_rank, window, h, ext)
+        block_hash = block.block_hash
+        if type(block_hash) is int:
+            h, ext = (block_hash - _TWO_64 if block_hash > _I64_MAX else block_hash), b""
+        else:
+            h, ext = split_hash(block_hash)
+        digest = block.tokens_digest
+        if digest > _I64_MAX:
+            digest -= _TWO_64
+        key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
         row = blocks.get(key)
         if row is not None and row["state"] == _LIVE:
             row["store_count"] += 1
             again += 1
+            row["parent_hash"] = p_hash
+            row["parent_hash_ext"] = p_ext
+            row["num_tokens"] = block.num_tokens
+            row["tokens_digest"] = digest
+            row["cache_level"] = block.cache_level
+            row["priority"] = block.priority
+            row["cache_salt"] = block.cache_salt
+            row["lora_id"] = lora_id
+            row["generation"] = generation
+            row["updated_seq"] = seq
         else:
-            row = blocks[key] = {"engine_id": engine_id, "attention_dp_rank": dp_rank, "window_size": window,
-                                 "block_hash": h, "block_hash_ext": ext, "store_count": 1, "stored_seq": seq}
-        row["parent_hash"] = p_hash
-        row["parent_hash_ext"] = p_ext
-        row["num_tokens"] = block.num_tokens
-        row["tokens_digest"] = u64_to_i64(block.tokens_digest)
-        row["cache_level"] = block.cache_level
-        row["priority"] = block.priority
-        row["cache_salt"] = block.cache_salt
-        row["lora_id"] = body.lora_id
-        row["generation"] = generation
-        row["state"] = _LIVE
-        row["updated_seq"] = seq
+            blocks[key] = {"engine_id": engine_id, "attention_dp_rank": dp_rank, "window_size": window,
+                           "block_hash": h, "block_hash_ext": ext, "store_count": 1, "stored_seq": seq,
+                           "parent_hash": p_hash, "parent_hash_ext": p_ext, "num_tokens": block.num_tokens,
+                           "tokens_digest": digest, "cache_level": block.cache_level, "priority": block.priority,
+                           "cache_salt": block.cache_salt, "lora_id": lora_id, "generation": generation,
+                           "state": _LIVE, "updated_seq": seq}
         live.add(key)
         dirty.add(key)
         p_hash, p_ext = h, ext
-    proj.count(engine_id, "blocks_stored", len(body.blocks))
+    counters = proj.counters
+    counters[(engine_id, "blocks_stored")] += len(body.blocks)
     if again:
-        proj.count(engine_id, "stored_while_live", again)
+        counters[(engine_id, "stored_while_live")] += again
 
 
 def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> None:
@@ -216,7 +244,11 @@ def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> Non
     live = proj.live_blocks.setdefault(engine_id, set())
     removed = unknown = not_live = 0
     for block_hash in body.block_hashes:
-        key = BlockKey(engine_id, dp_rank, window, *split_hash(block_hash))
+        if type(block_hash) is int:
+            h, ext = (block_hash - _TWO_64 if block_hash > _I64_MAX else block_hash), b""
+        else:
+            h, ext = split_hash(block_hash)
+        key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
         row = blocks.get(key)
         if row is None:
             unknown += 1
@@ -231,9 +263,10 @@ def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> Non
         row["updated_seq"] = seq
         live.discard(key)
         dirty.add(key)
+    counters = proj.counters
     for name, n in (("blocks_removed", removed), ("removed_unknown", unknown), ("removed_not_live", not_live)):
         if n:
-            proj.count(engine_id, name, n)
+            counters[(engine_id, name)] += n
 
 
 def _on_updated(proj: Projection, entry: LogEntry, body: ev.BlockUpdated) -> None:
@@ -354,6 +387,9 @@ def _on_lease_released(proj: Projection, entry: LogEntry, body: ev.LeaseReleased
 _LIVE, _REMOVED = BlockState.LIVE, BlockState.REMOVED
 _LIVE_DONOR_STATES = (DonorState.REGISTERED, DonorState.LIVE)
 _ENGINE_BODIES = (ev.EngineCreated, ev.BlockStored, ev.BlockRemoved, ev.BlockUpdated, ev.AllBlocksCleared)
+_ENGINE_BODY_TYPES = frozenset(_ENGINE_BODIES)  # msgspec Structs: exact types, no subclasses
+_new = tuple.__new__  # _new(BlockKey, (...)): a NamedTuple without its slow Python-level __new__
+_TWO_64, _I64_MAX = 2**64, 2**63 - 1
 _HANDLERS: dict[type, Any] = {
     ev.BlockStored: _on_stored,
     ev.BlockRemoved: _on_removed,

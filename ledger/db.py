@@ -1,10 +1,13 @@
 """Database URLs and engines for both backends (DESIGN §5 "Backends").
 
-* SQLite (default, embedded): a file; WAL, ``synchronous=NORMAL``, ``busy_timeout``; created
-  with mode 0600. Writers open transactions with ``BEGIN IMMEDIATE`` so that the write lock is
-  taken up front (pysqlite's deferred BEGIN would otherwise fail with SQLITE_BUSY on upgrade;
-  SQLAlchemy docs, dialects/sqlite.html "Serializable isolation / Savepoints / Transactional DDL").
+* SQLite (default, embedded): a file; WAL, ``synchronous=NORMAL``, ``busy_timeout``, reads
+  through ``mmap``, a 64 MiB page cache for writers; created with mode 0600. Writers open
+  transactions with ``BEGIN IMMEDIATE`` so that the write lock is taken up front (pysqlite's
+  deferred BEGIN would otherwise fail with SQLITE_BUSY on upgrade; SQLAlchemy docs,
+  dialects/sqlite.html "Serializable isolation / Savepoints / Transactional DDL").
 * PostgreSQL: async writes through asyncpg, sync reads through psycopg 3.
+* Hot paths (the recorder, the connector's :class:`~ledger.queries.LedgerClient`) run
+  :class:`Prepared` statements through :class:`Sql` on DBAPI connections (see their docstrings).
 
 Accepted ``--db`` values: a file path (``ledger.db``), ``sqlite:///path``, ``postgresql://…``
 (driver suffixes are replaced by the right one for sync/async use).
@@ -12,17 +15,27 @@ Accepted ``--db`` values: a file path (``ledger.db``), ``sqlite:///path``, ``pos
 
 from __future__ import annotations
 
+import operator
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ledger.errors import LedgerError
 
 DEFAULT_DB = "sqlite:///semkv-ledger.db"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+SQLITE_WRITER_CACHE_KIB = 64 * 1024
+SQLITE_MMAP_BYTES = 1 << 30
+"""Reads of the database file go through a shared memory map instead of ``pread`` into each
+connection's 2 MiB page cache: the connector's block-liveness check (one primary-key probe per
+donor block, 1M-block ledger) fell from 2.8 to 1.9 ms per 1024 blocks (interleaved A/B on the
+2-core reference machine; same gain as a 64 MiB per-connection cache, without its memory)."""
 
 
 def normalize_url(db: str) -> URL:
@@ -67,6 +80,11 @@ def _sqlite_listeners(sync_engine: Engine, *, writer: bool) -> None:
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA mmap_size={SQLITE_MMAP_BYTES}")
+        if writer:
+            # A transaction of 1024 engine events dirties ~1-3 MB of random blocks-index pages;
+            # the default 2 MiB cache spilled them mid-transaction (tools/bench_ledger.py).
+            cursor.execute(f"PRAGMA cache_size=-{SQLITE_WRITER_CACHE_KIB}")
         cursor.close()
 
     @event.listens_for(sync_engine, "begin")
@@ -102,3 +120,142 @@ def async_engine(db: str) -> AsyncEngine:
         _sqlite_listeners(engine.sync_engine, writer=True)
         return engine
     return create_async_engine(url.set(drivername="postgresql+asyncpg"), pool_pre_ping=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# prepared statements on DBAPI connections (the hot paths)
+# ------------------------------------------------------------------------------------------------
+
+
+class Prepared:
+    """A Core statement compiled once per dialect into driver SQL plus a parameter binder.
+
+    Why: building, compiling and executing a SQLAlchemy expression costs 0.5–1.3 ms per call on
+    the 2-core reference machine (tools/results/connector-2026-11-29.md, before), against ~20 µs
+    for the same SQL on a kept DBAPI connection. The statement is still written once, in Core;
+    SQLAlchemy compiles it per dialect class and paramstyle (SQLite ``qmark``, psycopg
+    ``pyformat`` with its bind casts, asyncpg ``numeric_dollar``), so the SQL lives in one place
+    and stays correct on both backends. Constants bound at build time (``state == "live"``) keep
+    their values; the binder from :meth:`compiled` fills in the rest by name.
+
+    Values must already be driver-native (int, float, str, bytes, bool, None, or lists of them
+    for PostgreSQL arrays): no SQLAlchemy type processing runs.
+    """
+
+    __slots__ = ("stmt", "_compiled")
+
+    def __init__(self, stmt) -> None:  # noqa: ANN001 - any executable Core construct
+        self.stmt = stmt
+        self._compiled: dict[tuple[type, str], tuple[str, Any, Any]] = {}
+
+    def compiled(self, dialect) -> tuple[str, Any, Any]:  # noqa: ANN001
+        """``(sql, binder, row_getter)`` for ``dialect``.
+
+        ``binder(params)`` fills constants in and returns what the cursor takes; ``row_getter(row)``
+        is a C itemgetter for executemany over rows that hold every parameter.
+        """
+        key = (type(dialect), dialect.paramstyle)
+        hit = self._compiled.get(key)
+        if hit is None:
+            hit = self._compiled[key] = _compile(self.stmt, dialect)
+        return hit
+
+
+def _compile(stmt, dialect) -> tuple[str, Any, Any]:  # noqa: ANN001
+    compiled = stmt.compile(dialect=dialect)
+    if "POSTCOMPILE" in compiled.string:
+        raise ValueError("prepared statements cannot hold expanding IN lists")
+    defaults = dict(compiled.params)
+    if compiled.positiontup is None:
+        def binder(params: Mapping[str, Any], defaults=defaults) -> dict:  # noqa: ANN001
+            return {**defaults, **params}
+
+        return compiled.string, binder, (lambda row: row)
+    order = tuple(compiled.positiontup)
+
+    def positional(params: Mapping[str, Any], order=order, defaults=defaults) -> tuple:  # noqa: ANN001
+        return tuple(params[k] if k in params else defaults[k] for k in order)
+
+    if len(order) > 1:
+        getter = operator.itemgetter(*order)
+    else:
+        def getter(row: Mapping[str, Any], order=order) -> tuple:  # noqa: ANN001
+            return tuple(row[k] for k in order)
+    return compiled.string, positional, getter
+
+
+class Sql:
+    """Runs :class:`Prepared` statements on one DBAPI connection; the caller owns the transaction.
+
+    Driver errors surface as the driver's own exceptions (``self.errors``); callers translate
+    them at their boundary together with SQLAlchemy's (``ledger.recorder``, ``ledger.queries``).
+    """
+
+    __slots__ = ("dialect", "connection", "cursor", "errors", "owner")
+
+    def __init__(self, dbapi_connection, dialect, owner: Connection | None = None) -> None:  # noqa: ANN001
+        self.dialect = dialect
+        self.connection = dbapi_connection
+        self.cursor = dbapi_connection.cursor()
+        self.errors: tuple[type[BaseException], ...] = (dialect.loaded_dbapi.Error,)
+        self.owner = owner
+
+    @classmethod
+    def of(cls, conn: Connection) -> Sql:
+        """The DBAPI connection under a SQLAlchemy ``Connection`` (inside its transaction).
+
+        For aiosqlite/asyncpg this is SQLAlchemy's sync adapter, so it works under ``run_sync``.
+        """
+        return cls(conn.connection.dbapi_connection, conn.dialect, conn)
+
+    def wrap(self, exc: BaseException) -> DBAPIError:
+        """A driver error as SQLAlchemy would have raised it (``OperationalError`` for "database is
+        locked", ``connection_invalidated`` on a lost connection), so callers that classify errors
+        by SQLAlchemy type (the consumer's retry policy) see what they saw before. A lost
+        connection also invalidates the owning SQLAlchemy connection."""
+        try:
+            lost = bool(self.dialect.is_disconnect(exc, self.connection, self.cursor))
+        except Exception:  # noqa: BLE001 - classification only; an unknown error is not a disconnect
+            lost = False
+        wrapped = DBAPIError.instance(None, None, exc, self.dialect.loaded_dbapi.Error, connection_invalidated=lost,
+                                      dialect=self.dialect)
+        if lost and self.owner is not None:
+            self.owner.invalidate(wrapped)
+        return wrapped
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.dialect.name == "sqlite"
+
+    def one(self, prepared: Prepared, params: Mapping[str, Any]) -> Any:
+        sql, bind, _ = prepared.compiled(self.dialect)
+        cursor = self.cursor
+        cursor.execute(sql, bind(params))
+        return cursor.fetchone()
+
+    def all(self, prepared: Prepared, params: Mapping[str, Any]) -> list:
+        sql, bind, _ = prepared.compiled(self.dialect)
+        cursor = self.cursor
+        cursor.execute(sql, bind(params))
+        return cursor.fetchall()
+
+    def run(self, prepared: Prepared, params: Mapping[str, Any]) -> None:
+        sql, bind, _ = prepared.compiled(self.dialect)
+        self.cursor.execute(sql, bind(params))
+
+    def many(self, prepared: Prepared, rows: Sequence[Mapping[str, Any]]) -> None:
+        """executemany over rows holding every parameter of the statement."""
+        if not rows:
+            return
+        sql, _, bind = prepared.compiled(self.dialect)
+        if len(rows) == 1:
+            self.cursor.execute(sql, bind(rows[0]))
+        else:
+            self.cursor.executemany(sql, list(map(bind, rows)))
+
+    def driver(self, sql: str, params: Any = None) -> None:
+        """Plain driver SQL without parameters (``BEGIN IMMEDIATE``, ``LOCK TABLE``)."""
+        if params is None:
+            self.cursor.execute(sql)
+        else:
+            self.cursor.execute(sql, params)

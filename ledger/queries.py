@@ -10,36 +10,51 @@ generation ∧ (policy ``engine``: every needed block is live in that generation
 ``store``: the donor store holds checksummed bytes, i.e. state ``live``) ∧ namespace equal ∧ not
 expired. :meth:`LedgerClient.donor_freshness` returns ``None`` when fresh, else a
 :class:`~ledger.types.StaleReason`.
+
+Speed (DESIGN §7: the whole lookup, hit or miss, p99 ≤ 250 µs at 2K tokens, ≤ 2 ms at 32K).
+Building and executing SQLAlchemy expressions per call cost 0.5–1.3 ms per query on the 2-core
+reference machine, which is why the connector once carried its own copy of these reads as plain
+SQL. Now every statement below is written once in Core, compiled once per dialect
+(:class:`~ledger.db.Prepared`) and run on this thread's own DBAPI connection, kept open:
+~10–30 µs per query on SQLite (tools/results/connector-*.md). On SQLite a read of several
+statements runs in one deferred transaction (one snapshot, as before); on PostgreSQL reads run in
+autocommit, where READ COMMITTED already gave every statement its own snapshot. Writes open their
+transaction on the same connection (``BEGIN IMMEDIATE`` on SQLite).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from sqlalchemy import Connection, and_, func, select
+from sqlalchemy import bindparam, exists, func, or_, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from ledger import events as ev
+from ledger.db import Prepared, Sql
 from ledger.decide import Decider
 from ledger.errors import EventRejected, PersistenceError
 from ledger.migrate import check_schema
-from ledger.recorder import transact
-from ledger.schema import BlockRow, DonorBlockRow, DonorRow, EngineRow, LeaseRow
+from ledger.recorder import persistence_error, transact
+from ledger.schema import BlockRow, DonorBlockRow, DonorRow, EngineRow, LeaseRow, LogRow
 from ledger.types import (
     BlockHash,
     BlockState,
     DonorState,
     FreshnessPolicy,
+    GenerationReason,
     LeaseState,
     StaleReason,
     split_hash,
 )
 
+T = TypeVar("T")
 _DONORS, _DBLOCKS, _ENGINES = DonorRow.__table__, DonorBlockRow.__table__, EngineRow.__table__
-_BLOCKS, _LEASES = BlockRow.__table__, LeaseRow.__table__
+_BLOCKS, _LEASES, _LOG = BlockRow.__table__, LeaseRow.__table__, LogRow.__table__
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +62,9 @@ class EngineInfo:
     engine_id: str
     generation: int
     status: str
+    generation_reason: GenerationReason | None = None
+    """Why the current generation started; None when it is the generation the engine was
+    registered with. Read from the log row that set it (``engines.generation_seq``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,81 +82,198 @@ class DonorSpan:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class DonorInfo:
+    """A donor as the projection holds it, fresh or not (miss diagnosis, audits)."""
+
+    donor_id: str
+    engine_id: str
+    generation: int
+    state: DonorState
+    num_blocks: int
+    expires_at: float | None
+    store_ref: str | None
+    checksum: str | None
+    registered_seq: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Lease:
     lease_id: str
     donor_id: str
     expires_at: float
+    num_blocks: int = 0
+    """Leading donor blocks the lease was granted for (checked live under policy ``engine``)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# statements: the one place where the connector's SQL is written (compiled once per dialect)
+# ------------------------------------------------------------------------------------------------
+
+_LIVE = str(DonorState.LIVE)
+_SPAN_COLUMNS = (_DONORS.c.donor_id, _DONORS.c.engine_id, _DONORS.c.generation, _DONORS.c.tokens_per_block,
+                 _DONORS.c.store_ref, _DONORS.c.checksum, _DONORS.c.provider_generation,
+                 _DONORS.c.attention_dp_rank, _DONORS.c.window_size)
+_HOLDING = Prepared(
+    select(*_SPAN_COLUMNS)
+    .select_from(_DBLOCKS.join(_DONORS, _DONORS.c.donor_id == _DBLOCKS.c.donor_id)
+                 .join(_ENGINES, _ENGINES.c.engine_id == _DONORS.c.engine_id))
+    .where(_DBLOCKS.c.content_key == bindparam("content_key"), _DONORS.c.namespace == bindparam("namespace"),
+           _DONORS.c.state == _LIVE, _DONORS.c.generation == _ENGINES.c.generation,
+           or_(_DONORS.c.expires_at.is_(None), _DONORS.c.expires_at > bindparam("now")))
+    .order_by(_DONORS.c.registered_seq.desc()).limit(bindparam("limit")))
+"""Donors holding a content key whose STATE is fresh (live, current generation, not expired),
+newest first. Chained keys: a donor holding key i holds every key before it."""
+
+_FIRST_DEAD = Prepared(
+    select(func.min(_DBLOCKS.c.position)).where(
+        _DBLOCKS.c.donor_id == bindparam("donor_id"), _DBLOCKS.c.position < bindparam("num_blocks"),
+        ~exists().where(_BLOCKS.c.engine_id == bindparam("engine_id"),
+                        _BLOCKS.c.attention_dp_rank == bindparam("attention_dp_rank"),
+                        _BLOCKS.c.window_size == bindparam("window_size"),
+                        _BLOCKS.c.block_hash == _DBLOCKS.c.block_hash,
+                        _BLOCKS.c.block_hash_ext == _DBLOCKS.c.block_hash_ext,
+                        _BLOCKS.c.state == str(BlockState.LIVE), _BLOCKS.c.generation == bindparam("generation"))))
+"""Position of the donor's first block (below ``num_blocks``) that is not live in ``generation``."""
+
+_CHECK = Prepared(
+    select(_DONORS.c.namespace, _DONORS.c.state, _DONORS.c.expires_at, _DONORS.c.generation, _ENGINES.c.generation,
+           _DONORS.c.engine_id, _DONORS.c.attention_dp_rank, _DONORS.c.window_size, _DONORS.c.num_blocks,
+           _LEASES.c.state, _LEASES.c.expires_at, _LEASES.c.donor_id)
+    .select_from(_DONORS.outerjoin(_ENGINES, _ENGINES.c.engine_id == _DONORS.c.engine_id)
+                 .outerjoin(_LEASES, _LEASES.c.lease_id == bindparam("lease_id")))
+    .where(_DONORS.c.donor_id == bindparam("donor_id")))
+"""Everything freshness needs but block liveness, in one statement (donor ⟕ engine ⟕ lease)."""
+
+_ENGINE_INFO = Prepared(
+    select(_ENGINES.c.generation, _ENGINES.c.status, _LOG.c.kind, _LOG.c.body)
+    .select_from(_ENGINES.outerjoin(_LOG, _LOG.c.seq == _ENGINES.c.generation_seq))
+    .where(_ENGINES.c.engine_id == bindparam("engine_id")))
+
+_DONORS_FOR_KEY = Prepared(
+    select(_DONORS.c.donor_id, _DONORS.c.engine_id, _DONORS.c.generation, _DONORS.c.state, _DONORS.c.num_blocks,
+           _DONORS.c.expires_at, _DONORS.c.store_ref, _DONORS.c.checksum, _DONORS.c.registered_seq)
+    .select_from(_DBLOCKS.join(_DONORS, _DONORS.c.donor_id == _DBLOCKS.c.donor_id))
+    .where(_DBLOCKS.c.content_key == bindparam("content_key"), _DONORS.c.namespace == bindparam("namespace"))
+    .order_by(_DONORS.c.registered_seq.desc()).limit(bindparam("limit")))
+
+_HELD = (_LEASES.c.state == str(LeaseState.HELD), _LEASES.c.expires_at > bindparam("now"))
+_HELD_LEASES = Prepared(select(func.count()).select_from(_LEASES).where(*_HELD))
+_HELD_LEASES_OF = Prepared(select(func.count()).select_from(_LEASES).where(
+    *_HELD, _LEASES.c.donor_id == bindparam("donor_id")))
+
+_STATE_REASON = {str(DonorState.REGISTERED): StaleReason.NOT_SAVED, str(DonorState.EVICTED): StaleReason.EVICTED,
+                 str(DonorState.QUARANTINED): StaleReason.QUARANTINED}
 
 
 class LedgerClient:
-    """Synchronous ledger access for the connector (scheduler and worker).
+    """Synchronous ledger access for the connector (scheduler and worker). Thread-safe: each
+    thread uses its own DBAPI connection, opened on first use and kept until :meth:`close`.
 
     Args:
         db: ledger URL or SQLite path (see :mod:`ledger.db`).
         check: refuse a database not at the schema head (``SchemaOutOfDate``).
+
+    Every method raises PersistenceError when the database fails.
     """
 
     def __init__(self, db: str, *, check: bool = True) -> None:
         from ledger.db import sync_engine
 
         self.db = db
-        self._reader = sync_engine(db)
-        self._writer = sync_engine(db, writer=True, create=False)
+        self._engine = sync_engine(db)
+        self._local = threading.local()
+        self._open: list[Any] = []
+        self._open_lock = threading.Lock()
         if check:
-            with self._reader.connect() as conn:
+            with self._engine.connect() as conn:
                 check_schema(conn, db)
 
     def close(self) -> None:
-        self._reader.dispose()
-        self._writer.dispose()
+        with self._open_lock:
+            connections, self._open = self._open, []
+        for raw in connections:
+            try:
+                raw.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection at shutdown
+                pass
+        self._engine.dispose()
 
     # -- reads -------------------------------------------------------------------------------
 
     def engine(self, engine_id: str) -> EngineInfo | None:
-        """The engine's current generation and status, or None if the ledger never saw it."""
-        with self._read() as conn:
-            row = conn.execute(select(_ENGINES.c.generation, _ENGINES.c.status)
-                               .where(_ENGINES.c.engine_id == engine_id)).first()
-        return None if row is None else EngineInfo(engine_id, row.generation, row.status)
+        """The engine's current generation, status and why that generation started, or None if
+        the ledger never saw it."""
+        row = self._read(lambda sql: sql.one(_ENGINE_INFO, {"engine_id": engine_id}))
+        if row is None:
+            return None
+        generation, status, kind, body = row
+        reason = None
+        if kind == "generation_bumped":
+            bumped = ev.BODY_DECODER.decode(bytes(body))
+            reason = GenerationReason(bumped.reason)
+        return EngineInfo(engine_id, generation, status, reason)
 
     def longest_live_run(self, engine_id: str, block_hashes: Sequence[BlockHash], *, attention_dp_rank: int = 0,
                          window_size: int = 0) -> int:
-        """Number of leading ``block_hashes`` that are live in the engine's current generation (blocks)."""
-        with self._read() as conn:
-            return _live_prefix(conn, engine_id, attention_dp_rank, window_size, block_hashes)
+        """Number of leading ``block_hashes`` that are live in the engine's current generation
+        (blocks). Audits and tests; one statement per hash."""
+        return self._read(lambda sql: _live_run(sql, engine_id, attention_dp_rank, window_size, block_hashes),
+                          snapshot=True)
 
     def find_donor_span(self, namespace: str, content_keys: Sequence[bytes], *,
                         policy: FreshnessPolicy = FreshnessPolicy.ENGINE, now: float | None = None,
-                        min_blocks: int = 1) -> DonorSpan | None:
+                        min_blocks: int = 1, check_blocks: bool = True) -> DonorSpan | None:
         """Longest fresh donor span covering ``content_keys[0:n]`` (chained keys, so a donor that
         holds key i holds every key before it). Binary search over positions: O(log n) indexed
-        point queries, then one liveness check of the chosen donor's blocks (policy ``engine``).
+        point queries, then (policy ``engine``) the liveness of the chosen donors' blocks.
 
         Args:
             content_keys: the request's chained content keys, one per whole block.
             min_blocks: spans shorter than this are not worth returning (blocks).
+            check_blocks: False skips the block liveness check (policy ``engine``): the span is
+                then only as fresh as its donor's state, and the caller must check the blocks
+                itself — :meth:`take_lease` does, in its write transaction (the scheduler's path:
+                checking them twice cost ~2 µs per block).
         """
         now = time.time() if now is None else now
-        with self._read() as conn:
-            return _find_span(conn, namespace, content_keys, policy, now, min_blocks)
+        blocks = check_blocks and policy == FreshnessPolicy.ENGINE
+        return self._read(lambda sql: _find_span(sql, namespace, content_keys, blocks, now, min_blocks),
+                          snapshot=True)
 
     def donor_freshness(self, donor_id: str, *, namespace: str, num_blocks: int | None = None,
                         policy: FreshnessPolicy = FreshnessPolicy.ENGINE, lease_id: str | None = None,
                         now: float | None = None) -> StaleReason | None:
-        """Revalidate a donor (the worker calls this before each copy). None means fresh."""
+        """Revalidate a donor (the worker calls this before each copy). None means fresh.
+
+        Policy ``store`` (or ``num_blocks=0``) skips block liveness: one statement.
+        """
         now = time.time() if now is None else now
-        with self._read() as conn:
-            return _freshness(conn, donor_id, namespace, num_blocks, policy, lease_id, now)
+
+        def run(sql: Sql) -> StaleReason | None:
+            donor = _check(sql, donor_id, namespace, lease_id, now)
+            if isinstance(donor, StaleReason):
+                return donor
+            needed = donor.num_blocks if num_blocks is None else min(num_blocks, donor.num_blocks)
+            if policy == FreshnessPolicy.ENGINE and needed > 0 and _live_prefix(sql, donor_id, donor, needed) < needed:
+                return StaleReason.BLOCKS_NOT_LIVE
+            return None
+
+        blocks = policy == FreshnessPolicy.ENGINE and (num_blocks is None or num_blocks > 0)
+        return self._read(run, snapshot=blocks)
+
+    def donors_for_key(self, namespace: str, content_key: bytes, limit: int = 4) -> list[DonorInfo]:
+        """Donors of ``namespace`` that hold ``content_key``, newest first, FRESH OR NOT (miss
+        diagnosis: why is the donor of this text not usable?). Never a reason to load."""
+        rows = self._read(lambda sql: sql.all(_DONORS_FOR_KEY, {"content_key": content_key, "namespace": namespace,
+                                                                "limit": limit}))
+        return [DonorInfo(r[0], r[1], r[2], DonorState(r[3]), r[4], r[5], r[6], r[7], r[8]) for r in rows]
 
     def held_leases(self, *, now: float | None = None, donor_id: str | None = None) -> int:
         """Leases held and not expired (all, or of one donor)."""
         now = time.time() if now is None else now
-        query = select(func.count()).select_from(_LEASES).where(_LEASES.c.state == LeaseState.HELD,
-                                                                 _LEASES.c.expires_at > now)
-        if donor_id is not None:
-            query = query.where(_LEASES.c.donor_id == donor_id)
-        with self._read() as conn:
-            return conn.execute(query).scalar_one()
+        if donor_id is None:
+            return self._read(lambda sql: sql.one(_HELD_LEASES, {"now": now})[0])
+        return self._read(lambda sql: sql.one(_HELD_LEASES_OF, {"now": now, "donor_id": donor_id})[0])
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -150,7 +285,21 @@ class LedgerClient:
             decider.ensure_engine(donor.engine_id)
             decider.emit(donor, engine_id=donor.engine_id)
 
-        self._write(run, engine_ids=[donor.engine_id], donor_ids=[donor.donor_id])
+        self._write(lambda sql: run, engine_ids=[donor.engine_id], donor_ids=[donor.donor_id])
+
+    def record_engine_start(self, engine_id: str) -> bool:
+        """The engine's connector started: a new process, so whatever the ledger learnt of the
+        previous one is no longer proof of anything. Bumps the generation (reason
+        ``engine_started``) of a known engine, quarantining its live blocks and donors — even when
+        the engine's own ``created`` event or ZMQ seq reset never reaches the ledger (DESIGN §3
+        "generation"). Returns False (nothing written) for an engine the ledger never saw."""
+        def run(decider: Decider) -> bool:
+            if engine_id not in decider.proj.engines:
+                return False
+            decider.bump(engine_id, GenerationReason.ENGINE_STARTED)
+            return True
+
+        return self._write(lambda sql: run, engine_ids=[engine_id])
 
     def mark_donor_saved(self, donor_id: str, *, store_ref: str, checksum: str, size_bytes: int) -> None:
         """Append ``donor_saved`` (its KV bytes are published in the donor store)."""
@@ -158,30 +307,77 @@ class LedgerClient:
                                                 size_bytes=size_bytes))
 
     def evict_donor(self, donor_id: str, reason: str) -> None:
-        """Append ``donor_evicted``."""
+        """Append ``donor_evicted`` whatever holds the donor (a corrupt entry must go)."""
         self._donor_fact(donor_id, ev.DonorEvicted(donor_id=donor_id, reason=reason))
 
+    def evict_donor_if_unleased(self, donor_id: str, reason: str, *, now: float | None = None) -> bool:
+        """Append ``donor_evicted`` unless a lease holds the donor, in ONE write transaction (no
+        lease can be taken between the check and the eviction).
+
+        Returns:
+            True if the donor is evicted now (or already was: nothing is written then), False if
+            a lease holds it (nothing written).
+
+        Raises:
+            EventRejected: unknown donor.
+        """
+        now = time.time() if now is None else now
+
+        def run(sql: Sql) -> Callable[[Decider], bool]:
+            def decide(decider: Decider) -> bool:
+                donor = decider.proj.donors.get(donor_id)
+                if donor is None:
+                    raise EventRejected("unknown_donor", donor_id)
+                if sql.one(_HELD_LEASES_OF, {"now": now, "donor_id": donor_id})[0]:
+                    return False
+                if donor["state"] != DonorState.EVICTED:
+                    decider.emit(ev.DonorEvicted(donor_id=donor_id, reason=reason), engine_id=donor["engine_id"])
+                return True
+
+            return decide
+
+        return self._write(run, donor_ids=[donor_id])
+
     def take_lease(self, donor_id: str, *, request_id: str, holder: str, namespace: str, num_blocks: int,
-                   ttl_s: float, policy: FreshnessPolicy = FreshnessPolicy.ENGINE,
-                   now: float | None = None) -> Lease | StaleReason:
+                   ttl_s: float, policy: FreshnessPolicy = FreshnessPolicy.ENGINE, now: float | None = None,
+                   up_to_blocks: int | None = None) -> Lease | StaleReason:
         """Pin a donor for a load: revalidate and append ``lease_taken`` in ONE write transaction,
         so no generation bump can slip between the check and the pin.
 
+        Args:
+            num_blocks: leading donor blocks the load needs (at least this many must be live).
+            up_to_blocks: lease the donor's longest live prefix up to this many blocks instead of
+                exactly ``num_blocks``: a donor whose tail blocks were evicted since the lookup
+                still serves its live head (``Lease.num_blocks`` says how many).
+
         Returns:
             the lease, or why the donor is no longer fresh (nothing is written then).
+
+        Cost: one transaction of seven statements (freshness in one, block liveness in one,
+        then the log row, the lease row and its counter), ~0.1 ms + ~1 µs per block on SQLite.
         """
         now = time.time() if now is None else now
-        lease = Lease(lease_id=uuid.uuid4().hex, donor_id=donor_id, expires_at=now + ttl_s)
+        wanted = num_blocks if up_to_blocks is None else max(num_blocks, up_to_blocks)
 
-        def run(decider: Decider, conn: Connection) -> Lease | StaleReason:
-            reason = _freshness(conn, donor_id, namespace, num_blocks, policy, None, now)
-            if reason is not None:
-                return reason
-            decider.emit(ev.LeaseTaken(lease_id=lease.lease_id, donor_id=donor_id, request_id=request_id,
-                                       holder=holder, expires_at=lease.expires_at))
-            return lease
+        def run(sql: Sql) -> Callable[[Decider], Lease | StaleReason]:
+            def decide(decider: Decider) -> Lease | StaleReason:
+                donor = _check(sql, donor_id, namespace, None, now)
+                if isinstance(donor, StaleReason):
+                    return donor
+                usable = min(wanted, donor.num_blocks)
+                if policy == FreshnessPolicy.ENGINE and usable > 0:
+                    usable = _live_prefix(sql, donor_id, donor, usable)
+                    if usable < min(num_blocks, donor.num_blocks):
+                        return StaleReason.BLOCKS_NOT_LIVE
+                lease = Lease(lease_id=uuid.uuid4().hex, donor_id=donor_id, expires_at=now + ttl_s,
+                              num_blocks=usable)
+                decider.emit(ev.LeaseTaken(lease_id=lease.lease_id, donor_id=donor_id, request_id=request_id,
+                                           holder=holder, expires_at=lease.expires_at))
+                return lease
 
-        return self._write(run, with_conn=True)
+            return decide
+
+        return self._write(run)
 
     def release_lease(self, lease_id: str, reason: str) -> bool:
         """Append ``lease_released``; False (nothing written) if unknown or already released."""
@@ -192,12 +388,9 @@ class LedgerClient:
             decider.emit(ev.LeaseReleased(lease_id=lease_id, reason=reason))
             return True
 
-        return self._write(run, lease_ids=[lease_id])
+        return self._write(lambda sql: run, lease_ids=[lease_id])
 
     # -- plumbing ----------------------------------------------------------------------------
-
-    def _read(self):
-        return self._reader.connect()
 
     def _donor_fact(self, donor_id: str, fact: ev.DonorSaved | ev.DonorEvicted) -> None:
         def run(decider: Decider) -> None:
@@ -206,15 +399,86 @@ class LedgerClient:
                 raise EventRejected("unknown_donor", donor_id)
             decider.emit(fact, engine_id=donor["engine_id"])
 
-        self._write(run, donor_ids=[donor_id])
+        self._write(lambda sql: run, donor_ids=[donor_id])
 
-    def _write(self, fn, *, with_conn: bool = False, **ids):
+    def _sql(self) -> Sql:
+        sql = getattr(self._local, "sql", None)
+        if sql is None:
+            try:
+                raw = self._engine.raw_connection()
+            except SQLAlchemyError as exc:
+                raise PersistenceError(str(getattr(exc, "orig", exc))) from exc
+            sql = Sql(raw.dbapi_connection, self._engine.dialect)
+            if not sql.is_sqlite:
+                raw.dbapi_connection.autocommit = True  # reads see the latest commit; writes BEGIN
+            self._local.sql, self._local.raw = sql, raw
+            with self._open_lock:
+                self._open.append(raw)
+        return sql
+
+    def _drop(self) -> None:
+        """Forget this thread's connection after a driver error (the next call opens a new one)."""
+        raw, self._local.sql, self._local.raw = getattr(self._local, "raw", None), None, None
+        if raw is None:
+            return
+        with self._open_lock:
+            if raw in self._open:
+                self._open.remove(raw)
         try:
-            with self._writer.begin() as conn:
-                body = (lambda d: fn(d, conn)) if with_conn else fn
-                return transact(conn, body, **ids)
-        except SQLAlchemyError as exc:
-            raise PersistenceError(str(getattr(exc, "orig", exc))) from exc
+            raw.invalidate()
+        except Exception:  # noqa: BLE001 - the connection is already broken
+            pass
+
+    def _read(self, fn: Callable[[Sql], T], *, snapshot: bool = False) -> T:
+        """Run ``fn`` on this thread's connection; ``snapshot``: one SQLite read transaction."""
+        sql = self._sql()
+        snapshot = snapshot and sql.is_sqlite
+        try:
+            if snapshot:
+                sql.driver("BEGIN")
+            value = fn(sql)
+            if snapshot:
+                sql.driver("COMMIT")
+            return value
+        except sql.errors as exc:
+            wrapped = sql.wrap(exc)
+            if wrapped.connection_invalidated:
+                self._drop()
+            elif snapshot:
+                self._rollback(sql)
+            raise persistence_error(wrapped) from wrapped
+        except BaseException:
+            if snapshot:
+                self._rollback(sql)
+            raise
+
+    def _write(self, fn: Callable[[Sql], Callable[[Decider], T]], **ids: Any) -> T:
+        """One write transaction: ``fn(sql)`` returns the decision run by :func:`transact`."""
+        sql = self._sql()
+        try:
+            sql.driver("BEGIN IMMEDIATE" if sql.is_sqlite else "BEGIN")
+        except sql.errors as exc:
+            wrapped = sql.wrap(exc)
+            if wrapped.connection_invalidated:
+                self._drop()
+            raise persistence_error(wrapped) from wrapped
+        try:
+            value = transact(sql, fn(sql), **ids)
+            sql.driver("COMMIT")
+            return value
+        except sql.errors as exc:
+            self._rollback(sql)
+            wrapped = sql.wrap(exc)
+            raise persistence_error(wrapped) from wrapped
+        except BaseException:
+            self._rollback(sql)
+            raise
+
+    def _rollback(self, sql: Sql) -> None:
+        try:
+            sql.driver("ROLLBACK")
+        except sql.errors:
+            self._drop()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,108 +486,105 @@ class LedgerClient:
 # ------------------------------------------------------------------------------------------------
 
 
-def _fresh_donor_filter(namespace: str, now: float):
-    return and_(_DONORS.c.namespace == namespace, _DONORS.c.state == DonorState.LIVE,
-                _DONORS.c.generation == _ENGINES.c.generation,
-                (_DONORS.c.expires_at.is_(None)) | (_DONORS.c.expires_at > now))
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Checked:
+    engine_id: str
+    attention_dp_rank: int
+    window_size: int
+    generation: int
+    num_blocks: int
 
 
-def _donors_holding(conn: Connection, namespace: str, content_key: bytes, now: float, limit: int = 4) -> list:
-    query = (select(_DONORS.c.donor_id, _DONORS.c.engine_id, _DONORS.c.generation, _DONORS.c.tokens_per_block,
-                    _DONORS.c.store_ref, _DONORS.c.checksum, _DONORS.c.provider_generation,
-                    _DONORS.c.attention_dp_rank, _DONORS.c.window_size)
-             .select_from(_DBLOCKS.join(_DONORS, _DONORS.c.donor_id == _DBLOCKS.c.donor_id)
-                          .join(_ENGINES, _ENGINES.c.engine_id == _DONORS.c.engine_id))
-             .where(_DBLOCKS.c.content_key == content_key, _fresh_donor_filter(namespace, now))
-             .order_by(_DONORS.c.registered_seq.desc()).limit(limit))
-    return conn.execute(query).all()
+def _check(sql: Sql, donor_id: str, namespace: str, lease_id: str | None, now: float) -> _Checked | StaleReason:
+    """Freshness without block liveness (namespace, state, expiry, generation, lease)."""
+    row = sql.one(_CHECK, {"donor_id": donor_id, "lease_id": lease_id})
+    if row is None:
+        return StaleReason.UNKNOWN_DONOR
+    (ns, state, expires_at, generation, engine_generation, engine_id, dp_rank, window, num_blocks,
+     l_state, l_expires, l_donor) = row
+    if ns != namespace:
+        return StaleReason.NAMESPACE_MISMATCH
+    reason = _STATE_REASON.get(state)
+    if reason is not None:
+        return reason
+    if expires_at is not None and expires_at <= now:
+        return StaleReason.EXPIRED
+    if engine_generation is None:
+        return StaleReason.ENGINE_UNKNOWN
+    if engine_generation != generation:
+        return StaleReason.GENERATION_MISMATCH
+    if lease_id is not None and (l_state != LeaseState.HELD or l_expires is None or l_expires <= now
+                                 or l_donor != donor_id):
+        return StaleReason.LEASE_NOT_HELD
+    return _Checked(engine_id, dp_rank, window, generation, num_blocks)
 
 
-def _find_span(conn: Connection, namespace: str, keys: Sequence[bytes], policy: FreshnessPolicy, now: float,
+def _live_prefix(sql: Sql, donor_id: str, donor: Any, num_blocks: int) -> int:
+    """How many leading blocks of the donor are live in its generation (at most ``num_blocks``).
+
+    One statement; SQLite probes the blocks primary key once per donor block (~1–2 µs each)."""
+    first_dead = sql.one(_FIRST_DEAD, {
+        "donor_id": donor_id, "num_blocks": num_blocks, "engine_id": donor.engine_id,
+        "attention_dp_rank": donor.attention_dp_rank, "window_size": donor.window_size,
+        "generation": donor.generation})[0]
+    return num_blocks if first_dead is None else first_dead
+
+
+def _holding(sql: Sql, namespace: str, key: bytes, now: float, limit: int) -> list:
+    return sql.all(_HOLDING, {"content_key": key, "namespace": namespace, "now": now, "limit": limit})
+
+
+def _find_span(sql: Sql, namespace: str, keys: Sequence[bytes], check_blocks: bool, now: float,
                min_blocks: int) -> DonorSpan | None:
-    lo, hi = 0, len(keys)  # invariant: a fresh donor holds keys[:lo]; none holds keys[:hi+1]
-    if hi == 0 or not _donors_holding(conn, namespace, keys[0], now, 1):
+    if not keys or len(keys) < max(min_blocks, 1):
         return None
-    lo = 1
+    first = max(min_blocks, 1)
+    found = _holding(sql, namespace, keys[first - 1], now, 1)
+    if not found:
+        return None
+    lo, hi = first, len(keys)  # invariant: a fresh donor holds keys[:lo]; none holds keys[:hi+1]
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _donors_holding(conn, namespace, keys[mid - 1], now, 1):
-            lo = mid
+        rows = _holding(sql, namespace, keys[mid - 1], now, 1)
+        if rows:
+            lo, found = mid, rows
         else:
             hi = mid - 1
+    # ``found`` is the newest donor holding keys[lo - 1]; with block checks, up to 4 candidates
+    candidates = _holding(sql, namespace, keys[lo - 1], now, 4) if check_blocks else found
     best: DonorSpan | None = None
-    for donor in _donors_holding(conn, namespace, keys[lo - 1], now):
+    for donor in candidates:
         usable = lo
-        if policy == FreshnessPolicy.ENGINE:
-            usable = min(lo, _donor_live_prefix(conn, donor.donor_id, donor.engine_id, donor.attention_dp_rank,
-                                                donor.window_size, donor.generation, lo))
+        if check_blocks:
+            where = _Checked(donor[1], donor[7], donor[8], donor[2], lo)
+            usable = _live_prefix(sql, donor[0], where, lo)
         if usable >= min_blocks and (best is None or usable > best.num_blocks):
-            best = DonorSpan(donor.donor_id, donor.engine_id, donor.generation, usable, donor.tokens_per_block,
-                             donor.store_ref, donor.checksum, donor.provider_generation)
+            best = DonorSpan(donor[0], donor[1], donor[2], usable, donor[3], donor[4], donor[5], donor[6])
         if best is not None and best.num_blocks == lo:
             break
     return best
 
 
-def _donor_live_prefix(conn: Connection, donor_id: str, engine_id: str, dp_rank: int, window: int,
-                       generation: int, num_blocks: int) -> int:
-    """How many leading blocks of the donor are live in ``generation`` (at most ``num_blocks``)."""
-    live = and_(_BLOCKS.c.engine_id == engine_id, _BLOCKS.c.attention_dp_rank == dp_rank,
-                _BLOCKS.c.window_size == window, _BLOCKS.c.block_hash == _DBLOCKS.c.block_hash,
-                _BLOCKS.c.block_hash_ext == _DBLOCKS.c.block_hash_ext, _BLOCKS.c.state == BlockState.LIVE,
-                _BLOCKS.c.generation == generation)
-    first_dead = conn.execute(
-        select(func.min(_DBLOCKS.c.position)).where(
-            _DBLOCKS.c.donor_id == donor_id, _DBLOCKS.c.position < num_blocks,
-            ~select(_BLOCKS.c.block_hash).where(live).exists())).scalar()
-    return num_blocks if first_dead is None else first_dead
+_BLOCK_STATE = Prepared(
+    select(_BLOCKS.c.state, _BLOCKS.c.generation).where(
+        _BLOCKS.c.engine_id == bindparam("engine_id"), _BLOCKS.c.attention_dp_rank == bindparam("attention_dp_rank"),
+        _BLOCKS.c.window_size == bindparam("window_size"), _BLOCKS.c.block_hash == bindparam("block_hash"),
+        _BLOCKS.c.block_hash_ext == bindparam("block_hash_ext")))
+_GENERATION = Prepared(select(_ENGINES.c.generation).where(_ENGINES.c.engine_id == bindparam("engine_id")))
 
 
-def _live_prefix(conn: Connection, engine_id: str, dp_rank: int, window: int, hashes: Sequence[BlockHash]) -> int:
+def _live_run(sql: Sql, engine_id: str, dp_rank: int, window: int, hashes: Sequence[BlockHash]) -> int:
     if not hashes:
         return 0
-    generation = conn.execute(select(_ENGINES.c.generation).where(_ENGINES.c.engine_id == engine_id)).scalar()
-    if generation is None:
+    row = sql.one(_GENERATION, {"engine_id": engine_id})
+    if row is None:
         return 0
-    split = [split_hash(h) for h in hashes]
-    rows = conn.execute(select(_BLOCKS.c.block_hash, _BLOCKS.c.block_hash_ext).where(
-        _BLOCKS.c.engine_id == engine_id, _BLOCKS.c.attention_dp_rank == dp_rank, _BLOCKS.c.window_size == window,
-        _BLOCKS.c.block_hash.in_({h for h, _ in split}), _BLOCKS.c.state == BlockState.LIVE,
-        _BLOCKS.c.generation == generation)).all()
-    live = {(r.block_hash, r.block_hash_ext) for r in rows}
     count = 0
-    for key in split:
-        if key not in live:
+    where = {"engine_id": engine_id, "attention_dp_rank": dp_rank, "window_size": window}
+    for block_hash in hashes:
+        h, ext = split_hash(block_hash)
+        block = sql.one(_BLOCK_STATE, {**where, "block_hash": h, "block_hash_ext": ext})
+        if block is None or block[0] != BlockState.LIVE or block[1] != row[0]:
             break
         count += 1
     return count
-
-
-def _freshness(conn: Connection, donor_id: str, namespace: str, num_blocks: int | None, policy: FreshnessPolicy,
-               lease_id: str | None, now: float) -> StaleReason | None:
-    donor = conn.execute(select(_DONORS).where(_DONORS.c.donor_id == donor_id)).first()
-    if donor is None:
-        return StaleReason.UNKNOWN_DONOR
-    if donor.namespace != namespace:
-        return StaleReason.NAMESPACE_MISMATCH
-    state_reason = {DonorState.REGISTERED: StaleReason.NOT_SAVED, DonorState.EVICTED: StaleReason.EVICTED,
-                    DonorState.QUARANTINED: StaleReason.QUARANTINED}.get(DonorState(donor.state))
-    if state_reason is not None:
-        return state_reason
-    if donor.expires_at is not None and donor.expires_at <= now:
-        return StaleReason.EXPIRED
-    generation = conn.execute(select(_ENGINES.c.generation).where(_ENGINES.c.engine_id == donor.engine_id)).scalar()
-    if generation is None:
-        return StaleReason.ENGINE_UNKNOWN
-    if generation != donor.generation:
-        return StaleReason.GENERATION_MISMATCH
-    needed = donor.num_blocks if num_blocks is None else min(num_blocks, donor.num_blocks)
-    if policy == FreshnessPolicy.ENGINE and _donor_live_prefix(
-            conn, donor_id, donor.engine_id, donor.attention_dp_rank, donor.window_size, generation, needed) < needed:
-        return StaleReason.BLOCKS_NOT_LIVE
-    if lease_id is not None:
-        lease = conn.execute(select(_LEASES.c.state, _LEASES.c.expires_at, _LEASES.c.donor_id)
-                             .where(_LEASES.c.lease_id == lease_id)).first()
-        if lease is None or lease.state != LeaseState.HELD or lease.expires_at <= now or lease.donor_id != donor_id:
-            return StaleReason.LEASE_NOT_HELD
-    return None

@@ -3,27 +3,38 @@
 The contract (STYLE §1, eventsourcing's ``ProcessRecorder``): the raw log rows, the projection
 updates and the "applied through" mark (``engines.last_seq``) are written in ONE transaction, so a
 batch is recorded exactly once or not at all. The same code serves both backends; what differs
-(locking, upsert dialect) is looked up from the connection's dialect.
+(locking, upsert dialect, bulk statement shape) is looked up from the connection's dialect.
 
 Rows become visible in ``seq`` order: on SQLite the writer holds the database write lock from
 ``BEGIN IMMEDIATE``; on PostgreSQL ``LOCK TABLE log IN SHARE ROW EXCLUSIVE MODE`` serialises
 writers (several consumers for different engines) so that a reader tailing the log never skips a
 seq that commits later (eventsourcing ``postgres.py`` ``_lock_table`` does the same).
+
+Speed (DESIGN §7, ≥ 100k block events/s; measured by tools/bench_ledger.py): every statement is a
+:class:`~ledger.db.Prepared` Core statement, compiled once per dialect and run on the DBAPI
+cursor under the caller's transaction, so no SQLAlchemy expression is built or compiled per
+transaction. Before this, building the IN-list loads and the per-row bind tuples cost more than
+the inserts (py-spy, tools/results/consume-2026-11-29.md: 12 % SQLAlchemy, 16 % row building).
+On PostgreSQL each table is written with ONE statement per transaction (``INSERT … SELECT FROM
+unnest(array, …)``): asyncpg's and psycopg's executemany send one statement per row (pipelined,
+but planned and executed row by row), which held the writer at 1.6–4k block events/s.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Table, and_, func, select, update
+from sqlalchemy import BigInteger, Connection, Float, Table, bindparam, func, or_, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from ledger import events as ev
 from ledger.apply import GLOBAL, LogEntry, Projection
+from ledger.db import Prepared, Sql
 from ledger.decide import BATCH_ROW_INDEX, AppendResult, Decider
 from ledger.errors import PersistenceError
 from ledger.schema import (
@@ -42,7 +53,8 @@ from ledger.types import BlockState, DonorState, StreamKey, split_hash
 
 Input = ev.ReceivedBatch | ev.DeadLetter | ev.GapReport
 T = TypeVar("T")
-_IN_CHUNK = 500  # bound parameters per IN (...) list
+_TWO_64, _I64_MAX = 2**64, 2**63 - 1
+_IN_CHUNK = 512  # hashes per IN (...) list on SQLite (a power of two: see _blocks_in)
 
 _TABLES: dict[str, Table] = {
     "engines": EngineRow.__table__,
@@ -55,82 +67,117 @@ _TABLES: dict[str, Table] = {
 _LOG = LogRow.__table__
 
 
-def transact(conn: Connection, fn: Callable[[Decider], T], *, now: float | None = None,
+def transact(conn: Connection | Sql, fn: Callable[[Decider], T], *, now: float | None = None,
              engine_ids: Iterable[str] = (), donor_ids: Iterable[str] = (), lease_ids: Iterable[str] = ()) -> T:
     """Run ``fn`` with a :class:`Decider` over freshly loaded rows, then write what it emitted.
 
-    Must be called inside a transaction on ``conn``. ``fn`` may read more rows through the
-    decider's projection only if they were named in ``engine_ids``/``donor_ids``/``lease_ids``.
+    Must be called inside a transaction on ``conn`` (a SQLAlchemy connection, or a
+    :class:`~ledger.db.Sql` on a DBAPI connection whose transaction the caller opened). ``fn`` may
+    read more rows through the decider's projection only if they were named in
+    ``engine_ids``/``donor_ids``/``lease_ids``.
 
     Raises:
         PersistenceError: any driver error (translated here, the one boundary).
     """
+    sql = conn if isinstance(conn, Sql) else Sql.of(conn)
     try:
-        _lock_log(conn)
+        _lock_log(sql)
         proj = Projection(partial=True)
-        _load_engines(conn, proj, set(engine_ids))
-        _load_by_id(conn, proj, "donors", DonorRow.__table__.c.donor_id, set(donor_ids))
-        _load_by_id(conn, proj, "leases", LeaseRow.__table__.c.lease_id, set(lease_ids))
-        decider = Decider(proj, _next_seq(conn), time.time() if now is None else now, _digest_lookup(conn))
+        _load_engines(sql, proj, engine_ids)
+        _load_by_id(sql, proj, "donors", donor_ids)
+        _load_by_id(sql, proj, "leases", lease_ids)
+        decider = Decider(proj, _next_seq(sql), time.time() if now is None else now, _digest_lookup(sql))
         value = fn(decider)
-        write(conn, proj, decider.entries)
+        write(sql, proj, decider.entries)
         return value
     except SQLAlchemyError as exc:
-        raise _translate(exc) from exc
+        raise persistence_error(exc) from exc
+    except sql.errors as exc:
+        wrapped = sql.wrap(exc)
+        raise persistence_error(wrapped) from wrapped
 
 
-def append(conn: Connection, items: Sequence[Input], *, now: float | None = None) -> AppendResult:
+def append(conn: Connection | Sql, items: Sequence[Input], *, now: float | None = None) -> AppendResult:
     """Append a batch of consumer inputs and apply them, in the caller's transaction."""
+    sql = conn if isinstance(conn, Sql) else Sql.of(conn)
     engine_ids = {item.engine_id for item in items}
 
     def run(decider: Decider) -> AppendResult:
-        _load_sources(conn, decider.proj, {i.source_id for i in items if isinstance(i, ev.ReceivedBatch)})
-        _load_blocks(conn, decider.proj, _touched_hashes(items))
+        _load_by_id(sql, decider.proj, "sources", {i.source_id for i in items if isinstance(i, ev.ReceivedBatch)})
+        _load_blocks(sql, decider.proj, _touched_hashes(items))
         for item in items:
             decider.handle(item)
         return decider.result
 
-    return transact(conn, run, now=now, engine_ids=engine_ids)
+    return transact(sql, run, now=now, engine_ids=engine_ids)
 
 
 # --------------------------------------------------------------------------------------------
-# loading
+# loading (prepared statements; see the module docstring)
 # --------------------------------------------------------------------------------------------
 
-
-def _lock_log(conn: Connection) -> None:
-    if conn.dialect.name == "postgresql":
-        conn.exec_driver_sql("LOCK TABLE log IN SHARE ROW EXCLUSIVE MODE")
-
-
-def _next_seq(conn: Connection) -> int:
-    return (conn.execute(select(func.max(_LOG.c.seq))).scalar() or 0) + 1
-
-
-def _chunks(values: Sequence[T]) -> Iterable[Sequence[T]]:
-    for start in range(0, len(values), _IN_CHUNK):
-        yield values[start:start + _IN_CHUNK]
-
-
-def _load_engines(conn: Connection, proj: Projection, engine_ids: set[str]) -> None:
-    if not engine_ids:
-        return
-    for row in conn.execute(select(EngineRow.__table__).where(EngineRow.__table__.c.engine_id.in_(engine_ids))):
-        proj.engines[row.engine_id] = row._asdict()
-    stream_table = StreamRow.__table__
-    for row in conn.execute(select(stream_table).where(stream_table.c.engine_id.in_(engine_ids))):
-        proj.streams[StreamKey(row.engine_id, row.attention_dp_rank, row.window_size)] = row._asdict()
+_ENGINES, _STREAMS, _BLOCKS = EngineRow.__table__, StreamRow.__table__, BlockRow.__table__
+_NAMES = {table.name: [c.name for c in table.columns] for table in (*_TABLES.values(), _LOG)}
+_NEXT_SEQ = Prepared(select(func.max(_LOG.c.seq)))
+_ENGINE_BY_ID = Prepared(select(_ENGINES).where(_ENGINES.c.engine_id == bindparam("id")))
+_STREAMS_OF = Prepared(select(_STREAMS).where(_STREAMS.c.engine_id == bindparam("id")))
+_BY_ID = {name: Prepared(select(_TABLES[name]).where(_TABLES[name].primary_key.columns[0] == bindparam("id")))
+          for name in ("sources", "donors", "leases")}
+_LOGGED_DIGEST = Prepared(select(_LOG.c.body).where(
+    _LOG.c.source_id == bindparam("source_id"), _LOG.c.source_epoch == bindparam("epoch"),
+    _LOG.c.zmq_seq == bindparam("seq"), _LOG.c.batch_index == BATCH_ROW_INDEX))
+_STREAM_BLOCKS = (_BLOCKS.c.engine_id == bindparam("engine_id"),
+                  _BLOCKS.c.attention_dp_rank == bindparam("attention_dp_rank"),
+                  _BLOCKS.c.window_size == bindparam("window_size"))
+_HASHES = func.unnest(bindparam("hashes", type_=postgresql.ARRAY(BigInteger()))).table_valued("h").render_derived()
+_PER_HASH = select(_BLOCKS).where(*_STREAM_BLOCKS, _BLOCKS.c.block_hash == _HASHES.c.h).offset(0).lateral()
+_BLOCKS_BY_HASHES = Prepared(select(_PER_HASH).select_from(_HASHES).join(_PER_HASH, true()))
+"""PostgreSQL: one primary-key probe per hash, whatever the planner's statistics say. The plainer
+``block_hash = ANY($4)`` got a generic plan that used only the (engine, rank, window) prefix of the
+key and filtered every block of the engine (308 ms per 1000 hashes on a fresh, un-ANALYZEd
+ledger; 2 ms with this form). ``OFFSET 0`` keeps the subquery from being flattened into a join."""
+_BLOCKS_IN: dict[int, tuple[Prepared, list[str]]] = {}
 
 
-def _load_sources(conn: Connection, proj: Projection, source_ids: set[str]) -> None:
-    _load_by_id(conn, proj, "sources", SourceRow.__table__.c.source_id, source_ids)
+def _blocks_in(size: int) -> tuple[Prepared, list[str]]:
+    """SQLite: ``block_hash IN (?, …)`` with ``size`` parameters. Chunks are padded to a power of
+    two (repeating their last hash), so at most 10 statements exist and each compiles once."""
+    hit = _BLOCKS_IN.get(size)
+    if hit is None:
+        names = [f"h{i}" for i in range(size)]
+        stmt = select(_BLOCKS).where(*_STREAM_BLOCKS, _BLOCKS.c.block_hash.in_([bindparam(n) for n in names]))
+        hit = _BLOCKS_IN[size] = (Prepared(stmt), names)
+    return hit
 
 
-def _load_by_id(conn: Connection, proj: Projection, name: str, column, ids: set[str]) -> None:
-    target = getattr(proj, name)
-    for chunk in _chunks(sorted(ids)):
-        for row in conn.execute(select(column.table).where(column.in_(chunk))):
-            target[row._mapping[column.name]] = row._asdict()
+def _lock_log(sql: Sql) -> None:
+    if not sql.is_sqlite:
+        sql.driver("LOCK TABLE log IN SHARE ROW EXCLUSIVE MODE")
+
+
+def _next_seq(sql: Sql) -> int:
+    return (sql.one(_NEXT_SEQ, {})[0] or 0) + 1
+
+
+def _load_engines(sql: Sql, proj: Projection, engine_ids: Iterable[str]) -> None:
+    engine_names, stream_names = _NAMES["engines"], _NAMES["streams"]
+    for engine_id in sorted(set(engine_ids)):
+        row = sql.one(_ENGINE_BY_ID, {"id": engine_id})
+        if row is None:
+            continue
+        proj.engines[engine_id] = dict(zip(engine_names, row))
+        for stream in sql.all(_STREAMS_OF, {"id": engine_id}):
+            stream = dict(zip(stream_names, stream))
+            proj.streams[StreamKey(engine_id, stream["attention_dp_rank"], stream["window_size"])] = stream
+
+
+def _load_by_id(sql: Sql, proj: Projection, name: str, ids: Iterable[str]) -> None:
+    target, names, key = getattr(proj, name), _NAMES[name], _TABLES[name].primary_key.columns[0].name
+    for ident in sorted(set(ids)):
+        row = sql.one(_BY_ID[name], {"id": ident})
+        if row is not None:
+            row = dict(zip(names, row))
+            target[row[key]] = row
 
 
 def _touched_hashes(items: Sequence[Input]) -> dict[StreamKey, set[int]]:
@@ -140,41 +187,50 @@ def _touched_hashes(items: Sequence[Input]) -> dict[StreamKey, set[int]]:
         if not isinstance(item, ev.ReceivedBatch):
             continue
         for event in item.events:
-            hashes = touched[StreamKey(item.engine_id, event.attention_dp_rank, event.window_size)]
             body = event.body
-            if isinstance(body, ev.BlockStored):
-                hashes.update(split_hash(b.block_hash)[0] for b in body.blocks)
-            elif isinstance(body, ev.BlockRemoved):
-                hashes.update(split_hash(h)[0] for h in body.block_hashes)
-            elif isinstance(body, ev.BlockUpdated):
-                hashes.add(split_hash(body.block_hash)[0])
+            if type(body) is ev.BlockStored:
+                raw = [b.block_hash for b in body.blocks]
+            elif type(body) is ev.BlockRemoved:
+                raw = body.block_hashes
+            elif type(body) is ev.BlockUpdated:
+                raw = [body.block_hash]
+            else:
+                continue
+            hashes = touched[StreamKey(item.engine_id, event.attention_dp_rank, event.window_size)]
+            for h in raw:  # split_hash(h)[0], inlined: this runs once per block event
+                if type(h) is int:
+                    hashes.add(h - _TWO_64 if h > _I64_MAX else h)
+                else:
+                    hashes.add(split_hash(h)[0])
     return touched
 
 
-def _load_blocks(conn: Connection, proj: Projection, touched: dict[StreamKey, set[int]]) -> None:
-    """Load the touched blocks through the primary key's prefix (engine, dp rank, window, hash)."""
-    table = BlockRow.__table__
-    names = [c.name for c in table.columns]
+def _load_blocks(sql: Sql, proj: Projection, touched: dict[StreamKey, set[int]]) -> None:
+    """Load the touched blocks through the primary key's prefix (engine, dp rank, window, hash):
+    one statement per stream on PostgreSQL (``_BLOCKS_BY_HASHES``), IN-list chunks on SQLite."""
+    names = _NAMES["blocks"]
     for stream, hashes in touched.items():
         if not hashes:
             continue
-        for chunk in _chunks(sorted(hashes)):
-            query = select(table).where(and_(table.c.engine_id == stream.engine_id,
-                                             table.c.attention_dp_rank == stream.attention_dp_rank,
-                                             table.c.window_size == stream.window_size,
-                                             table.c.block_hash.in_(chunk)))
-            compiled = query.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
-            params = compiled.params if compiled.positiontup is None else tuple(compiled.params[k] for k in compiled.positiontup)
-            rows = conn.exec_driver_sql(compiled.string, params).fetchall()
-            proj.load_blocks(dict(zip(names, row)) for row in rows)
+        where = {"engine_id": stream.engine_id, "attention_dp_rank": stream.attention_dp_rank,
+                 "window_size": stream.window_size}
+        if not sql.is_sqlite:
+            rows = sql.all(_BLOCKS_BY_HASHES, {**where, "hashes": list(hashes)})
+            proj.load_blocks([dict(zip(names, row)) for row in rows])
+            continue
+        ordered = sorted(hashes)
+        for start in range(0, len(ordered), _IN_CHUNK):
+            chunk = ordered[start:start + _IN_CHUNK]
+            prepared, params = _blocks_in(1 << (len(chunk) - 1).bit_length())
+            chunk += [chunk[-1]] * (len(params) - len(chunk))
+            rows = sql.all(prepared, {**where, **dict(zip(params, chunk))})
+            proj.load_blocks([dict(zip(names, row)) for row in rows])
 
 
-def _digest_lookup(conn: Connection) -> Callable[[str, int, int], int | None]:
+def _digest_lookup(sql: Sql) -> Callable[[str, int, int], int | None]:
     def lookup(source_id: str, epoch: int, seq: int) -> int | None:
-        body = conn.execute(select(_LOG.c.body).where(
-            _LOG.c.source_id == source_id, _LOG.c.source_epoch == epoch, _LOG.c.zmq_seq == seq,
-            _LOG.c.batch_index == BATCH_ROW_INDEX)).scalar()
-        return None if body is None else ev.BODY_DECODER.decode(body).digest
+        row = sql.one(_LOGGED_DIGEST, {"source_id": source_id, "epoch": epoch, "seq": seq})
+        return None if row is None else ev.BODY_DECODER.decode(row[0]).digest
 
     return lookup
 
@@ -196,111 +252,91 @@ def log_row(entry: LogEntry) -> dict[str, Any]:
     }
 
 
-def write(conn: Connection, proj: Projection, entries: Sequence[LogEntry]) -> None:
-    """Insert log rows, run bulk ops, then upsert every dirty projection row."""
-    if entries:
-        insert(conn, _LOG, [log_row(e) for e in entries])
-    for op in proj.bulk_ops:
-        _run_bulk(conn, op.engine_id, op.seq)
-    for name, keys in proj.dirty.items():
-        if keys:
-            rows = getattr(proj, name)
-            upsert(conn, _TABLES[name], [rows[k] for k in keys])
-    if proj.donor_blocks:
-        insert(conn, DonorBlockRow.__table__, proj.donor_blocks)
-    if proj.dead_letters:
-        insert(conn, DeadLetterRow.__table__, proj.dead_letters)
-    if proj.counters:
-        _add_counters(conn, proj.counters)
+class _Rows:
+    """Writes rows into one table: executemany on SQLite, one ``unnest`` statement on PostgreSQL.
 
-
-def _run_bulk(conn: Connection, engine_id: str, seq: int) -> None:
-    blocks, donors, streams = BlockRow.__table__, DonorRow.__table__, StreamRow.__table__
-    conn.execute(update(blocks).where(blocks.c.engine_id == engine_id, blocks.c.state == BlockState.LIVE)
-                 .values(state=BlockState.QUARANTINED, updated_seq=seq))
-    conn.execute(update(donors).where(donors.c.engine_id == engine_id,
-                                      donors.c.state.in_([DonorState.REGISTERED, DonorState.LIVE]))
-                 .values(state=DonorState.QUARANTINED, updated_seq=seq))
-    conn.execute(update(streams).where(streams.c.engine_id == engine_id).values(resync=True))
-
-
-def _insert_for(conn: Connection):
-    return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-
-
-def executemany(conn: Connection, stmt, rows: Sequence[dict[str, Any]]) -> None:
-    """Execute a Core statement for many rows through the DBAPI's ``executemany``.
-
-    The statement is compiled once per dialect and cached; rows go to the driver as plain tuples
-    (or dicts for named paramstyles). This skips SQLAlchemy's per-row bind processing, which
-    cost more than the inserts themselves on the ingest path (tools/bench_ledger.py). Values must
-    already be driver-native: int, float, str, bytes, bool, None.
+    ``conflict``: ``None`` plain insert, ``"update"`` upsert every non-key column (projections),
+    ``"add"`` add ``value`` to the existing row (counters).
     """
-    if not rows:
-        return
-    compiled = _compiled(conn.dialect, stmt)
-    if compiled.positiontup is not None:
-        order = compiled.positiontup
-        params = [tuple(row[k] for k in order) for row in rows]
-    else:
-        params = list(rows)
-    conn.exec_driver_sql(compiled.string, params)
 
-
-_COMPILED: dict[tuple[type, str, int], Any] = {}
-
-
-def _compiled(dialect, stmt):
-    # Keyed by dialect class and paramstyle: asyncpg ($1) and psycopg (%(name)s) are both "postgresql".
-    key = (type(dialect), dialect.paramstyle, id(stmt))
-    hit = _COMPILED.get(key)
-    if hit is None:
-        hit = _COMPILED[key] = (stmt, stmt.compile(dialect=dialect))
-    return hit[1]
-
-
-def _upsert_stmt(conn: Connection, table: Table):
-    key = (conn.dialect.name, "upsert", table.name)
-    stmt = _STATEMENTS.get(key)
-    if stmt is None:
-        stmt = _insert_for(conn)(table)
+    def __init__(self, table: Table, conflict: str | None) -> None:
+        self.names = [c.name for c in table.columns]
+        self.getter = operator.itemgetter(*self.names)
+        # psycopg refuses arrays mixing int and float (``now=1000`` in tests): floats are made float
+        self.floats = {c.name for c in table.columns if isinstance(c.type, Float)}
         keys = [c.name for c in table.primary_key.columns]
-        stmt = _STATEMENTS[key] = stmt.on_conflict_do_update(
-            index_elements=keys, set_={c.name: stmt.excluded[c.name] for c in table.columns if c.name not in keys})
-    return stmt
+        lite = sqlite.insert(table)
+        arrays = [bindparam(c.name, type_=postgresql.ARRAY(c.type)) for c in table.columns]
+        source = func.unnest(*arrays).table_valued(*self.names).render_derived()
+        pg = postgresql.insert(table).from_select(self.names, select(*[source.c[n] for n in self.names]))
+        if conflict == "update":
+            lite = lite.on_conflict_do_update(index_elements=keys, set_={
+                n: lite.excluded[n] for n in self.names if n not in keys})
+            pg = pg.on_conflict_do_update(index_elements=keys, set_={
+                n: pg.excluded[n] for n in self.names if n not in keys})
+        elif conflict == "add":
+            lite = lite.on_conflict_do_update(index_elements=keys, set_={"value": table.c.value + lite.excluded.value})
+            pg = pg.on_conflict_do_update(index_elements=keys, set_={"value": table.c.value + pg.excluded.value})
+        self.sqlite, self.postgresql = Prepared(lite), Prepared(pg)
+
+    def write(self, sql: Sql, rows: Sequence[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        if sql.is_sqlite:
+            sql.many(self.sqlite, rows)
+            return
+        arrays = dict(zip(self.names, map(list, zip(*map(self.getter, rows)))))
+        for name in self.floats:
+            arrays[name] = [None if v is None else float(v) for v in arrays[name]]
+        sql.run(self.postgresql, arrays)
 
 
-_STATEMENTS: dict[tuple[str, str, str], Any] = {}
+_UPSERT = {name: _Rows(table, "update") for name, table in _TABLES.items()}
+_INSERT_LOG = _Rows(_LOG, None)
+_INSERT_BLOCKS = _Rows(_BLOCKS, None)
+_INSERT_DONOR_BLOCKS = _Rows(DonorBlockRow.__table__, None)
+_INSERT_DEAD_LETTERS = _Rows(DeadLetterRow.__table__, None)
+_ADD_COUNTERS = _Rows(CounterRow.__table__, "add")
+_DONORS = DonorRow.__table__
+_QUARANTINE = (
+    Prepared(update(_BLOCKS).where(_BLOCKS.c.engine_id == bindparam("id"), _BLOCKS.c.state == str(BlockState.LIVE))
+             .values(state=str(BlockState.QUARANTINED), updated_seq=bindparam("seq"))),
+    Prepared(update(_DONORS).where(_DONORS.c.engine_id == bindparam("id"),
+                                   or_(_DONORS.c.state == str(DonorState.REGISTERED),
+                                       _DONORS.c.state == str(DonorState.LIVE)))
+             .values(state=str(DonorState.QUARANTINED), updated_seq=bindparam("seq"))),
+    Prepared(update(_STREAMS).where(_STREAMS.c.engine_id == bindparam("id")).values(resync=True)),
+)
 
 
-def _insert_stmt(conn: Connection, table: Table):
-    key = (conn.dialect.name, "insert", table.name)
-    stmt = _STATEMENTS.get(key)
-    if stmt is None:
-        stmt = _STATEMENTS[key] = table.insert()
-    return stmt
+def write(conn: Connection | Sql, proj: Projection, entries: Sequence[LogEntry]) -> None:
+    """Insert log rows, run bulk ops, then upsert every dirty projection row."""
+    sql = conn if isinstance(conn, Sql) else Sql.of(conn)
+    if entries:
+        _INSERT_LOG.write(sql, [log_row(e) for e in entries])
+    for op in proj.bulk_ops:
+        for statement in _QUARANTINE:
+            sql.run(statement, {"id": op.engine_id, "seq": op.seq})
+    for name, keys in proj.dirty.items():
+        if not keys:
+            continue
+        rows = getattr(proj, name)
+        if name == "blocks" and proj.partial:
+            # New rows need no ON CONFLICT (PostgreSQL: speculative insertion costs ~25 % more).
+            loaded = proj.loaded_blocks
+            _INSERT_BLOCKS.write(sql, [rows[k] for k in keys if k not in loaded])
+            _UPSERT[name].write(sql, [rows[k] for k in keys if k in loaded])
+        else:
+            _UPSERT[name].write(sql, [rows[k] for k in keys])
+    _INSERT_DONOR_BLOCKS.write(sql, proj.donor_blocks)
+    _INSERT_DEAD_LETTERS.write(sql, proj.dead_letters)
+    if proj.counters:
+        _ADD_COUNTERS.write(sql, [{"engine_id": e or GLOBAL, "name": n, "value": v}
+                                  for (e, n), v in sorted(proj.counters.items())])
 
 
-def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
-    """INSERT … ON CONFLICT (primary key) DO UPDATE every other column (both dialects)."""
-    executemany(conn, _upsert_stmt(conn, table), rows)
-
-
-def insert(conn: Connection, table: Table, rows: Sequence[dict[str, Any]]) -> None:
-    executemany(conn, _insert_stmt(conn, table), rows)
-
-
-def _add_counters(conn: Connection, deltas) -> None:
-    key = (conn.dialect.name, "add", "counters")
-    stmt = _STATEMENTS.get(key)
-    if stmt is None:
-        table = CounterRow.__table__
-        stmt = _insert_for(conn)(table)
-        stmt = _STATEMENTS[key] = stmt.on_conflict_do_update(
-            index_elements=["engine_id", "name"], set_={"value": table.c.value + stmt.excluded.value})
-    executemany(conn, stmt, [{"engine_id": e or GLOBAL, "name": n, "value": v} for (e, n), v in sorted(deltas.items())])
-
-
-def _translate(exc: SQLAlchemyError) -> PersistenceError:
+def persistence_error(exc: SQLAlchemyError) -> PersistenceError:
+    """The ledger's error for a SQLAlchemy (or :meth:`~ledger.db.Sql.wrap`-ped driver) error;
+    raise it ``from exc`` so that ``__cause__`` keeps the SQLAlchemy type."""
     original = exc.orig if isinstance(exc, DBAPIError) else exc
     return PersistenceError(f"{type(original).__name__}: {original}".strip())

@@ -156,7 +156,9 @@ class GenerationReason(enum.StrEnum):
     SEQ_RESET = "seq_reset"  # ZMQ sequence went backwards with a new payload: engine restart
     SEQ_GAP = "seq_gap"  # batches lost and not recovered by replay
     EVENT_ID_GAP = "event_id_gap"  # TensorRT-LLM's bounded event buffer dropped events
+    EVENT_ID_REGRESSION = "event_id_regression"  # an older event_id: a late event, or a restart whose created was lost
     ALL_BLOCKS_CLEARED = "all_blocks_cleared"
+    ENGINE_STARTED = "engine_started"  # the engine's connector started (a new engine process)
     CONSUMER_RESUME = "consumer_resume"  # consumer (re)started without proof of continuity
     OPERATOR_RESET = "operator_reset"
 

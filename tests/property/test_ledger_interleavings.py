@@ -129,7 +129,8 @@ def reference(arrived):
                     lose_continuity()
             elif e.event_id is not None and continuous and last_event_id is not None:
                 if e.event_id <= last_event_id:
-                    continue  # older event: recorded, not applied
+                    lose_continuity()  # older event: recorded, not applied, and continuity is lost
+                    continue
                 if e.event_id > last_event_id + 1:
                     lose_continuity()
             if kind == "AllBlocksCleared":

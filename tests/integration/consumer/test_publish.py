@@ -229,7 +229,7 @@ def test_cli_help_explains_every_option() -> None:
     for option in ["--from-file", "--endpoint", "--replay-endpoint", "--topic", "--speed", "--max-gap",
                    "--wait-for-subscriber", "--subscriber-timeout", "--bind", "--connect", "--linger"]:  # fmt: skip
         assert option in result.output
-    assert "tcp://*:5557" in result.output and "tcp://*:5558" in result.output
+    assert "tcp://127.0.0.1:5557" in result.output and "tcp://127.0.0.1:5558" in result.output  # loopback by default
 
 
 def test_cli_publishes_to_a_subscriber_that_binds(ctx: zmq.Context, live: list[CapturedMessage]) -> None:

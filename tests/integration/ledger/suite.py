@@ -18,7 +18,7 @@ from ledger.errors import EventRejected
 from ledger.queries import LedgerClient
 from ledger.replay import replay
 from ledger.schema import BlockRow, CounterRow, EngineRow, LogRow
-from ledger.types import BlockState, FreshnessPolicy, StaleReason, join_hash, split_hash
+from ledger.types import BlockState, DonorState, FreshnessPolicy, GenerationReason, StaleReason, join_hash, split_hash
 from ledger.writer import LedgerWriter
 from tests.builders import batch, cleared, created, removed, stored, updated
 
@@ -125,6 +125,8 @@ class RecorderContract:
         assert result.events_stale == 1
         assert state(db, 7) == BlockState.REMOVED
         assert counter(db, "events_stale") == 1
+        # ...and, since it may be a restart whose `created` was lost, continuity is declared lost.
+        assert generation(db) == 2 and counter(db, "gaps.event_id_regression") == 1
         applied = _all(db, select(LogRow.__table__.c.applied).where(LogRow.__table__.c.zmq_seq == 1,
                                                                     LogRow.__table__.c.batch_index == 0))
         assert applied == [False]
@@ -311,6 +313,125 @@ class RecorderContract:
             append(db, batch(1, cleared()))
             refused = client.take_lease("d1", request_id="r2", holder="h", namespace="ns", num_blocks=3, ttl_s=30)
             assert refused == StaleReason.QUARANTINED
+        finally:
+            client.close()
+        assert_replay_equal(db)
+
+    def test_lease_up_to_blocks_pins_the_live_prefix(self, db):
+        append(db, batch(0, stored(1, 2, 3, 4)))
+        self._donor(db, hashes=(1, 2, 3, 4))
+        append(db, batch(1, removed(3)))
+        client = LedgerClient(db)
+        try:
+            refused = client.take_lease("d1", request_id="r", holder="h", namespace="ns", num_blocks=4, ttl_s=30)
+            assert refused == StaleReason.BLOCKS_NOT_LIVE
+            lease = client.take_lease("d1", request_id="r", holder="h", namespace="ns", num_blocks=1,
+                                      up_to_blocks=4, ttl_s=30)
+            assert lease.num_blocks == 2  # blocks 0 and 1 are live, block 2 (hash 3) is not
+            too_short = client.take_lease("d1", request_id="r", holder="h", namespace="ns", num_blocks=3,
+                                          up_to_blocks=4, ttl_s=30)
+            assert too_short == StaleReason.BLOCKS_NOT_LIVE
+            store = client.take_lease("d1", request_id="r", holder="h", namespace="ns", num_blocks=1, up_to_blocks=4,
+                                      ttl_s=30, policy=FreshnessPolicy.STORE)
+            assert store.num_blocks == 4  # policy store: the donor store's bytes, not engine blocks
+            assert client.held_leases() == 2
+        finally:
+            client.close()
+        assert_replay_equal(db)
+
+    def test_span_without_block_check_then_lease_checks_them(self, db):
+        append(db, batch(0, stored(1, 2, 3, 4)))
+        self._donor(db, hashes=(1, 2, 3, 4))
+        append(db, batch(1, removed(2)))
+        keys = [f"ns-k{i}".encode() for i in range(4)]
+        client = LedgerClient(db)
+        try:
+            assert client.find_donor_span("ns", keys).num_blocks == 1
+            optimistic = client.find_donor_span("ns", keys, check_blocks=False)
+            assert optimistic.num_blocks == 4  # the donor's state is fresh; its blocks are not checked
+            lease = client.take_lease("d1", request_id="r", holder="h", namespace="ns", num_blocks=1,
+                                      up_to_blocks=optimistic.num_blocks, ttl_s=30)
+            assert lease.num_blocks == 1
+            assert client.find_donor_span("ns", keys, min_blocks=2) is None
+            assert client.find_donor_span("ns", keys, min_blocks=5, check_blocks=False) is None
+        finally:
+            client.close()
+
+    def test_donors_for_key_ignores_freshness(self, db):
+        append(db, batch(0, stored(1, 2, 3)))
+        self._donor(db, "old")
+        self._donor(db, "new")
+        client = LedgerClient(db)
+        try:
+            append(db, batch(1, cleared()))  # both quarantined: stale, but still the donors of that text
+            found = client.donors_for_key("ns", b"ns-k1", limit=4)
+            assert [d.donor_id for d in found] == ["new", "old"]
+            assert {d.state for d in found} == {DonorState.QUARANTINED}
+            assert found[0].engine_id == ENGINE and found[0].num_blocks == 3
+            assert client.donors_for_key("ns", b"ns-k1", limit=1)[0].donor_id == "new"
+            assert client.donors_for_key("other", b"ns-k1") == []
+            assert client.find_donor_span("ns", [b"ns-k0"]) is None
+        finally:
+            client.close()
+
+    def test_engine_generation_reason(self, db):
+        append(db, batch(0, created(), stored(1, event_id=1)))
+        client = LedgerClient(db)
+        try:
+            info = client.engine(ENGINE)
+            assert (info.generation, info.generation_reason) == (1, None)
+            append(db, batch(1, created(0), stored(2, event_id=1)))  # a `created` on a known stream: restart
+            assert client.engine(ENGINE).generation_reason == GenerationReason.CREATED
+            append(db, batch(2, cleared()))
+            info = client.engine(ENGINE)
+            assert (info.generation, info.generation_reason) == (3, GenerationReason.ALL_BLOCKS_CLEARED)
+            assert client.engine("never-seen") is None
+        finally:
+            client.close()
+
+    def test_evict_if_unleased_checks_and_evicts_in_one_transaction(self, db):
+        append(db, batch(0, stored(1, 2, 3)))
+        self._donor(db)
+        client = LedgerClient(db)
+        try:
+            lease = client.take_lease("d1", request_id="r", holder="h", namespace="ns", num_blocks=3, ttl_s=30)
+            assert client.evict_donor_if_unleased("d1", "capacity") is False
+            assert client.donor_freshness("d1", namespace="ns") is None
+            assert client.evict_donor_if_unleased("d1", "capacity", now=time.time() + 60) is True  # lease expired
+            assert client.donor_freshness("d1", namespace="ns") == StaleReason.EVICTED
+            assert client.evict_donor_if_unleased("d1", "x", now=time.time() + 60) is True  # already evicted: no write
+            with pytest.raises(EventRejected):
+                client.evict_donor_if_unleased("missing", "x")
+            assert client.release_lease(lease.lease_id, "finished") is True
+            assert counter(db, "donors_evicted") == 1
+        finally:
+            client.close()
+        assert_replay_equal(db)
+
+    def test_client_connections_are_per_thread(self, db):
+        import threading
+
+        append(db, batch(0, stored(1, 2, 3)))
+        self._donor(db)
+        client = LedgerClient(db)
+        errors: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                for _ in range(20):
+                    lease = client.take_lease("d1", request_id="r", holder="h", namespace="ns", num_blocks=3, ttl_s=30)
+                    assert client.donor_freshness("d1", namespace="ns", lease_id=lease.lease_id) is None
+                    assert client.release_lease(lease.lease_id, "done")
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        try:
+            threads = [threading.Thread(target=work) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert errors == [] and client.held_leases() == 0
         finally:
             client.close()
         assert_replay_equal(db)

@@ -28,3 +28,42 @@ def test_sqlite_file_is_private_and_in_wal_mode(sqlite_db: str) -> None:
             assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
     finally:
         engine.dispose()
+
+
+def test_a_locked_database_is_a_persistence_error_caused_by_sqlalchemys_operational_error(sqlite_db: str,
+                                                                                           monkeypatch) -> None:
+    """The recorder and the connector's client run prepared SQL on the DBAPI cursor; a driver error
+    must still reach callers as SQLAlchemy's type (the consumer retries OperationalError)."""
+    import asyncio
+
+    from sqlalchemy.exc import OperationalError
+
+    import ledger.db
+    from ledger.errors import PersistenceError
+    from ledger.queries import LedgerClient
+    from ledger.writer import LedgerWriter
+    from tests.builders import batch, stored
+
+    monkeypatch.setattr(ledger.db, "SQLITE_BUSY_TIMEOUT_MS", 50)
+    blocker = sync_engine(sqlite_db, writer=True)
+    client = LedgerClient(sqlite_db)
+    try:
+        with blocker.begin():  # BEGIN IMMEDIATE: holds the write lock
+            with pytest.raises(PersistenceError) as caught:
+                client.release_lease("nope", "x")
+            assert isinstance(caught.value.__cause__, OperationalError)
+
+            async def append() -> None:
+                writer = await LedgerWriter.open(sqlite_db)
+                try:
+                    await writer.append([batch(0, stored(1))])
+                finally:
+                    await writer.close()
+
+            with pytest.raises(PersistenceError) as caught:
+                asyncio.run(append())
+            assert isinstance(caught.value.__cause__, OperationalError)
+        assert client.release_lease("nope", "x") is False  # the client's connection still works
+    finally:
+        client.close()
+        blocker.dispose()

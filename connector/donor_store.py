@@ -1,0 +1,473 @@
+"""The donor store: where a donor's KV bytes live between its save and a recipient's load (DESIGN §4).
+
+:class:`DonorStore` is the small interface (put / open / get / verify / lease / release / evict)
+that an LMCache or Mooncake backend can implement later; :class:`FileDonorStore` is the built-in
+host-local implementation: one file per donor under ``store_dir`` (``/dev/shm`` works well), shared
+by every engine process on the host.
+
+Entry file ``<donor_id>.kv``::
+
+    b"SEMKVDS1" | header_len: u32 LE | header: JSON (utf-8) | zero padding to 4096 | data
+
+``data`` is layer-major: for each layer ``l``, ``[num_blocks, kv_factor, block_elems]`` elements of
+the KV dtype (``layer_bytes`` bytes), i.e. the donor's pool blocks ``kv[block_ids][:, l]``. The header
+holds the layout, ``layer_checksums`` (xxh3-128 hex of each layer's bytes), the namespace digest
+and fields, and a probe key. The entry's **checksum** (what the ledger records in ``donor_saved``)
+is xxh3-128 (hex) of the header bytes, so ledger → header → every layer is one chain of checksums.
+
+Guarantees:
+
+* Atomic publish: bytes go to ``.tmp-*`` in the same directory, are fsynced, then renamed to the
+  entry name and the directory is fsynced. A crash mid-save leaves only a temp file, which is not
+  an entry (never listed, never opened) and is swept on the next start.
+* Capacity: ``capacity_bytes`` bounds the entries; to make room, donors are evicted oldest first,
+  skipping any that are pinned here (:meth:`lease`) or hold a lease in the ledger.
+* Lifecycle facts go to the ledger: ``donor_saved`` after publish, ``donor_evicted`` on eviction.
+* Reads verify: :meth:`open` checks the header against the expected checksum, and
+  :meth:`DonorReader.read_layer` checks each layer before returning it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import xxhash
+
+from ledger.errors import EventRejected
+
+__all__ = ["ChecksumMismatch", "DonorReader", "DonorStore", "DonorStoreError", "EntryHeader", "EntryMissing",
+           "FileDonorStore", "StoreFull", "StoredEntry"]
+
+log = logging.getLogger(__name__)
+MAGIC = b"SEMKVDS1"
+_ALIGN = 4096
+_SUFFIX = ".kv"
+_TMP_PREFIX = ".tmp-"
+_TMP_MAX_AGE_S = 600.0
+
+
+class DonorStoreError(Exception):
+    """Root of the donor store's errors."""
+
+
+class EntryMissing(DonorStoreError):
+    """No published entry under that ref (evicted, never saved, or removed behind our back)."""
+
+
+class ChecksumMismatch(DonorStoreError):
+    """The entry's header or a layer does not match its checksum: the bytes are not the donor's."""
+
+
+class StoreFull(DonorStoreError):
+    """Not enough unleased donors could be evicted to fit a new entry."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredEntry:
+    """A published entry: ``ref`` (store-relative name), header ``checksum`` (hex), ``size_bytes``."""
+
+    ref: str
+    checksum: str
+    size_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EntryHeader:
+    """Decoded header of an entry (see the module docstring)."""
+
+    donor_id: str
+    namespace: str
+    num_layers: int
+    kv_factor: int
+    block_elems: int
+    dtype: str
+    itemsize: int
+    num_blocks: int
+    tokens_per_block: int
+    layer_checksums: tuple[str, ...]
+    probe: str | None = None
+    namespace_fields: dict[str, str] = dataclasses.field(default_factory=dict)
+    created_at: float = 0.0
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer: ``num_blocks * kv_factor * block_elems * itemsize``."""
+        return self.num_blocks * self.kv_factor * self.block_elems * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in one layer."""
+        return self.kv_factor * self.block_elems * self.itemsize
+
+    def layout(self) -> str:
+        return (f"num_layers={self.num_layers},kv_factor={self.kv_factor},block_elems={self.block_elems},"
+                f"dtype={self.dtype}")
+
+
+class DonorStore(Protocol):
+    """The donor store interface the connector uses (implement it for LMCache, Mooncake, ...)."""
+
+    def put(self, donor_id: str, layers: Sequence[Any], header: dict[str, Any]) -> StoredEntry: ...
+
+    def open(self, ref: str, checksum: str) -> DonorReader: ...
+
+    def get(self, ref: str, checksum: str) -> bytes: ...
+
+    def verify(self, ref: str, checksum: str) -> None: ...
+
+    def lease(self, donor_id: str) -> None: ...
+
+    def release(self, donor_id: str) -> None: ...
+
+    def evict(self, donor_id: str, reason: str) -> bool: ...
+
+
+class DonorReader:
+    """An open entry whose header matched its checksum; reads verified layers.
+
+    Raises (from :meth:`read_layer`):
+        ChecksumMismatch: the layer's bytes do not match the header.
+        EntryMissing: the file became unreadable.
+    """
+
+    def __init__(self, path: Path, header: EntryHeader, data_offset: int, fd: int) -> None:
+        self.path, self.header, self._offset, self._fd = path, header, data_offset, fd
+
+    def read_layer(self, layer_idx: int, *, verify: bool = True) -> bytearray:
+        """Bytes of layer ``layer_idx``: ``[num_blocks, kv_factor, block_elems]`` elements, verified."""
+        h = self.header
+        buf = bytearray(h.layer_bytes)
+        try:
+            got = os.preadv(self._fd, [buf], self._offset + layer_idx * h.layer_bytes)
+        except OSError as exc:
+            raise EntryMissing(f"{self.path.name}: {exc}") from exc
+        if got != h.layer_bytes:
+            raise ChecksumMismatch(f"{self.path.name}: layer {layer_idx} truncated ({got} of {h.layer_bytes} bytes)")
+        if verify and xxhash.xxh3_128_hexdigest(buf) != h.layer_checksums[layer_idx]:
+            raise ChecksumMismatch(f"{self.path.name}: layer {layer_idx} checksum mismatch")
+        return buf
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> DonorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FileDonorStore:
+    """Host-local donor store: one file per donor in ``root`` (see the module docstring).
+
+    Args:
+        root: directory (created 0700 if missing); every engine on the host may share it.
+        capacity_bytes: bound on the published entries' total size.
+        ledger: a :class:`ledger.queries.LedgerClient` for ``donor_saved``/``donor_evicted`` facts and
+            lease checks; None keeps the store ledger-free (unit tests).
+    """
+
+    def __init__(self, root: str | Path, capacity_bytes: int, ledger: Any = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self.root / "probe").mkdir(mode=0o700, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.ledger = ledger
+        self._pins: dict[str, int] = {}
+        self._verified: dict[str, tuple[tuple[int, int, int], str]] = {}
+        self._lock = threading.Lock()
+        self.sweep_temp()
+
+    # -- write ---------------------------------------------------------------------------------
+
+    def put(self, donor_id: str, layers: Sequence[Any], header: dict[str, Any]) -> StoredEntry:
+        """Publish donor ``donor_id``: ``layers[l]`` is a bytes-like ``[num_blocks, kv_factor, block_elems]``.
+
+        ``header`` supplies ``namespace``, ``num_layers``, ``kv_factor``, ``block_elems``, ``dtype``,
+        ``itemsize``, ``num_blocks``, ``tokens_per_block`` (and optionally ``probe``,
+        ``namespace_fields``). Appends ``donor_saved`` to the ledger when one is attached.
+
+        Raises:
+            ValueError: the layers do not match the header.
+            StoreFull: no room even after evicting every unleased donor.
+            OSError: the write failed (nothing was published).
+        """
+        views = [memoryview(layer).cast("B") for layer in layers]
+        entry = EntryHeader(donor_id=donor_id, created_at=time.time(),
+                            layer_checksums=tuple(xxhash.xxh3_128_hexdigest(v) for v in views), **header)
+        if len(views) != entry.num_layers or any(len(v) != entry.layer_bytes for v in views):
+            raise ValueError(f"donor {donor_id}: layers do not match the header layout {entry.layout()}")
+        raw = json.dumps(dataclasses.asdict(entry), separators=(",", ":")).encode()
+        checksum = xxhash.xxh3_128_hexdigest(raw)
+        prefix = MAGIC + struct.pack("<I", len(raw)) + raw
+        data_offset = -(-len(prefix) // _ALIGN) * _ALIGN
+        size = data_offset + entry.num_layers * entry.layer_bytes
+        self._make_room(size)
+        final = self.root / f"{donor_id}{_SUFFIX}"
+        tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{_SUFFIX}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, prefix + b"\0" * (data_offset - len(prefix)))
+            for view in views:
+                _write_all(fd, view)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        if entry.probe:
+            probe_dir = self.root / "probe" / entry.probe
+            probe_dir.mkdir(mode=0o700, exist_ok=True)
+            (probe_dir / donor_id).touch()
+        stored = StoredEntry(ref=final.name, checksum=checksum, size_bytes=size)
+        self._remember_verified(final, stored.checksum)
+        if self.ledger is not None:
+            self.ledger.mark_donor_saved(donor_id, store_ref=stored.ref, checksum=checksum, size_bytes=size)
+        return stored
+
+    # -- read ----------------------------------------------------------------------------------
+
+    def open(self, ref: str, checksum: str) -> DonorReader:
+        """Open an entry and check its header against ``checksum``.
+
+        Raises:
+            EntryMissing: no such entry.
+            ChecksumMismatch: the header is not the one the ledger recorded.
+        """
+        path = self._path(ref)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise EntryMissing(f"donor store entry {ref} not found") from exc
+        try:
+            header, data_offset = _read_header(fd, ref, checksum)
+        except BaseException:
+            os.close(fd)
+            raise
+        return DonorReader(path, header, data_offset, fd)
+
+    def read_header(self, ref: str) -> EntryHeader:
+        """The header of an entry WITHOUT checksum verification (telemetry only).
+
+        Raises:
+            EntryMissing, ChecksumMismatch: missing or unparseable entry.
+        """
+        return self._with_fd(ref, lambda fd: _read_header(fd, ref, None)[0])
+
+    def get(self, ref: str, checksum: str) -> bytes:
+        """Every layer's bytes, concatenated layer-major, after verifying all checksums."""
+        with self.open(ref, checksum) as reader:
+            return b"".join(bytes(reader.read_layer(l)) for l in range(reader.header.num_layers))
+
+    def verify(self, ref: str, checksum: str) -> None:
+        """Read and checksum the whole entry; remembered (per file identity) when it passes.
+
+        Raises:
+            EntryMissing, ChecksumMismatch.
+        """
+        with self.open(ref, checksum) as reader:
+            for layer in range(reader.header.num_layers):
+                reader.read_layer(layer)
+            self._remember_verified(reader.path, checksum)
+
+    def verified(self, ref: str, checksum: str) -> bool | None:
+        """Cheap check (one ``stat``): True if this process verified exactly this file with this
+        checksum; None if not (verify it); raises EntryMissing if the entry is gone."""
+        try:
+            st = os.stat(self._path(ref))
+        except FileNotFoundError as exc:
+            raise EntryMissing(f"donor store entry {ref} not found") from exc
+        with self._lock:
+            known = self._verified.get(ref)
+        return True if known == ((st.st_ino, st.st_size, st.st_mtime_ns), checksum) else None
+
+    def size_of(self, ref: str) -> int:
+        """Size of an entry file (bytes). Raises EntryMissing."""
+        try:
+            return os.stat(self._path(ref)).st_size
+        except FileNotFoundError as exc:
+            raise EntryMissing(f"donor store entry {ref} not found") from exc
+
+    def donors_with_probe(self, probe: str, limit: int = 8) -> list[str]:
+        """Donor ids whose entries were saved with ``probe`` (telemetry only)."""
+        try:
+            with os.scandir(self.root / "probe" / probe) as it:
+                return [e.name for _, e in zip(range(limit), it, strict=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    # -- pins and eviction ---------------------------------------------------------------------
+
+    def lease(self, donor_id: str) -> None:
+        """Pin a donor in this process: capacity eviction skips it until :meth:`release`."""
+        with self._lock:
+            self._pins[donor_id] = self._pins.get(donor_id, 0) + 1
+
+    def release(self, donor_id: str) -> None:
+        with self._lock:
+            count = self._pins.get(donor_id, 0) - 1
+            if count > 0:
+                self._pins[donor_id] = count
+            else:
+                self._pins.pop(donor_id, None)
+
+    def evict(self, donor_id: str, reason: str, *, force: bool = False) -> bool:
+        """Remove a donor's entry and append ``donor_evicted`` to the ledger.
+
+        Refused (False) while the donor is pinned here or holds a ledger lease, unless ``force``
+        (a corrupt entry must go whatever holds it: its readers fail closed anyway).
+        """
+        if not force and self._pinned(donor_id):
+            return False
+        if self.ledger is not None:
+            try:
+                if force:
+                    self.ledger.evict_donor(donor_id, reason)
+                elif not self.ledger.evict_donor_if_unleased(donor_id, reason):
+                    return False  # a ledger lease holds it (checked and evicted in one transaction)
+            except EventRejected:
+                pass  # a donor the ledger never registered (orphan file): just remove the bytes
+        path = self.root / f"{donor_id}{_SUFFIX}"
+        try:
+            header: EntryHeader | None = self.read_header(path.name)
+        except DonorStoreError:  # already gone or unreadable: only its probe link may be left behind
+            header = None
+        path.unlink(missing_ok=True)
+        if header is not None and header.probe:
+            (self.root / "probe" / header.probe / donor_id).unlink(missing_ok=True)
+        with self._lock:
+            self._verified.pop(path.name, None)
+        return True
+
+    def entries(self) -> list[tuple[str, int, float]]:
+        """Published entries as ``(donor_id, size_bytes, mtime)``, oldest first."""
+        out = []
+        with os.scandir(self.root) as it:
+            for e in it:
+                if e.name.endswith(_SUFFIX) and not e.name.startswith(_TMP_PREFIX):
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue
+                    out.append((e.name[: -len(_SUFFIX)], st.st_size, st.st_mtime))
+        return sorted(out, key=lambda item: item[2])
+
+    def used_bytes(self) -> int:
+        return sum(size for _, size, _ in self.entries())
+
+    def sweep_temp(self, max_age_s: float = _TMP_MAX_AGE_S) -> int:
+        """Remove temp files of crashed saves (older than ``max_age_s`` or of a dead pid)."""
+        removed, now = 0, time.time()
+        with os.scandir(self.root) as it:
+            for e in it:
+                if not e.name.startswith(_TMP_PREFIX):
+                    continue
+                pid = e.name[len(_TMP_PREFIX):].split("-", 1)[0]
+                try:
+                    stale = now - e.stat().st_mtime > max_age_s or not _pid_alive(int(pid))
+                except (FileNotFoundError, ValueError):
+                    stale = True
+                if stale:
+                    Path(e.path).unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _pinned(self, donor_id: str) -> bool:
+        with self._lock:
+            return bool(self._pins.get(donor_id))
+
+    def _make_room(self, size: int) -> None:
+        if size > self.capacity_bytes:
+            raise StoreFull(f"entry of {size} bytes exceeds the store capacity {self.capacity_bytes}")
+        entries = self.entries()
+        used = sum(s for _, s, _ in entries)
+        for donor_id, entry_size, _ in entries:
+            if used + size <= self.capacity_bytes:
+                return
+            if self.evict(donor_id, "capacity"):
+                used -= entry_size
+        if used + size > self.capacity_bytes:
+            raise StoreFull(f"store {self.root} full: {used} + {size} > {self.capacity_bytes} bytes (leased donors)")
+
+    def _path(self, ref: str) -> Path:
+        if "/" in ref or ref.startswith(".") or not ref.endswith(_SUFFIX):
+            raise EntryMissing(f"invalid donor store ref {ref!r}")
+        return self.root / ref
+
+    def _with_fd(self, ref: str, fn):  # noqa: ANN001, ANN202
+        try:
+            fd = os.open(self._path(ref), os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise EntryMissing(f"donor store entry {ref} not found") from exc
+        try:
+            return fn(fd)
+        finally:
+            os.close(fd)
+
+    def _remember_verified(self, path: Path, checksum: str) -> None:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self._verified[path.name] = ((st.st_ino, st.st_size, st.st_mtime_ns), checksum)
+
+
+def _read_header(fd: int, ref: str, checksum: str | None) -> tuple[EntryHeader, int]:
+    head = os.pread(fd, 12, 0)
+    if len(head) != 12 or head[:8] != MAGIC:
+        raise ChecksumMismatch(f"{ref}: not a donor store entry")
+    (length,) = struct.unpack("<I", head[8:])
+    raw = os.pread(fd, length, 12)
+    if len(raw) != length:
+        raise ChecksumMismatch(f"{ref}: truncated header")
+    if checksum is not None and xxhash.xxh3_128_hexdigest(raw) != checksum:
+        raise ChecksumMismatch(f"{ref}: header checksum does not match the ledger's")
+    try:
+        fields = json.loads(raw)
+        fields["layer_checksums"] = tuple(fields["layer_checksums"])
+        header = EntryHeader(**fields)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ChecksumMismatch(f"{ref}: unreadable header: {exc}") from exc
+    return header, -(-(12 + length) // _ALIGN) * _ALIGN
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,101 @@
+"""Donor registration: a finished request becomes a donor (DESIGN §3 "donor"; scheduler side).
+
+Called from ``request_finished`` on the scheduler rank, synchronously and cheaply: one fast read
+(is the same span already a live donor?), one ledger read (the engine's generation) and one ledger
+write (``donor_registered``). The worker then saves the bytes (:class:`~connector.plan.SaveInstruction`)
+and the store appends ``donor_saved``; only then can a lookup find the donor.
+
+A request is registered only when its prefill completed (at least one token was generated: a
+request that failed before that, e.g. because its own load failed, may hold partial KV), when it
+has at least ``min_donor_blocks`` whole prompt blocks, and when its namespace is fully known. The
+donor covers the whole blocks of the PROMPT (``prompt_len // tokens_per_block``): generated tokens'
+KV is computed by decode steps, and is left out so that every donor block is prefill KV.
+
+Engine block hashes (for freshness policy ``engine``) come from ``RequestData.block_hashes`` (newer
+TensorRT-LLM) or, on 1.2 where that field does not exist, are recomputed with ``v1_block_key``
+(1.1/1.2's salt id is BLAKE3, which Python reproduces; WIRE.md §A.1).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from connector.namespace import DeploymentNamespace, Namespace, content_keys, probe_key
+from connector.plan import SaveInstruction
+from connector.settings import ConnectorSettings
+from ledger import events as ev
+
+__all__ = ["DonorRegistrar", "v1_hashes"]
+
+
+class DonorRegistrar:
+    """Registers finished requests as donors. See the module docstring for the rules."""
+
+    def __init__(self, settings: ConnectorSettings, namespace: DeploymentNamespace, ledger: Any, reader: Any,
+                 metrics: Any, tokens_per_block: int, window_size: int) -> None:
+        self.settings, self.namespace, self.ledger, self.reader = settings, namespace, ledger, reader
+        self.metrics, self.tokens_per_block, self.window_size = metrics, tokens_per_block, window_size
+
+    def register(self, request: Any, block_ids: list[int], *, namespace: Any = None, keys: list[bytes] | None = None,
+                 probe: str | None = None, block_hashes: list[int] | None = None) -> SaveInstruction | None:
+        """Register ``request`` as a donor; returns what the worker must save, or None (not a donor).
+
+        Args:
+            block_ids: the request's blocks in token order (``cache_block_ids`` of ``request_finished``).
+            namespace, keys, probe: what the lookup already computed for this request, if anything.
+            block_hashes: the engine's hashes of the request's full blocks (``RequestData.block_hashes``).
+
+        Raises:
+            PersistenceError, EventRejected: the ledger refused (the caller treats it as "no donor").
+        """
+        s, tpb = self.settings, self.tokens_per_block
+        prompt_len = int(request.prompt_len)
+        n = prompt_len // tpb
+        if s.engine_id is None or n < s.min_donor_blocks or len(block_ids) < n:
+            return None
+        tokens = request.get_tokens(0)
+        if len(tokens) <= prompt_len:  # no token generated: the prefill did not complete
+            return None
+        ns = namespace if isinstance(namespace, Namespace) else self.namespace.for_request(request)
+        if not isinstance(ns, Namespace) or self.namespace.layout is None:
+            return None
+        prompt = tokens[:prompt_len]
+        keys = (keys if keys is not None and len(keys) >= n else content_keys(ns, prompt, tpb, n))[:n]
+        existing = self.reader.find_span(ns.digest, keys, time.time(), min_blocks=n)
+        if existing is not None and existing.num_blocks >= n and (
+                s.freshness_policy != "engine" or self.reader.live_prefix(existing, n) >= n):
+            return None  # the same bytes are already a fresh donor
+        hashes = block_hashes[:n] if block_hashes and len(block_hashes) >= n else v1_hashes(request, tpb, n)
+        if hashes is None:
+            return None
+        engine = self.ledger.engine(s.engine_id)
+        donor_id = uuid.uuid4().hex
+        self.ledger.register_donor(ev.DonorRegistered(
+            donor_id=donor_id, namespace=ns.digest, engine_id=s.engine_id,
+            generation=engine.generation if engine else 1, content_keys=keys, block_hashes=hashes,
+            num_tokens=n * tpb, tokens_per_block=tpb,
+            expires_at=time.time() + s.donor_ttl_s if s.donor_ttl_s else None,
+            attention_dp_rank=s.attention_dp_rank, window_size=self.window_size))
+        self.metrics.donors_registered.inc()
+        return SaveInstruction(
+            request_id=request.request_id, donor_id=donor_id, block_ids=tuple(int(b) for b in block_ids[:n]),
+            num_blocks=n, tokens_per_block=tpb, namespace=ns.digest, layout=self.namespace.layout.describe(),
+            probe=probe or probe_key(prompt), namespace_fields=dict(ns.fields))
+
+
+def v1_hashes(request: Any, tpb: int, n: int) -> list[int] | None:
+    """TensorRT-LLM 1.2 fallback: recompute ``v1_block_key`` of the first ``n`` blocks (1.1/1.2 salt
+    id = BLAKE3; WIRE.md §A.1). None for multimodal requests (their mm keys are not modelled)."""
+    if getattr(request, "multimodal_hashes", None):
+        return None
+    from connector.harness.block_hash import v1_block_key  # TensorRT-LLM's algorithm, replicated
+
+    salt = getattr(request, "cache_salt_id", None)
+    tokens, parent, out = request.get_tokens(0), 0, []
+    for i in range(n):
+        parent = v1_block_key(tokens[i * tpb : (i + 1) * tpb], parent, lora_task_id=request.lora_task_id,
+                              cache_salt_id=salt)
+        out.append(parent)
+    return out

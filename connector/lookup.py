@@ -1,0 +1,203 @@
+"""Helpers of the scheduler's lookup: the hard deadline, background work, and miss diagnosis.
+
+* :class:`DeadlineRunner` runs the ledger/store part of a lookup on its own thread and waits for it
+  at most ``timeout_s``. The engine thread (which holds TensorRT-LLM's block-manager lock) never
+  waits longer, whatever the database does; a job finished after its caller gave up hands its
+  result to ``on_abandon`` (the scheduler releases the lease it took), and a job abandoned before
+  it started never runs.
+* :class:`BackgroundRunner` runs work that must not delay the engine: lease releases and evictions
+  (``must`` jobs, never dropped) and telemetry (discovery lookups, miss diagnosis, background
+  checksum verification; dropped and counted when ``max_telemetry`` are waiting).
+* :class:`MissDiagnosis` explains a miss for the metrics (telemetry only, never a reason to load):
+  a donor of the same namespace that is stale (and why: restart, quarantine after a gap, blocks
+  removed, evicted, expired), or a donor of the same text in another namespace (which field
+  differs: cache salt, LoRA, tokens per block, dtype …), else ``no_donor``. Its reads are the
+  ledger's own (:meth:`ledger.queries.LedgerClient.donors_for_key`, ``donor_freshness`` and
+  ``engine(...).generation_reason``); the connector keeps no SQL of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ledger.types import GenerationReason, StaleReason
+
+__all__ = ["BackgroundRunner", "DeadlineRunner", "MissDiagnosis", "stale_reason_name"]
+
+log = logging.getLogger(__name__)
+
+_STALE_NAMES = {
+    StaleReason.UNKNOWN_DONOR: "donor_unknown", StaleReason.NOT_SAVED: "donor_not_saved",
+    StaleReason.EVICTED: "donor_evicted", StaleReason.QUARANTINED: "donor_quarantined",
+    StaleReason.GENERATION_MISMATCH: "donor_generation_mismatch", StaleReason.ENGINE_UNKNOWN: "donor_unknown",
+    StaleReason.BLOCKS_NOT_LIVE: "donor_blocks_removed", StaleReason.NAMESPACE_MISMATCH: "namespace_mismatch",
+    StaleReason.EXPIRED: "donor_expired", StaleReason.LEASE_NOT_HELD: "lease_expired",
+}
+_RESTART_CAUSES = {GenerationReason.CREATED, GenerationReason.SEQ_RESET, GenerationReason.ENGINE_STARTED}
+# Most telling field first when several namespace fields differ.
+_FIELD_ORDER = ("cache_salt", "lora_task_id", "multimodal", "tenant", "tokens_per_block", "kv_dtype", "kv_layout",
+                "model_id", "engine_version", "quant_algo", "kv_cache_quant_algo", "attention_backend")
+
+
+def stale_reason_name(reason: StaleReason) -> str:
+    """Metric reason for a ledger :class:`StaleReason` (``blocks_not_live`` -> ``donor_blocks_removed``)."""
+    return _STALE_NAMES.get(reason, f"donor_{reason}")
+
+
+class _Job:
+    __slots__ = ("fn", "on_abandon", "done", "lock", "finished", "abandoned", "value", "error")
+
+    def __init__(self, fn: Callable[[_Job], Any], on_abandon: Callable[[Any], None] | None) -> None:
+        self.fn, self.on_abandon = fn, on_abandon
+        self.done, self.lock = threading.Event(), threading.Lock()
+        self.finished = self.abandoned = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+class DeadlineRunner:
+    """One daemon thread; :meth:`run` waits for a job at most ``timeout_s`` seconds."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable[[_Job], Any], timeout_s: float,
+            on_abandon: Callable[[Any], None] | None = None) -> tuple[bool, Any]:
+        """Run ``fn(job)`` on the thread. Returns ``(True, value)``, or ``(False, None)`` past the
+        deadline. ``fn`` may poll ``job.abandoned``; exceptions of ``fn`` are re-raised here."""
+        job = _Job(fn, on_abandon)
+        self._queue.put(job)
+        job.done.wait(timeout_s)
+        with job.lock:
+            if not job.finished:
+                job.abandoned = True
+                return False, None
+        if job.error is not None:
+            raise job.error
+        return True, job.value
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+
+    def _loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if job.abandoned:
+                continue
+            try:
+                value, error = job.fn(job), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                value, error = None, exc
+            with job.lock:
+                job.finished, job.value, job.error = True, value, error
+                late = job.abandoned
+            job.done.set()
+            if late and job.on_abandon is not None and error is None:
+                try:
+                    job.on_abandon(value)
+                except Exception:  # boundary: cleanup of an abandoned job; logged, never raised
+                    log.exception("semkv: cleanup of an abandoned lookup failed")
+
+
+class BackgroundRunner:
+    """One daemon thread for work off the engine's path; see the module docstring."""
+
+    def __init__(self, name: str, max_telemetry: int = 1024,
+                 on_drop: Callable[[], None] | None = None) -> None:
+        self._queue: queue.Queue[tuple[bool, Callable[[], Any]] | None] = queue.Queue()
+        self._telemetry = 0
+        self._max = max_telemetry
+        self._on_drop = on_drop
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any], *, must: bool = False) -> bool:
+        """Queue ``fn``; a telemetry job is dropped (False) when too many are waiting."""
+        if not must:
+            with self._lock:
+                if self._telemetry >= self._max:
+                    if self._on_drop is not None:
+                        self._on_drop()
+                    return False
+                self._telemetry += 1
+        self._queue.put((must, fn))
+        return True
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every job queued so far ran (tests, shutdown)."""
+        done = threading.Event()
+        self._queue.put((True, done.set))
+        return done.wait(timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.flush(timeout_s)
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            must, fn = item
+            try:
+                fn()
+            except Exception:  # boundary: background work never kills the thread
+                log.exception("semkv: background job failed")
+            finally:
+                if not must:
+                    with self._lock:
+                        self._telemetry -= 1
+
+
+class MissDiagnosis:
+    """Why did a lookup find nothing? Telemetry only; reads the ledger and the store's probe index.
+
+    Args:
+        ledger: the scheduler's :class:`ledger.queries.LedgerClient`.
+        store: the :class:`~connector.donor_store.FileDonorStore` (probe index, headers).
+    """
+
+    def __init__(self, ledger: Any, store: Any) -> None:
+        self.ledger, self.store = ledger, store
+
+    def explain(self, namespace: Any, keys: list[bytes], start_block: int, probe: str | None,
+                policy: Any) -> tuple[str, str | None]:
+        """``(reason, namespace field or None)`` for a lookup that found no usable donor."""
+        if start_block < len(keys):
+            donors = self.ledger.donors_for_key(namespace.digest, keys[start_block], limit=1)
+            if donors:
+                donor = donors[0]
+                stale = self.ledger.donor_freshness(donor.donor_id, namespace=namespace.digest,
+                                                    num_blocks=start_block + 1, policy=policy)
+                if stale is None:
+                    return "no_donor", None
+                if stale == StaleReason.QUARANTINED and self._restarted(donor.engine_id):
+                    return "donor_restarted", None
+                return stale_reason_name(stale), None
+        if probe is not None:
+            for donor_id in self.store.donors_with_probe(probe):
+                try:
+                    header = self.store.read_header(f"{donor_id}.kv")
+                except Exception:  # noqa: BLE001 - a vanished or unreadable entry explains nothing
+                    continue
+                if header.namespace != namespace.digest:
+                    return "namespace_mismatch", _first_difference(namespace.fields, header.namespace_fields)
+        return "no_donor", None
+
+    def _restarted(self, engine_id: str) -> bool:
+        """Did the engine's current generation start with a restart (``created``, ZMQ seq reset)?"""
+        engine = self.ledger.engine(engine_id)
+        return engine is not None and engine.generation_reason in _RESTART_CAUSES
+
+
+def _first_difference(mine: Any, theirs: dict[str, str]) -> str:
+    differing = {k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
+    for name in _FIELD_ORDER:
+        if name in differing:
+            return name
+    return min(differing) if differing else "namespace"

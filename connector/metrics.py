@@ -1,0 +1,171 @@
+"""Prometheus metrics of the KV Cache Connector (DESIGN §8), names ``semkv_*``.
+
+One :class:`ConnectorMetrics` per engine: scheduler and worker of the same engine share it when they
+live in one process (pass the same object); otherwise each process has its own and Prometheus
+scrapes each rank (``metrics_port + rank``). By default a metrics object owns a private
+``CollectorRegistry`` so several engines can run in one process (tests); :func:`process_metrics`
+returns the process-wide one registered on prometheus-client's global ``REGISTRY``.
+
+Counters are distinct, never collapsed into one "hit" (DESIGN §8):
+
+* every lookup is counted (``semkv_lookups_total{mode}``) and ends as exactly one of: a promise
+  (``semkv_promises_total``, ``semkv_promised_tokens_total``), a discovery-only hit (telemetry,
+  ``semkv_discovery_only_hits_total``), or a miss ``semkv_lookup_misses_total{reason}``; a miss is
+  also counted in its DESIGN category: ``semkv_stale_donor_total{reason}``,
+  ``semkv_namespace_mismatch_total{field}``, ``semkv_provider_timeout_total`` (lookup deadline) or
+  ``semkv_backend_declined_total{reason}`` (everything the connector declines by itself);
+* ``semkv_exact_materialized_total`` / ``semkv_materialized_tokens_total`` count only after the
+  worker copied EVERY layer of a plan; ``semkv_experimental_materialized_total`` exists and stays 0;
+* ``semkv_load_failures_total{reason}``: plans that failed after the promise (the request failed or
+  was recomputed), ``semkv_leases_held`` (gauge, leases this process holds).
+
+Histograms (seconds): lookup, metadata build, load by cache level (the donor store is host memory
+or disk: level 1), revalidation (ledger re-checks in the worker), donor save.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = ["ConnectorMetrics", "MissCategory", "process_metrics", "serve_metrics"]
+
+_FAST = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+_SLOW = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_TOKENS = (32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+_STALE = {"donor_restarted", "donor_quarantined", "donor_generation_mismatch", "donor_blocks_removed",
+          "donor_evicted", "donor_expired", "donor_not_saved", "donor_unknown", "lease_expired",
+          "lease_refused", "checksum_mismatch", "store_missing"}
+
+
+class MissCategory:
+    """DESIGN §8 category of a miss reason."""
+
+    STALE = "stale"
+    NAMESPACE = "namespace"
+    TIMEOUT = "timeout"
+    DECLINED = "declined"
+    NONE = "none"
+
+    @staticmethod
+    def of(reason: str) -> str:
+        if reason in _STALE:
+            return MissCategory.STALE
+        if reason == "namespace_mismatch":
+            return MissCategory.NAMESPACE
+        if reason == "timeout":
+            return MissCategory.TIMEOUT
+        if reason in ("no_donor", "too_short", "discovery_only"):
+            return MissCategory.NONE
+        return MissCategory.DECLINED
+
+
+class ConnectorMetrics:
+    """All connector metrics, registered on :attr:`registry` (a private one unless given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.lookups = Counter("semkv_lookups_total", "get_num_new_matched_tokens calls", ("mode",), registry=r)
+        self.lookup_seconds = Histogram("semkv_lookup_seconds", "Duration of get_num_new_matched_tokens",
+                                        ("mode",), buckets=_FAST, registry=r)
+        self.misses = Counter("semkv_lookup_misses_total", "Lookups answered (0, False), by reason",
+                              ("reason",), registry=r)
+        self.promises = Counter("semkv_promises_total", "Lookups answered with n > 0 tokens", registry=r)
+        self.promised_tokens = Counter("semkv_promised_tokens_total", "Tokens promised to the engine", registry=r)
+        self.discovery_hits = Counter("semkv_discovery_only_hits_total",
+                                      "discovery_only/placement lookups that found a fresh donor (not loaded)",
+                                      registry=r)
+        self.discovery_tokens = Counter("semkv_discovery_only_tokens_total",
+                                        "Tokens such donors could have provided", registry=r)
+        self.placement_advice = Counter("semkv_placement_advice_total",
+                                        "placement-mode advice: a fresh donor lives on another engine",
+                                        ("donor_engine_id",), registry=r)
+        self.semantic_lookups = Counter("semkv_semantic_lookups_total",
+                                        "Semantic provider lookups (no provider is configured: stays 0)", registry=r)
+        self.materialized = Counter("semkv_exact_materialized_total",
+                                    "Plans whose every layer was copied (exact-equivalent)", registry=r)
+        self.materialized_tokens = Counter("semkv_materialized_tokens_total",
+                                           "Tokens materialized (every layer copied)", registry=r)
+        self.materialized_tokens_hist = Histogram("semkv_materialized_tokens_per_plan", "Tokens materialized per plan",
+                                                  buckets=_TOKENS, registry=r)
+        self.experimental_materialized = Counter("semkv_experimental_materialized_total",
+                                                 "Approximate (Mode 4) materializations: always 0", registry=r)
+        self.backend_declined = Counter("semkv_backend_declined_total", "Misses the connector declined itself",
+                                        ("reason",), registry=r)
+        self.stale_donor = Counter("semkv_stale_donor_total", "Misses on a stale donor or store entry",
+                                   ("reason",), registry=r)
+        self.namespace_mismatch = Counter("semkv_namespace_mismatch_total",
+                                          "Misses where a donor of the same text lives in another namespace",
+                                          ("field",), registry=r)
+        self.provider_timeout = Counter("semkv_provider_timeout_total", "Lookups past their hard deadline",
+                                        registry=r)
+        self.load_failures = Counter("semkv_load_failures_total", "Promised loads that failed in the worker",
+                                     ("reason",), registry=r)
+        self.leases_held = Gauge("semkv_leases_held", "Leases this process holds", registry=r)
+        self.leases_released = Counter("semkv_leases_released_total", "Leases released, by reason", ("reason",),
+                                       registry=r)
+        self.metadata_build_seconds = Histogram("semkv_metadata_build_seconds", "build_connector_meta duration",
+                                                buckets=_FAST, registry=r)
+        self.load_seconds = Histogram("semkv_load_seconds", "Plan load duration (start to last layer)",
+                                      ("cache_level",), buckets=_SLOW, registry=r)
+        self.revalidation_seconds = Histogram("semkv_revalidation_seconds", "Worker ledger revalidation, per check",
+                                              buckets=_FAST, registry=r)
+        self.donors_registered = Counter("semkv_donors_registered_total", "Donors registered in the ledger",
+                                         registry=r)
+        self.donor_saves = Counter("semkv_donor_saves_total", "Donor saves by outcome", ("outcome",), registry=r)
+        self.save_seconds = Histogram("semkv_save_seconds", "Donor save duration (gather to ledger)",
+                                      buckets=_SLOW, registry=r)
+        self.telemetry_dropped = Counter("semkv_telemetry_dropped_total",
+                                         "Background telemetry jobs dropped (queue full)", registry=r)
+
+    def record_miss(self, reason: str, field: str | None = None) -> None:
+        """Count one miss under ``reason`` and its DESIGN §8 category."""
+        self.misses.labels(reason=reason).inc()
+        category = MissCategory.of(reason)
+        if category == MissCategory.STALE:
+            self.stale_donor.labels(reason=reason).inc()
+        elif category == MissCategory.NAMESPACE:
+            self.namespace_mismatch.labels(field=field or "unknown").inc()
+        elif category == MissCategory.TIMEOUT:
+            self.provider_timeout.inc()
+        elif category == MissCategory.DECLINED:
+            self.backend_declined.labels(reason=reason).inc()
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of a sample (0.0 when absent); for tests and benchmarks."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def misses_by_reason(self) -> dict[str, float]:
+        """``{reason: count}`` of ``semkv_lookup_misses_total``."""
+        out = {}
+        for metric in self.registry.collect():
+            if metric.name == "semkv_lookup_misses":
+                for sample in metric.samples:
+                    if sample.name.endswith("_total"):
+                        out[sample.labels["reason"]] = sample.value
+        return out
+
+
+_process_lock = threading.Lock()
+_process_metrics: ConnectorMetrics | None = None
+_served_ports: set[int] = set()
+
+
+def process_metrics() -> ConnectorMetrics:
+    """The process-wide metrics on prometheus-client's global ``REGISTRY`` (created once)."""
+    global _process_metrics
+    with _process_lock:
+        if _process_metrics is None:
+            _process_metrics = ConnectorMetrics(REGISTRY)
+        return _process_metrics
+
+
+def serve_metrics(metrics: ConnectorMetrics, port: int) -> None:
+    """Serve ``/metrics`` for ``metrics.registry`` on ``port`` (once per port per process)."""
+    with _process_lock:
+        if port in _served_ports:
+            return
+        start_http_server(port, registry=metrics.registry)
+        _served_ports.add(port)

@@ -1,0 +1,170 @@
+"""HTTP face of placement advice (FastAPI; served by uvicorn from ``semkv-ledger serve``).
+
+Endpoints (OpenAPI 3 schema at ``/openapi.json``, interactive docs at ``/docs``):
+
+* ``POST /v1/placement`` — :class:`PlacementRequest` → :class:`AdviceOut`: engines ranked by exact
+  live overlap (blocks) and fresh donor spans, semantic candidates, each with the generation it was
+  read at, and ``ledger_seq`` (the log position the snapshot includes).
+* ``POST /v1/donors`` — register a donor's tokens (and text) for the semantic index of this service
+  (engines in other processes have their own index; see ``connector/discovery``): ``202`` queued,
+  ``503`` queue full, ``501`` when the service runs without discovery providers.
+* ``GET /healthz`` — ``200`` with the ledger's last sequence number, ``503`` when the ledger is unreachable.
+* ``GET /metrics`` — Prometheus text: ``semkv_placement_*`` and ``semkv_discovery_*``.
+
+Malformed input is rejected before anything runs: invalid JSON, a missing or unknown field, a
+negative or out-of-range token id, an empty or oversized token list, a namespace that is not 32 hex
+characters → ``422``; a body over ``max_body_bytes`` → ``413``. Ledger failures → ``503``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.exc import SQLAlchemyError
+
+from connector.discovery.types import DonorRecord, readonly_tokens
+from connector.placement.advice import PlacementAdvisor
+from ledger.errors import LedgerError
+
+__all__ = ["AdviceOut", "PlacementRequest", "create_app"]
+
+MAX_TOKENS = 262_144
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class PlacementRequest(BaseModel):
+    """One request to place. ``namespace``: the connector's namespace digest for it (enables donor
+    spans and semantic candidates); ``cache_salt``/``lora_task_id`` enter the engine block hashes."""
+
+    model_config = ConfigDict(extra="forbid")
+    token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_TOKENS)
+    text: str | None = Field(None, max_length=4_000_000)
+    namespace: Digest | None = None
+    cache_salt: str | None = Field(None, max_length=400)
+    lora_task_id: int | None = Field(None, ge=0, lt=2**63)
+    model_id: str = Field("", max_length=400)
+    tokens_per_block: int | None = Field(None, ge=1, le=4096)
+    max_semantic: int = Field(8, ge=0, le=64)
+
+
+class EngineOut(BaseModel):
+    engine_id: str
+    generation: int
+    status: str
+    fresh: bool
+    live_blocks: int
+    live_tokens: int
+    donor_id: str | None
+    donor_blocks: int
+    donor_tokens: int
+    semantic_tokens: int
+
+
+class SemanticOut(BaseModel):
+    donor_id: str
+    engine_id: str
+    generation: int | None
+    provider: str
+    match_type: str
+    reusable_token_count: int
+    segments: int
+    similarity_bucket: str
+    token_overlap_bucket: str
+    confidence_bucket: str
+    provider_generation: int
+
+
+class AdviceOut(BaseModel):
+    engines: list[EngineOut]
+    semantic: list[SemanticOut]
+    ledger_seq: int
+    tokens_per_block: int
+    num_tokens: int
+    elapsed_s: float
+
+
+class DonorIn(BaseModel):
+    """A donor for the semantic index (the connector registered it in the ledger already)."""
+
+    model_config = ConfigDict(extra="forbid")
+    donor_id: str = Field(min_length=1, max_length=200)
+    engine_id: str = Field(min_length=1, max_length=200)
+    namespace: Digest
+    model_id: str = Field("", max_length=400)
+    token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_TOKENS)
+    tokens_per_block: int = Field(32, ge=1, le=4096)
+    text: str | None = Field(None, max_length=4_000_000)
+    generation: int | None = Field(None, ge=0)
+
+
+def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: CollectorRegistry | None = None,
+               max_body_bytes: int = 64 * 2**20) -> FastAPI:
+    """The FastAPI application over ``advisor`` (and ``discovery`` for ``/v1/donors``)."""
+    app = FastAPI(title="semkv-ledger placement advice", version="1",
+                  description="Mode 3: engines ranked by exact live overlap and semantic candidates, "
+                              "from fresh ledger state only. Advice, never a promise.")
+    reg = registry if registry is not None else CollectorRegistry(auto_describe=True)
+    requests = Counter("semkv_placement_requests_total", "Placement requests by outcome", ("outcome",), registry=reg)
+    seconds = Histogram("semkv_placement_advice_seconds", "Placement advice duration (server side)",
+                        buckets=_BUCKETS, registry=reg)
+    registries = [reg] + ([discovery.metrics.registry] if discovery is not None
+                          and discovery.metrics.registry is not reg else [])
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            requests.labels(outcome="too_large").inc()
+            return JSONResponse({"detail": f"body over {max_body_bytes} bytes"}, status_code=413)
+        return await call_next(request)
+
+    @app.post("/v1/placement", response_model=AdviceOut, summary="Rank engines for a request")
+    def placement(body: PlacementRequest) -> Any:
+        started = time.perf_counter()
+        try:
+            advice = advisor.advise(body.token_ids, text=body.text, namespace=body.namespace,
+                                    cache_salt=body.cache_salt, lora_task_id=body.lora_task_id,
+                                    model_id=body.model_id, tokens_per_block=body.tokens_per_block,
+                                    max_semantic=body.max_semantic)
+        except ValueError as exc:
+            requests.labels(outcome="rejected").inc()
+            raise HTTPException(422, str(exc)) from None
+        except (SQLAlchemyError, LedgerError) as exc:
+            requests.labels(outcome="ledger_error").inc()
+            raise HTTPException(503, f"ledger unavailable: {type(exc).__name__}") from None
+        seconds.observe(time.perf_counter() - started)
+        requests.labels(outcome="ok").inc()
+        return advice.to_dict()
+
+    @app.post("/v1/donors", status_code=202, summary="Queue a donor for the semantic index")
+    def donors(body: DonorIn) -> dict[str, Any]:
+        if discovery is None:
+            raise HTTPException(501, "this service runs without discovery providers")
+        record = DonorRecord(donor_id=body.donor_id, engine_id=body.engine_id, namespace=body.namespace,
+                             model_id=body.model_id, token_ids=readonly_tokens(body.token_ids),
+                             tokens_per_block=body.tokens_per_block, generation=body.generation, text=body.text)
+        if not discovery.register_donor(record):
+            raise HTTPException(503, "indexing queue full; retry later")
+        return {"queued": True, "donor_id": body.donor_id}
+
+    @app.get("/healthz", summary="Liveness and ledger reachability")
+    def healthz() -> Any:
+        try:
+            seq = advisor.ledger_seq()
+        except SQLAlchemyError as exc:
+            return JSONResponse({"status": "ledger_unavailable", "detail": type(exc).__name__}, status_code=503)
+        providers = [p.name for p in discovery.providers] if discovery is not None else []
+        return {"status": "ok", "ledger_seq": seq, "providers": providers}
+
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
+    def metrics() -> str:
+        return "".join(generate_latest(r).decode() for r in registries)
+
+    return app

@@ -1,0 +1,90 @@
+"""What the scheduler ships to the workers each iteration (DESIGN §3 "load plan").
+
+``build_connector_meta`` returns a :class:`ConnectorMetadata`; TensorRT-LLM pickles it and
+broadcasts it to every worker rank, so everything here is a frozen, slotted dataclass of plain
+values (ints, strings, tuples) — picklable, no tensors, no handles.
+
+Size bound: a metadata object holds at most ``max_plans_per_iteration`` load plans and as many save
+instructions (the scheduler defers extra saves to the next iteration; it never promises more loads
+than it can ship). A plan is ~300 bytes plus 8 bytes per target block id, so a 32K-token plan with
+32 tokens per block pickles to about 9 KB; :meth:`ConnectorMetadata.approx_size_bytes` estimates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+__all__ = ["ConnectorMetadata", "LoadPlan", "SaveInstruction"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """Copy donor blocks ``[donor_block_start, donor_block_start + num_blocks)`` into ``target_block_ids``.
+
+    The recipient's prompt tokens ``[donor_block_start * tokens_per_block, ... + token_count)`` get the
+    donor's KV; the target blocks are recipient-owned block ids (indices into the KV pool
+    ``[num_blocks, num_layers, kv_factor, block_elems]``), one per promised block, in token order.
+    ``failed`` is set on a plan that must NOT be loaded: the worker fails the request with that
+    reason (a promise could not be honoured after the fact, e.g. allocation did not match).
+    """
+
+    request_id: int
+    donor_id: str
+    provider_generation: int
+    namespace: str
+    mode: str
+    target_block_ids: tuple[int, ...]
+    donor_block_start: int
+    num_blocks: int
+    token_count: int
+    score_bucket: str
+    lease_id: str
+    store_ref: str
+    checksum: str
+    donor_engine_id: str
+    donor_generation: int
+    layout: str
+    """:meth:`connector.namespace.KvLayout.describe` the scheduler expects the worker's pool to have."""
+    freshness_policy: str
+    failed: str | None = None
+
+    @property
+    def donor_block_end(self) -> int:
+        """One past the last donor block position this plan reads."""
+        return self.donor_block_start + self.num_blocks
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveInstruction:
+    """Save the KV of a finished request's first ``num_blocks`` blocks as donor ``donor_id``.
+
+    ``block_ids`` are the request's blocks (kept allocated until the worker reports the save
+    through ``get_finished``). ``namespace_fields`` and ``probe`` go into the store entry's header
+    so misses can be explained later (telemetry only).
+    """
+
+    request_id: int
+    donor_id: str
+    block_ids: tuple[int, ...]
+    num_blocks: int
+    tokens_per_block: int
+    namespace: str
+    layout: str
+    probe: str | None = None
+    namespace_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConnectorMetadata:
+    """One iteration's work for the workers: loads to perform and donors to save."""
+
+    loads: tuple[LoadPlan, ...] = ()
+    saves: tuple[SaveInstruction, ...] = ()
+    iteration: int = 0
+
+    def approx_size_bytes(self) -> int:
+        """Rough pickled size (bytes), for the bound documented above."""
+        loads = sum(320 + 8 * len(p.target_block_ids) for p in self.loads)
+        saves = sum(400 + 8 * len(s.block_ids) + 64 * len(s.namespace_fields) for s in self.saves)
+        return 64 + loads + saves

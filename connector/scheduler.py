@@ -1,0 +1,468 @@
+"""Scheduler half of the semkv KV Cache Connector (rank 0; DESIGN §2, §3, §4).
+
+Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
+
+1. ``get_num_new_matched_tokens(request, num_computed_tokens)`` — once per request, from C++ while
+   the block manager HOLDS ITS LOCK. TensorRT-LLM's own prefix reuse ran first (rule 1): the lookup
+   starts at the block boundary ``num_computed_tokens`` and only adds tokens past it. In
+   ``exact_equivalent`` it asks the ledger for the longest FRESH donor span of the request's
+   chained content keys in the request's namespace, checks the donor store holds checksummed bytes,
+   and takes a ledger lease (pin) BEFORE answering ``(n, False)`` in whole blocks, leaving at least
+   one prompt token to compute. The ledger/store part runs under a hard deadline
+   (``lookup_timeout_s``); key hashing (O(prompt), CPU only) runs before it on the calling thread.
+   Anything doubtful — unknown or unsupported namespace field, stale/quarantined donor, missing or
+   corrupt bytes, refused or expiring lease, deadline, any exception — is a miss ``(0, False)``,
+   counted by reason; nothing ever raises into the engine (rule 4). ``discovery_only`` and
+   ``placement`` always answer ``(0, False)`` at once and do their lookup in the background
+   (telemetry only).
+2. ``update_state_after_alloc(request, block_ids)`` — binds the recipient-owned target blocks
+   ``block_ids[num_computed // tpb : ... + n_blocks]`` into a :class:`~connector.plan.LoadPlan`. If
+   the allocation does not match the promise, the lease is released and the plan is replaced by a
+   FAILED plan, so the worker fails the request instead of letting it compute on unloaded blocks.
+3. ``build_connector_meta(scheduler_output)`` — every iteration: ships plans (with the request's
+   first report, after checking ``computed_position`` and block ids agree) and save instructions.
+4. ``request_finished(request, cache_block_ids)`` — once per request, also on failure: releases the
+   request's lease (rule 7) and, for a request that completed its prefill, registers it as a donor
+   in the ledger (content keys, engine block hashes, namespace, generation) and asks the worker to
+   save its bytes; returns True so the blocks stay allocated until the worker reports the save.
+
+Newer TensorRT-LLM ``cancel_load``/``request_reset`` (present only when the base class has them, or
+via :class:`ResetHooksMixin`) release the lease and drop the plan; the engine then recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections import deque
+from typing import Any
+
+from connector._trtllm import KvCacheConnectorScheduler
+from connector.donors import DonorRegistrar
+from connector.donor_store import ChecksumMismatch, DonorStoreError, EntryMissing, FileDonorStore
+from connector.lookup import BackgroundRunner, DeadlineRunner, MissDiagnosis, stale_reason_name
+from connector.metrics import ConnectorMetrics, process_metrics, serve_metrics
+from connector.namespace import DeploymentNamespace, Namespace, NamespaceUnknown, content_keys, probe_key
+from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
+from connector.settings import ConnectorSettings, load_connector_settings
+from ledger.errors import LedgerError
+from ledger.queries import DonorSpan, Lease, LedgerClient
+from ledger.types import FreshnessPolicy, StaleReason
+
+__all__ = ["ResetHooksMixin", "SemKvScheduler", "process_rank"]
+
+log = logging.getLogger(__name__)
+
+
+class _Miss(Exception):
+    def __init__(self, reason: str, field: str | None = None, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason, self.field, self.detail = reason, field, detail
+
+
+@dataclasses.dataclass(slots=True)
+class _Promise:
+    span: DonorSpan
+    lease: Lease
+    start_block: int
+    num_blocks: int
+
+
+@dataclasses.dataclass(slots=True)
+class _RequestState:
+    namespace: Namespace | NamespaceUnknown | None = None
+    keys: list[bytes] | None = None
+    probe: str | None = None
+    promise: _Promise | None = None
+    plan: LoadPlan | None = None
+    shipped: bool = False
+    block_hashes: list[int] = dataclasses.field(default_factory=list)
+
+
+def process_rank() -> int:
+    """This process's MPI/torch rank from the usual environment variables (0 when none is set)."""
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def _window_size(llm_args: Any, settings: ConnectorSettings) -> int:
+    if settings.window_size:
+        return settings.window_size
+    value = getattr(llm_args, "max_seq_len", None)
+    if not value:
+        log.warning("semkv: llm_args.max_seq_len unknown; set window_size so donors match the engine's events")
+    return int(value or 0)
+
+
+class _FreshSpans:
+    """What :class:`~connector.donors.DonorRegistrar` asks before registering a donor ("is the same
+    span already a fresh donor?"), answered by the ledger: ``find_span`` checks block liveness
+    itself under policy ``engine``, so ``live_prefix`` is the span's own length."""
+
+    def __init__(self, ledger: LedgerClient, policy: FreshnessPolicy) -> None:
+        self.ledger, self.policy = ledger, policy
+
+    def find_span(self, namespace: str, keys: list[bytes], now: float, min_blocks: int = 1) -> DonorSpan | None:
+        return self.ledger.find_donor_span(namespace, keys, policy=self.policy, now=now, min_blocks=min_blocks)
+
+    def live_prefix(self, span: DonorSpan, num_blocks: int) -> int:
+        return min(span.num_blocks, num_blocks)
+
+
+class SemKvScheduler(KvCacheConnectorScheduler):
+    """The connector's scheduler (see the module docstring for each hook's contract).
+
+    Args:
+        llm_args: TensorRT-LLM's ``TorchLlmArgs`` (or the harness's).
+        settings, ledger, store, metrics: injected for tests and embedding; by default settings come
+            from ``TRTLLM_SEMKV_CONFIG`` / ``TRTLLM_SEMKV_*``, the rest from the settings.
+
+    Raises:
+        ConnectorConfigError: invalid settings (including ``mode = "experimental"``).
+        SchemaOutOfDate, PersistenceError: the ledger is not migrated or not reachable.
+    """
+
+    def __init__(self, llm_args: Any, *, settings: ConnectorSettings | None = None, ledger: LedgerClient | None = None,
+                 store: FileDonorStore | None = None, metrics: ConnectorMetrics | None = None) -> None:
+        super().__init__(llm_args)
+        self.settings = s = settings or load_connector_settings()
+        self.metrics = metrics or process_metrics()
+        if s.metrics_port is not None:
+            serve_metrics(self.metrics, s.metrics_port + process_rank())
+        self.namespace = DeploymentNamespace(llm_args, s.namespace)
+        if self.namespace.unknown is not None:
+            u = self.namespace.unknown
+            log.warning("semkv: no request of this engine can be materialized: namespace field %s %s: %s",
+                        u.field, u.kind, u.detail)
+        self.tokens_per_block = self.namespace.tokens_per_block or llm_args.kv_cache_config.tokens_per_block
+        self.window_size = _window_size(llm_args, s)
+        self.policy = FreshnessPolicy(s.freshness_policy)
+        self.holder = s.engine_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.ledger = ledger or LedgerClient(s.db)
+        self.store = store or FileDonorStore(s.store_dir, s.store_capacity_bytes, ledger=self.ledger)
+        self._diagnosis = MissDiagnosis(self.ledger, self.store)
+        self._hot = DeadlineRunner("semkv-lookup")
+        self._background = BackgroundRunner("semkv-background", on_drop=self.metrics.telemetry_dropped.inc)
+        self._requests: dict[int, _RequestState] = {}
+        self._saves: deque[SaveInstruction] = deque()
+        self._iteration = 0
+        self._donors = DonorRegistrar(s, self.namespace, self.ledger, _FreshSpans(self.ledger, self.policy),
+                                      self.metrics, self.tokens_per_block, self.window_size)
+        self._record_engine_start()
+
+    def _record_engine_start(self) -> None:
+        """A connector starting means a new engine process: what the ledger knew of this engine's
+        blocks and donors is stale even if its ``created`` event or seq reset is lost on the way."""
+        if not self.settings.engine_id or self.settings.mode == "discovery_only":
+            return
+        try:
+            self.ledger.record_engine_start(self.settings.engine_id)
+        except LedgerError as exc:  # the ledger is down: lookups will miss until it is back
+            log.warning("semkv: could not record the engine start in the ledger: %s", exc)
+
+    # ============================================================ 1. lookup (block-manager lock held)
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens past ``num_computed_tokens`` the worker will load before attention reads them.
+
+        Returns ``(n, False)``: ``n`` whole blocks' worth of tokens (0 on any doubt); loads are
+        synchronous per layer, so ``load_is_async`` is always False. Never raises.
+        """
+        started = time.perf_counter()
+        self.metrics.lookups.labels(mode=self.settings.mode).inc()
+        try:
+            return self._lookup(request, int(num_computed_tokens)), False
+        except _Miss as miss:
+            if miss.reason:
+                self.metrics.record_miss(miss.reason, miss.field)
+            return 0, False
+        except Exception:  # boundary (DESIGN §2 rule 4): a bug is a counted miss, never an engine error
+            log.exception("semkv: lookup failed for request %s", getattr(request, "request_id", "?"))
+            self.metrics.record_miss("error")
+            return 0, False
+        finally:
+            self.metrics.lookup_seconds.labels(mode=self.settings.mode).observe(time.perf_counter() - started)
+
+    def _lookup(self, request: Any, num_computed: int) -> int:
+        rid = request.request_id
+        state = self._requests.setdefault(rid, _RequestState())
+        if state.promise is not None:  # asked again (re-allocation): the old promise is void
+            self._release(state, "relookup")
+        state.plan, state.shipped = None, False
+        tpb = self.tokens_per_block
+        if num_computed % tpb:
+            raise _Miss("unaligned")
+        state.namespace = ns = self.namespace.for_request(request)
+        if isinstance(ns, NamespaceUnknown):
+            log.debug("semkv: request %s: namespace field %s %s", rid, ns.field, ns.kind)
+            raise _Miss("unknown_namespace_field" if ns.kind == "unknown" else "unsupported", ns.field)
+        prompt_len = int(request.prompt_len)
+        tokens = request.get_tokens(0)[:prompt_len]
+        start_block, max_blocks = num_computed // tpb, (prompt_len - 1) // tpb
+        if max_blocks - start_block < self.settings.min_match_blocks:
+            raise _Miss("too_short")
+        if not self.settings.materializes:  # telemetry only: hash and look up off the engine's path
+            self._background.submit(lambda: self._discover(ns, tokens, start_block, max_blocks))
+            raise _Miss("")  # counted by the background job (hit or miss)
+        state.keys = keys = content_keys(ns, tokens, tpb, prompt_len // tpb)
+        state.probe = probe = probe_key(tokens)
+        lookup_keys = keys[:max_blocks]
+        if sum(1 for st in self._requests.values()
+               if st.promise is not None and not st.shipped) >= self.settings.max_plans_per_iteration:
+            raise _Miss("plan_limit")
+        finished, result = self._hot.run(lambda job: self._find_and_lease(job, rid, ns, lookup_keys, start_block),
+                                         self.settings.lookup_timeout_s, on_abandon=self._abandoned)
+        if not finished:
+            raise _Miss("timeout")
+        if isinstance(result, _Miss):
+            if result.reason == "no_donor":
+                self._background.submit(lambda: self._explain(ns, keys, start_block, probe))
+                raise _Miss("")
+            raise result
+        state.promise = result
+        self.metrics.promises.inc()
+        self.metrics.promised_tokens.inc(result.num_blocks * tpb)
+        self.metrics.leases_held.inc()
+        return result.num_blocks * tpb
+
+    def _find_and_lease(self, job: Any, rid: int, ns: Namespace, keys: list[bytes], start_block: int
+                        ) -> _Promise | _Miss:
+        """Runs on the lookup thread, under the deadline. Returns a promise (lease held) or a miss.
+
+        Optimistic: the ledger finds the longest span whose donor's STATE is fresh without
+        checking its blocks (``check_blocks=False``); the lease (the ledger's own freshness check,
+        in its write transaction) then checks the blocks and pins the longest live prefix
+        (``up_to_blocks``), so block liveness is read once per hit. Only when fewer than
+        ``min_match_blocks`` of that donor's blocks are live does it fall back to the ledger's
+        exact search over several donors.
+        """
+        min_blocks = start_block + self.settings.min_match_blocks
+        span = self.ledger.find_donor_span(ns.digest, keys, policy=self.policy, min_blocks=min_blocks,
+                                           check_blocks=False)
+        if span is None:
+            return _Miss("no_donor")
+        for attempt in range(2):
+            if span.store_ref is None or span.checksum is None:
+                return _Miss("donor_not_saved")
+            miss = self._check_bytes(span)
+            if miss is not None:
+                return miss
+            if job.abandoned:
+                return _Miss("timeout")
+            lease = self.ledger.take_lease(span.donor_id, request_id=str(rid), holder=self.holder,
+                                           namespace=ns.digest, num_blocks=min_blocks, up_to_blocks=span.num_blocks,
+                                           ttl_s=self.settings.lease_ttl_s, policy=self.policy)
+            if lease != StaleReason.BLOCKS_NOT_LIVE or attempt:
+                break
+            span = self.ledger.find_donor_span(ns.digest, keys, policy=self.policy, min_blocks=min_blocks)
+            if span is None:
+                return _Miss("donor_blocks_removed")
+        if isinstance(lease, StaleReason):
+            return _Miss(stale_reason_name(lease) if lease != StaleReason.LEASE_NOT_HELD else "lease_refused")
+        if lease.expires_at <= time.time():
+            self._background.submit(lambda: self.ledger.release_lease(lease.lease_id, "expired_at_take"), must=True)
+            return _Miss("lease_expired")
+        if lease.num_blocks < span.num_blocks:
+            span = dataclasses.replace(span, num_blocks=lease.num_blocks)
+        return _Promise(span, lease, start_block, span.num_blocks - start_block)
+
+    def _check_bytes(self, span: Any) -> _Miss | None:
+        ref, checksum = span.store_ref, span.checksum
+        try:
+            if self.store.verified(ref, checksum):
+                return None
+            if self.store.size_of(ref) > self.settings.store_inline_verify_max_bytes:
+                self._background.submit(lambda: self._verify_in_background(span))
+                return _Miss("store_unverified")
+            self.store.verify(ref, checksum)
+            return None
+        except EntryMissing:
+            return _Miss("store_missing")
+        except ChecksumMismatch as exc:
+            log.error("semkv: donor %s failed its checksum (%s); evicting it", span.donor_id, exc)
+            self._background.submit(lambda: self.store.evict(span.donor_id, "checksum_mismatch", force=True),
+                                    must=True)
+            return _Miss("checksum_mismatch")
+
+    def _verify_in_background(self, span: Any) -> None:
+        try:
+            self.store.verify(span.store_ref, span.checksum)
+        except ChecksumMismatch:
+            self.store.evict(span.donor_id, "checksum_mismatch", force=True)
+        except DonorStoreError as exc:  # vanished meanwhile: the next lookup misses with store_missing
+            log.debug("semkv: background verification of %s: %s", span.donor_id, exc)
+
+    def _abandoned(self, result: Any) -> None:
+        if isinstance(result, _Promise):
+            self.ledger.release_lease(result.lease.lease_id, "lookup_timeout")
+            self.metrics.leases_released.labels(reason="lookup_timeout").inc()
+
+    # -- background telemetry --------------------------------------------------------------------
+    def _explain(self, ns: Namespace, keys: list[bytes], start_block: int, probe: str | None) -> None:
+        reason, field = self._diagnosis.explain(ns, keys, start_block, probe, self.policy)
+        self.metrics.record_miss(reason, field)
+
+    def _discover(self, ns: Namespace, tokens: list[int], start_block: int, max_blocks: int) -> None:
+        keys, probe = content_keys(ns, tokens, self.tokens_per_block, max_blocks), probe_key(tokens)
+        span = self.ledger.find_donor_span(ns.digest, keys, policy=self.policy,
+                                           min_blocks=start_block + self.settings.min_match_blocks)
+        if span is None:
+            self._explain(ns, keys, start_block, probe)
+            return
+        self.metrics.discovery_hits.inc()
+        self.metrics.discovery_tokens.inc((span.num_blocks - start_block) * self.tokens_per_block)
+        if self.settings.mode == "placement" and span.engine_id != self.settings.engine_id:
+            self.metrics.placement_advice.labels(donor_engine_id=span.engine_id).inc()
+            log.info("semkv placement advice: donor %s on engine %s holds %d blocks", span.donor_id,
+                     span.engine_id, span.num_blocks)
+
+    # ============================================================ 2. after allocation
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        """Bind target blocks to the promise (lock released). Never raises."""
+        try:
+            state = self._requests.get(request.request_id)
+            if state is None or state.promise is None:
+                return
+            p, tpb = state.promise, self.tokens_per_block
+            targets = tuple(int(b) for b in block_ids[p.start_block : p.start_block + p.num_blocks])
+            failed = None
+            if len(targets) != p.num_blocks:
+                failed = (f"allocation gave {len(targets)} target blocks for {p.num_blocks} promised "
+                          f"(block_ids={len(block_ids)}, start_block={p.start_block})")
+            state.plan = self._plan(request.request_id, state, targets, failed)
+            if failed:
+                log.error("semkv: request %s: %s; the request will fail", request.request_id, failed)
+                self._release(state, "alloc_mismatch")
+        except Exception:  # boundary: never raise into the engine; a bound promise must still fail closed
+            log.exception("semkv: update_state_after_alloc failed for request %s", request.request_id)
+            state = self._requests.get(request.request_id)
+            if state is not None and state.promise is not None:
+                state.plan = self._plan(request.request_id, state, (), "internal error after the promise")
+                self._release(state, "error")
+
+    def _plan(self, rid: int, state: _RequestState, targets: tuple[int, ...], failed: str | None) -> LoadPlan:
+        p, ns = state.promise, state.namespace
+        assert p is not None and isinstance(ns, Namespace)
+        return LoadPlan(
+            request_id=rid, donor_id=p.span.donor_id, provider_generation=p.span.provider_generation,
+            namespace=ns.digest, mode="exact_equivalent", target_block_ids=targets, donor_block_start=p.start_block,
+            num_blocks=p.num_blocks, token_count=p.num_blocks * self.tokens_per_block, score_bucket="exact",
+            lease_id=p.lease.lease_id, store_ref=p.span.store_ref or "", checksum=p.span.checksum or "",
+            donor_engine_id=p.span.engine_id, donor_generation=p.span.generation,
+            layout=self.namespace.layout.describe() if self.namespace.layout else "",
+            freshness_policy=str(self.policy), failed=failed)
+
+    # ============================================================ 3. metadata
+    def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
+        """This iteration's plans and save instructions (picklable, bounded). Never raises."""
+        started = time.perf_counter()
+        self._iteration += 1
+        loads: list[LoadPlan] = []
+        try:
+            new = getattr(scheduler_output, "new_requests", []) or []
+            new_ids = {data.request_id for data in new}
+            for data in [*new, *(getattr(scheduler_output, "cached_requests", []) or [])]:
+                state = self._requests.get(data.request_id)
+                if state is None:
+                    continue
+                hashes = getattr(data, "block_hashes", None)
+                if hashes and len(hashes) >= len(state.block_hashes):
+                    state.block_hashes = [int(h) for h in hashes]
+                if state.plan is not None and not state.shipped and data.request_id in new_ids:
+                    loads.append(self._checked(data, state))
+                    state.shipped = True
+        except Exception:  # boundary: an unshipped plan would break a promise; fail its request instead
+            log.exception("semkv: build_connector_meta failed")
+            for state in self._requests.values():
+                if state.plan is not None and not state.shipped:
+                    loads.append(dataclasses.replace(state.plan, failed="connector metadata error"))
+                    state.shipped = True
+        saves = tuple(self._saves.popleft() for _ in range(min(len(self._saves), self.settings.max_plans_per_iteration)))
+        self.metrics.metadata_build_seconds.observe(time.perf_counter() - started)
+        return ConnectorMetadata(tuple(loads), saves, self._iteration)
+
+    def _checked(self, data: Any, state: _RequestState) -> LoadPlan:
+        plan, tpb = state.plan, self.tokens_per_block
+        assert plan is not None
+        if plan.failed:
+            return plan
+        start = int(data.computed_position) // tpb
+        reported = tuple(int(b) for b in data.new_block_ids[start : start + plan.num_blocks])
+        if start != plan.donor_block_start or reported != plan.target_block_ids:
+            self._release(state, "report_mismatch")
+            return dataclasses.replace(plan, failed=f"scheduler report disagrees with the promise (computed_position="
+                                       f"{data.computed_position}, blocks {reported} vs {plan.target_block_ids})")
+        return plan
+
+    # ============================================================ 4. finish, cancel
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """Release the request's lease; register it as a donor. True: keep blocks until saved."""
+        state = self._requests.pop(request.request_id, None) or _RequestState()
+        try:
+            self._release(state, "finished")
+            save = self._donors.register(request, list(cache_block_ids), namespace=state.namespace, keys=state.keys,
+                                         probe=state.probe, block_hashes=state.block_hashes)
+            if save is None:
+                return False
+            self._saves.append(save)
+            return True
+        except Exception:  # boundary: a donor we failed to register is just not a donor
+            log.exception("semkv: request_finished failed for request %s", request.request_id)
+            return False
+
+    def _release(self, state: _RequestState, reason: str) -> None:
+        promise, state.promise = state.promise, None
+        if promise is None:
+            return
+        self.metrics.leases_held.dec()
+        self.metrics.leases_released.labels(reason=reason).inc()
+        self._background.submit(lambda: self.ledger.release_lease(promise.lease.lease_id, reason), must=True)
+
+    def _reset(self, request: Any, reason: str) -> None:
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            self._release(state, reason)
+            state.plan, state.shipped = None, False
+
+    # ============================================================ lifecycle
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait for background work (lease releases, telemetry) queued so far; tests and shutdown."""
+        self._background.flush(timeout_s)
+
+    def close(self) -> None:
+        """Release every lease still held, stop the threads, close the ledger."""
+        for state in list(self._requests.values()):
+            self._release(state, "shutdown")
+        self._background.close()
+        self._hot.close()
+        self.ledger.close()
+
+
+class ResetHooksMixin:
+    """Newer TensorRT-LLM's fall-back hooks: the engine discards a failed load and recomputes."""
+
+    def cancel_load(self, request: Any, start: int, end: int) -> None:
+        """The engine will recompute tokens ``[start, end)``; release the lease, drop the plan."""
+        try:
+            self._reset(request, "cancel_load")  # type: ignore[attr-defined]
+        except Exception:  # boundary
+            log.exception("semkv: cancel_load failed for request %s", request.request_id)
+
+    def request_reset(self, request: Any) -> None:
+        """The request restarts from scratch (it will be looked up again)."""
+        try:
+            self._reset(request, "request_reset")  # type: ignore[attr-defined]
+        except Exception:  # boundary
+            log.exception("semkv: request_reset failed for request %s", request.request_id)
+
+
+if hasattr(KvCacheConnectorScheduler, "request_reset") or hasattr(KvCacheConnectorScheduler, "cancel_load"):
+    class _SemKvSchedulerWithHooks(ResetHooksMixin, SemKvScheduler):
+        __doc__ = SemKvScheduler.__doc__
+
+    _SemKvSchedulerWithHooks.__name__ = _SemKvSchedulerWithHooks.__qualname__ = "SemKvScheduler"
+    SemKvScheduler = _SemKvSchedulerWithHooks  # type: ignore[misc]

@@ -1,0 +1,210 @@
+"""Settings of the KV Cache Connector: one frozen model, built once per process at start-up.
+
+TensorRT-LLM constructs the connector in every MPI worker and forwards only environment variables
+prefixed ``TRTLLM``/``TLLM`` to them (reference/TRTLLM_CONNECTOR.md), so the connector reads:
+
+1. keyword overrides (tests, or code that builds the classes itself);
+2. environment variables ``TRTLLM_SEMKV_<FIELD>``, nested fields with ``__``
+   (``TRTLLM_SEMKV_MODE=exact_equivalent``, ``TRTLLM_SEMKV_NAMESPACE__KV_DTYPE=bfloat16``);
+3. the TOML file named by ``TRTLLM_SEMKV_CONFIG``::
+
+       db = "postgresql://semkv@ledger-host:5432/semkv"
+       mode = "exact_equivalent"          # discovery_only | exact_equivalent | placement
+       engine_id = "trtllm-0"             # the consumer's [[sources]] engine_id for this engine
+       freshness_policy = "engine"        # engine | store
+       lookup_timeout_s = 0.002
+       lease_ttl_s = 60
+       store_dir = "/dev/shm/semkv-donors"
+       store_capacity_bytes = 34359738368
+       metrics_port = 9410
+       [namespace]
+       kv_dtype = "bfloat16"              # needed when llm_args says "auto"
+       tenant = "prod"
+
+4. the defaults below, which are safe: ``discovery_only`` never changes what the engine computes.
+
+Invalid values fail at start-up with :class:`ConnectorConfigError` naming the setting and where it
+came from; ``mode = "experimental"`` (Mode 4, approximate KV) is refused (DESIGN §2 rule 5).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from ledger.types import FreshnessPolicy
+
+__all__ = ["CONFIG_ENV", "ENV_PREFIX", "ConnectorConfigError", "ConnectorSettings", "NamespaceOverrides",
+           "load_connector_settings"]
+
+ENV_PREFIX = "TRTLLM_SEMKV_"
+CONFIG_ENV = "TRTLLM_SEMKV_CONFIG"
+GIB = 2**30
+Mode = Literal["discovery_only", "exact_equivalent", "placement"]
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("semkv_connector_config", default=None)
+
+
+class ConnectorConfigError(ValueError):
+    """The connector's settings are invalid; the message names the setting (raised at start-up)."""
+
+
+class NamespaceOverrides(BaseModel):
+    """Namespace fields the connector cannot read from ``llm_args`` on every TensorRT-LLM version.
+
+    A value here REPLACES what would be derived; None means "derive it, or treat it as unknown".
+    Every field here ends up in the namespace digest (DESIGN §3), see :mod:`connector.namespace`.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_id: str | None = None
+    """Stable model identity (e.g. a HF repo id plus revision); default ``llm_args.model``."""
+    engine_version: str | None = None
+    """Engine build; default ``tensorrt_llm.__version__`` (or the harness's version)."""
+    kv_dtype: str | None = None
+    """KV cache dtype, e.g. ``bfloat16``, ``fp8``; required when llm_args only says ``auto``."""
+    kv_layout: str | None = None
+    """``"num_layers=32,kv_factor=2,block_elems=4096"`` for this rank; default from the model config."""
+    attention_backend: str | None = None
+    """Token layout inside a block depends on it (NHD/HND); default ``llm_args.attn_backend``."""
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    tenant: str | None = None
+    """Extra tenant scope mixed into every request's namespace (on top of ``cache_salt``)."""
+    extra: dict[str, str] = Field(default_factory=dict)
+    """Anything else that changes KV bytes in your deployment (quantization recipe, ...)."""
+
+
+class ConnectorSettings(BaseSettings):
+    """Everything the connector needs. Units are in the field names."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", frozen=True,
+                                      extra="forbid")
+
+    config: Path | None = None
+    """The TOML file these settings came from (``TRTLLM_SEMKV_CONFIG``); informational."""
+    db: str = "sqlite:///semkv-ledger.db"
+    """Ledger database URL or SQLite path; the consumer daemon writes the same one."""
+    mode: Mode = "discovery_only"
+    """``discovery_only`` (Mode 1, telemetry only), ``exact_equivalent`` (Mode 2, materialize exact KV),
+    ``placement`` (Mode 3, advice only); ``experimental`` (Mode 4) is refused."""
+    engine_id: str | None = Field(None, min_length=1, max_length=200)
+    """This engine's id as the consumer knows it; None: donors are not registered by this engine."""
+    freshness_policy: FreshnessPolicy = FreshnessPolicy.ENGINE
+    """``engine``: every donor block must be live in the donor engine; ``store``: bytes in the store suffice."""
+    lookup_timeout_s: float = Field(0.002, gt=0, le=1.0)
+    """Hard deadline of the ledger/store part of ``get_num_new_matched_tokens`` (seconds)."""
+    lease_ttl_s: float = Field(60.0, gt=0, le=86_400)
+    """A lease (pin on a donor) expires after this long even if never released (seconds)."""
+    donor_ttl_s: float | None = Field(3600.0, gt=0)
+    """Registered donors expire after this long (seconds); None: never."""
+    min_match_blocks: int = Field(1, ge=1)
+    """Promise only spans of at least this many new blocks."""
+    min_donor_blocks: int = Field(1, ge=1)
+    """Register a finished request as a donor only if it has this many whole prompt blocks."""
+    max_plans_per_iteration: int = Field(256, ge=1, le=65_536)
+    """Bounds ``ConnectorMetadata``; a lookup beyond it is a miss (``plan_limit``)."""
+    store_dir: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "semkv-donors")
+    """Host-local donor store directory (shared by every engine on the host; /dev/shm is a good choice)."""
+    store_capacity_bytes: int = Field(8 * GIB, ge=1)
+    """Donor store capacity; unleased donors are evicted oldest first to make room."""
+    store_inline_verify_max_bytes: int = Field(4 * 2**20, ge=0)
+    """A donor entry not yet verified by this process is checksummed inside the lookup when it is at
+    most this big; bigger ones are verified in the background (and missed until then)."""
+    save_queue_max: int = Field(64, ge=1)
+    """Donor saves waiting for the background writer; beyond it a save is dropped (and counted)."""
+    per_layer_block_check: bool = False
+    """Also re-check donor block liveness (policy ``engine``) before every layer, not only layer 0."""
+    window_size: int | None = Field(None, ge=1)
+    """Attention window the engine reports in KV events; default from llm_args (max_seq_len)."""
+    attention_dp_rank: int = Field(0, ge=0)
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Serve ``/metrics`` on this port (+ the process's rank); None: no server."""
+    namespace: NamespaceOverrides = Field(default_factory=NamespaceOverrides)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _refuse_experimental(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "experimental":
+            raise ValueError("mode 'experimental' (Mode 4: approximate donor KV) is refused: the connector never "
+                             "commits approximate KV as reusable cache state (DESIGN §2 rule 5); use "
+                             "discovery_only, exact_equivalent or placement")
+        return value
+
+    @field_validator("db")
+    @classmethod
+    def _check_db(cls, value: str) -> str:
+        from ledger.db import normalize_url
+        from ledger.errors import LedgerError
+
+        try:
+            normalize_url(value)
+        except (LedgerError, ValueError) as exc:  # pydantic reports ValueErrors with the field's name
+            raise ValueError(str(exc)) from None
+        return value
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        config_file = _CONFIG_FILE.get()
+        if config_file is None:
+            return init_settings, env_settings
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_file)
+
+    @property
+    def materializes(self) -> bool:
+        """Whether this mode may ever promise tokens (only ``exact_equivalent``)."""
+        return self.mode == "exact_equivalent"
+
+
+def load_connector_settings(overrides: Mapping[str, Any] | None = None, *,
+                            environ: Mapping[str, str] | None = None) -> ConnectorSettings:
+    """Build the settings from overrides, ``TRTLLM_SEMKV_*`` variables and the TOML file.
+
+    Args:
+        overrides: values that win over everything (None values are ignored).
+        environ: the environment to read the TOML path from (default ``os.environ``); the
+            ``TRTLLM_SEMKV_*`` field variables are always read from ``os.environ`` by pydantic-settings.
+
+    Raises:
+        ConnectorConfigError: the TOML file is missing or unreadable, or a setting is invalid; the
+            message names every bad setting (``lookup_timeout_s: Input should be greater than 0``).
+    """
+    env = os.environ if environ is None else environ
+    path_text = env.get(CONFIG_ENV)
+    path = Path(path_text) if path_text else None
+    if path is not None and not path.is_file():
+        raise ConnectorConfigError(f"{CONFIG_ENV}={path_text}: connector config file not found")
+    values = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if path is not None:
+        values.setdefault("config", path)
+    token = _CONFIG_FILE.set(path)
+    try:
+        return ConnectorSettings(**values)
+    except ValidationError as exc:
+        raise ConnectorConfigError(_describe(exc, path)) from None
+    except Exception as exc:  # TOML syntax errors, bad URLs (LedgerError): name the source
+        where = f" (config file {path})" if path else ""
+        raise ConnectorConfigError(f"invalid connector settings{where}: {exc}") from None
+    finally:
+        _CONFIG_FILE.reset(token)
+
+
+def _describe(exc: ValidationError, path: Path | None) -> str:
+    problems = []
+    for error in exc.errors():
+        name = ".".join(str(part) for part in error["loc"]) or "settings"
+        env_name = ENV_PREFIX + "__".join(str(part) for part in error["loc"]).upper()
+        message = error["msg"].removeprefix("Value error, ")
+        problems.append(f"{name}: {message} (setting '{name}', env {env_name})")
+    where = f" from {path}" if path else ""
+    return f"invalid connector setting{'s' if len(problems) > 1 else ''}{where}: " + "; ".join(problems)

@@ -1,0 +1,125 @@
+"""The host-local donor store: verified reads, atomic publish (a crash mid-save leaves no entry),
+capacity bound that never evicts a leased donor, lifecycle facts in the ledger."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from connector.donor_store import ChecksumMismatch, EntryMissing, FileDonorStore, StoreFull
+from ledger import events as ev
+from ledger.queries import LedgerClient
+
+LAYERS, BLOCKS, ELEMS = 3, 4, 16
+
+
+def layers(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((BLOCKS, 2, ELEMS), dtype=np.float32) for _ in range(LAYERS)]
+
+
+def header(probe: str | None = None) -> dict:
+    return {"namespace": "ns", "num_layers": LAYERS, "kv_factor": 2, "block_elems": ELEMS, "dtype": "float32",
+            "itemsize": 4, "num_blocks": BLOCKS, "tokens_per_block": 8, "probe": probe,
+            "namespace_fields": {"cache_salt": "none"}}
+
+
+def test_put_open_read_verified_round_trip(tmp_path: Path) -> None:
+    store = FileDonorStore(tmp_path, 2**20)
+    data = layers(1)
+    entry = store.put("d1", data, header(probe="p1"))
+    assert entry.ref == "d1.kv" and entry.size_bytes == store.size_of("d1.kv")
+    with store.open(entry.ref, entry.checksum) as reader:
+        assert reader.header.num_blocks == BLOCKS and reader.header.layout().startswith("num_layers=3")
+        for l in range(LAYERS):
+            assert np.array_equal(np.frombuffer(reader.read_layer(l), np.float32).reshape(BLOCKS, 2, ELEMS), data[l])
+    assert store.get(entry.ref, entry.checksum) == b"".join(d.tobytes() for d in data)
+    assert store.donors_with_probe("p1") == ["d1"]
+    with pytest.raises(ChecksumMismatch):
+        store.open(entry.ref, "0" * 32)  # not the bytes the ledger recorded
+    with pytest.raises(EntryMissing):
+        store.open("nope.kv", entry.checksum)
+
+
+def test_corruption_is_detected_per_layer_and_by_verify(tmp_path: Path) -> None:
+    store = FileDonorStore(tmp_path, 2**20)
+    entry = store.put("d1", layers(2), header())
+    other = FileDonorStore(tmp_path, 2**20)  # another process: has not verified the entry yet
+    assert other.verified(entry.ref, entry.checksum) is None
+    path = tmp_path / entry.ref
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 4)
+        f.write(b"\x00\x00\x80\x7f")
+    with pytest.raises(ChecksumMismatch, match="layer 2"), other.open(entry.ref, entry.checksum) as reader:
+        reader.read_layer(0)
+        reader.read_layer(2)
+    with pytest.raises(ChecksumMismatch):
+        other.verify(entry.ref, entry.checksum)
+    assert store.verified(entry.ref, entry.checksum) is None  # the file changed since it was verified
+
+
+CRASHING_SAVE = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    from connector.donor_store import FileDonorStore
+    store = FileDonorStore(sys.argv[1], 2**30)
+    real_write, calls = os.write, []
+    def write(fd, data):
+        calls.append(1)
+        if len(calls) == 3:          # header and the first layer are on disk: die here
+            os.kill(os.getpid(), 9)
+        return real_write(fd, data)
+    os.write = write
+    layers = [np.ones((4, 2, 16), np.float32) * i for i in range(3)]
+    store.put("crashed", layers, {"namespace": "ns", "num_layers": 3, "kv_factor": 2, "block_elems": 16,
+              "dtype": "float32", "itemsize": 4, "num_blocks": 4, "tokens_per_block": 8})
+""")
+
+
+def test_a_crash_mid_save_leaves_no_visible_entry(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", CRASHING_SAVE, str(tmp_path)], cwd=repo, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()
+    leftovers = [p.name for p in tmp_path.iterdir() if p.is_file()]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".tmp-")  # only the temp file exists
+    store = FileDonorStore(tmp_path, 2**30)  # start-up sweeps temp files of dead processes
+    assert store.entries() == []
+    with pytest.raises(EntryMissing):
+        store.open("crashed.kv", "x")
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+
+
+def test_capacity_evicts_oldest_unleased_and_records_it_in_the_ledger(tmp_path: Path, sqlite_db: str) -> None:
+    ledger = LedgerClient(sqlite_db)
+    for donor_id in ("old", "leased", "new", "newest"):
+        ledger.register_donor(ev.DonorRegistered(donor_id=donor_id, namespace="ns", engine_id="A", generation=1,
+                                                 content_keys=[donor_id.encode()], block_hashes=[1], num_tokens=8,
+                                                 tokens_per_block=8))
+    size = FileDonorStore(tmp_path / "probe-size", 2**20).put("x", layers(0), header()).size_bytes
+    store = FileDonorStore(tmp_path / "store", 3 * size, ledger=ledger)
+    for donor_id in ("old", "leased", "new"):
+        store.put(donor_id, layers(3), header())
+        os.utime(store.root / f"{donor_id}.kv", (0, {"old": 1, "leased": 2, "new": 3}[donor_id]))
+    lease = ledger.take_lease("leased", request_id="r", holder="B", namespace="ns", num_blocks=1, ttl_s=60,
+                              policy="store")
+    assert not isinstance(lease, str)
+    store.put("newest", layers(4), header())  # full: "old" goes; "leased" is skipped
+    assert [e[0] for e in store.entries()] == ["leased", "new", "newest"]
+    assert ledger.donor_freshness("old", namespace="ns", policy="store") == "evicted"
+    assert ledger.donor_freshness("newest", namespace="ns", policy="store") is None  # donor_saved recorded
+    store.lease("new")  # pinned in this process
+    store.lease("newest")
+    with pytest.raises(StoreFull):
+        store.put("too-much", layers(5), header())  # nothing unleased left to evict
+    assert not store.evict("leased", "test") and not store.evict("new", "test")
+    ledger.release_lease(lease.lease_id, "done")
+    store.release("new")
+    store.release("newest")
+    assert store.evict("leased", "test") and store.evict("new", "test")
+    ledger.close()

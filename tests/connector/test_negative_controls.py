@@ -1,0 +1,115 @@
+"""Negative controls: B is never promised a token of A's donor when it must not be, and each miss
+is counted under its own reason (DESIGN §2 rules 4 and 9, §8). Each control also checks B's answer
+is still right (its prefill matches a cold pass)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from connector.harness import KvCacheConfig, ModelConfig
+from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model, doc_tokens
+
+TPB = MODEL.tokens_per_block
+DOC = doc_tokens(12 * TPB, seed=11)
+QUESTION = doc_tokens(24, seed=12)
+
+
+def donor_on_a(fleet: Fleet, **generate_kw) -> Engine:
+    a = fleet.engine("A")
+    a.generate(DOC, **generate_kw)
+    fleet.sync()
+    return a
+
+
+def assert_missed(b: Engine, result, reason: str) -> None:
+    assert result.num_connector_tokens == 0
+    assert b.misses() == {reason: 1}
+    assert b.metrics.value("semkv_promises_total") == 0
+    cold = _shared_model(b.llm.model_config).forward_dense(DOC + QUESTION)
+    assert torch.allclose(result.prefill_logits, cold[result.prefill_start:], rtol=1e-4, atol=1e-4)
+
+
+def test_rule_9_different_cache_salt_is_a_namespace_mismatch(fleet: Fleet) -> None:
+    donor_on_a(fleet, cache_salt="tenant-a")
+    b = fleet.engine("B")
+    assert_missed(b, b.generate(DOC + QUESTION, cache_salt="tenant-b"), "namespace_mismatch")
+    assert b.metrics.value("semkv_namespace_mismatch_total", field="cache_salt") == 1
+    # control of the control: the same tenant does get the donor
+    assert b.generate(DOC + QUESTION[:5], cache_salt="tenant-a").num_connector_tokens == len(DOC)
+
+
+def test_rule_9_different_lora_is_a_namespace_mismatch(fleet: Fleet) -> None:
+    donor_on_a(fleet, lora_task_id=1)
+    b = fleet.engine("B")
+    assert_missed(b, b.generate(DOC + QUESTION, lora_task_id=2), "namespace_mismatch")
+    assert b.metrics.value("semkv_namespace_mismatch_total", field="lora_task_id") == 1
+
+
+@pytest.mark.parametrize("change", ["tokens_per_block", "kv_dtype"])
+def test_rule_9_different_layout_or_dtype_is_a_namespace_mismatch(fleet: Fleet, change: str) -> None:
+    donor_on_a(fleet)
+    if change == "tokens_per_block":
+        model = ModelConfig(max_context=MODEL.max_context, tokens_per_block=16)
+        b = fleet.engine("B", model=model, kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=8192))
+    else:  # the deployment declares another KV dtype than A's
+        b = fleet.engine("B", namespace={"kv_dtype": "bfloat16"})
+    assert_missed(b, b.generate(DOC + QUESTION), "namespace_mismatch")
+    assert b.metrics.value("semkv_namespace_mismatch_total", field=change) == 1
+
+
+def test_a_restarted_makes_its_donor_stale(fleet: Fleet) -> None:
+    donor_on_a(fleet)
+    fleet.restart("A")  # a new process on the same slot: its first event is `created`
+    fleet.sync()
+    b = fleet.engine("B")
+    assert_missed(b, b.generate(DOC + QUESTION), "donor_restarted")
+    assert b.metrics.value("semkv_stale_donor_total", reason="donor_restarted") == 1
+
+
+def test_donor_blocks_removed_under_policy_engine(fleet: Fleet) -> None:
+    small = KvCacheConfig(tokens_per_block=TPB, event_buffer_max_size=4096, max_tokens=24 * TPB)
+    a = fleet.engine("A", kv_cache_config=small)
+    a.generate(DOC)
+    a.generate(doc_tokens(24 * TPB, seed=99))  # needs the whole pool: A evicts all of D (`removed`)
+    fleet.sync()
+    b = fleet.engine("B")
+    assert_missed(b, b.generate(DOC + QUESTION), "donor_blocks_removed")
+    # under policy `store` the bytes in the store are enough evidence: the same donor is usable
+    b2 = fleet.engine("B", freshness_policy="store")
+    assert b2.generate(DOC + QUESTION).num_connector_tokens == len(DOC)
+
+
+def test_event_gap_quarantines_the_donor(fleet: Fleet) -> None:
+    a = donor_on_a(fleet)
+    a.llm.generate(doc_tokens(3 * TPB, seed=7), 1)
+    a.settle()
+    fleet.pump(a, drop=1)  # TensorRT-LLM's bounded buffer lost an event: event_id jumps
+    fleet.sync()
+    b = fleet.engine("B")
+    assert_missed(b, b.generate(DOC + QUESTION), "donor_quarantined")
+
+
+def test_donor_bytes_corrupted_fail_the_checksum(fleet: Fleet) -> None:
+    donor_on_a(fleet)
+    [entry] = [p for p in Path(fleet.store_dir).glob("*.kv")]
+    with open(entry, "r+b") as f:  # flip one byte in the last layer's data
+        f.seek(os.path.getsize(entry) - 100)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    b = fleet.engine("B")
+    assert_missed(b, b.generate(DOC + QUESTION), "checksum_mismatch")
+    b.scheduler.flush()
+    assert not entry.exists()  # the corrupt donor was evicted (ledger `donor_evicted`, bytes removed)
+
+
+def test_lease_expired_before_the_answer(fleet: Fleet) -> None:
+    donor_on_a(fleet)
+    b = fleet.engine("B", lease_ttl_s=1e-9)
+    assert_missed(b, b.generate(DOC + QUESTION), "lease_expired")
+    b.scheduler.flush()
+    assert fleet.held_leases() == 0

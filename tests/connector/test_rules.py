@@ -1,0 +1,150 @@
+"""DESIGN §2 safety rules owned by the connector. Rules 3, 6, 8, 9 are also covered by
+test_two_engines, test_failure_injection and test_negative_controls (see their rule_N names)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+from sqlalchemy import func, select
+
+from connector.harness import HarnessLLM, KvCacheConfig, KvCacheConnectorConfig, LlmRequest
+from connector.metrics import ConnectorMetrics
+from connector.scheduler import SemKvScheduler
+from connector.settings import ConnectorConfigError, load_connector_settings
+from ledger.db import sync_engine
+from ledger.errors import PersistenceError
+from ledger.schema import LeaseRow
+from tests.connector.conftest import MODEL, Fleet, _shared_model, doc_tokens
+from tests.connector.test_two_engines import native_engine
+
+TPB = MODEL.tokens_per_block
+DOC = doc_tokens(12 * TPB, seed=41)
+QUESTION = doc_tokens(30, seed=42)
+
+
+def test_rule_1_engine_reuse_runs_first_connector_adds_only_past_it(fleet: Fleet) -> None:
+    b = fleet.engine("B")
+    b.generate(DOC[: 8 * TPB] + [5])  # B's own cache now holds 8 blocks of D (no donor exists yet)
+    a = fleet.engine("A")
+    a.generate(DOC)
+    fleet.sync()
+    got = b.generate(DOC + QUESTION)
+    assert got.num_reused_tokens == 8 * TPB  # TensorRT-LLM's own reuse first
+    assert got.num_connector_tokens == 4 * TPB  # only the blocks past num_computed_tokens
+    native = native_engine()
+    native.generate(DOC, 1)
+    reference = native.generate(DOC + QUESTION, 1)
+    assert torch.equal(got.prefill_logits, reference.prefill_logits)
+
+
+def test_rule_2_only_exact_equivalent_kv_is_materialized(fleet: Fleet) -> None:
+    a = fleet.engine("A")
+    a.generate(DOC)
+    fleet.sync()
+    near = list(DOC)
+    near[5 * TPB + 3] = (near[5 * TPB + 3] + 1) % MODEL.vocab_size  # "semantically" the same document
+    b = fleet.engine("B")
+    got = b.generate(near + QUESTION)
+    assert got.num_connector_tokens == 5 * TPB  # the exact prefix only, never the similar rest
+    cold = _shared_model(MODEL).forward_dense(near + QUESTION)
+    assert torch.allclose(got.prefill_logits, cold[got.prefill_start:], rtol=1e-4, atol=1e-4)
+    assert b.metrics.value("semkv_experimental_materialized_total") == 0
+
+
+def test_rule_4_errors_timeouts_and_unknown_fields_are_counted_misses(fleet: Fleet) -> None:
+    a = fleet.engine("A")
+    a.generate(DOC)
+    fleet.sync()
+    b = fleet.engine("B", lookup_timeout_s=1e-6)  # the deadline expires before the ledger answers
+    ledger = b.scheduler.ledger
+    answer = ledger.find_donor_span
+
+    def slow_ledger(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        time.sleep(0.05)  # the ledger answers in ~0.1 ms now: make "slower than the deadline" certain
+        return answer(*args, **kwargs)
+
+    ledger.find_donor_span = slow_ledger  # type: ignore[method-assign]
+    assert b.generate(DOC + QUESTION).num_connector_tokens == 0
+    assert b.misses() == {"timeout": 1}
+    assert b.metrics.value("semkv_provider_timeout_total") == 1
+
+    b = fleet.engine("B")
+
+    def unreachable(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise PersistenceError("connection refused")
+
+    b.scheduler.ledger.find_donor_span = unreachable  # type: ignore[method-assign]
+    assert b.generate(DOC + QUESTION).num_connector_tokens == 0
+    assert b.misses() == {"error": 1}
+
+    # a namespace field the connector cannot know (KV dtype "auto" everywhere) -> never materialize
+    llm_args = dataclasses.replace(b.llm.llm_args, dtype="auto")
+    metrics = ConnectorMetrics()
+    scheduler = SemKvScheduler(llm_args, settings=b.settings, metrics=metrics)
+    try:
+        request = LlmRequest(99, DOC + QUESTION, 1)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert metrics.misses_by_reason() == {"unknown_namespace_field": 1}
+        assert metrics.value("semkv_backend_declined_total", reason="unknown_namespace_field") == 1
+    finally:
+        scheduler.close()
+
+
+def test_rule_5_experimental_mode_is_refused_at_start_up(fleet: Fleet, monkeypatch) -> None:
+    with pytest.raises(ConnectorConfigError, match="experimental.*rule 5"):
+        load_connector_settings({"mode": "experimental"}, environ={})
+    monkeypatch.setenv("TRTLLM_SEMKV_MODE", "experimental")
+    spec = KvCacheConnectorConfig(connector_module="connector", connector_scheduler_class="SemKvScheduler",
+                                  connector_worker_class="SemKvWorker")
+    with pytest.raises(ConnectorConfigError, match="TRTLLM_SEMKV_MODE"):
+        HarnessLLM(MODEL, kv_cache_config=KvCacheConfig(tokens_per_block=TPB), kv_connector=spec,
+                   model=_shared_model(MODEL))
+
+
+def test_rule_6_every_layer_is_revalidated_against_the_ledger(fleet: Fleet) -> None:
+    a = fleet.engine("A")
+    a.generate(DOC)
+    fleet.sync()
+    b = fleet.engine("B")
+    assert b.generate(DOC + QUESTION).num_connector_tokens == len(DOC)
+    # once after allocation (before the first copy), then before each of the model's layers
+    assert b.metrics.value("semkv_revalidation_seconds_count") == 1 + MODEL.num_layers
+
+
+def test_rule_7_no_lease_survives_finish_failure_cancel_or_timeout(fleet: Fleet) -> None:
+    a = fleet.engine("A")
+    a.generate(DOC)
+    fleet.sync()
+    b = fleet.engine("B")
+    assert b.generate(DOC + QUESTION).num_connector_tokens > 0  # finished: released
+    original = b.scheduler.ledger.take_lease
+
+    def slow_take(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        lease = original(*args, **kwargs)
+        time.sleep(0.3)  # the lease exists, but the engine stopped waiting long ago
+        return lease
+
+    slow = fleet.engine("B", lookup_timeout_s=0.05)
+    slow.scheduler.ledger.take_lease = slow_take  # type: ignore[method-assign]
+    assert slow.generate(DOC + QUESTION).num_connector_tokens == 0
+    deadline = time.monotonic() + 10
+    while slow.metrics.value("semkv_leases_released_total", reason="lookup_timeout") < 1:  # the late job's cleanup
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    slow.scheduler.flush()
+    assert slow.metrics.value("semkv_leases_released_total", reason="lookup_timeout") == 1
+    recompute = fleet.engine("B", reset_hooks=True)
+    recompute.worker._begin = lambda plan: (_ for _ in ()).throw(RuntimeError("injected"))  # fails the load
+    assert recompute.generate(DOC + QUESTION).recomputed_after_load_failure
+    assert recompute.metrics.value("semkv_load_failures_total", reason="internal_error") == 1
+    recompute.scheduler.flush()
+    engine = sync_engine(fleet.db)
+    with engine.connect() as conn:
+        states = dict(conn.execute(select(LeaseRow.__table__.c.state, func.count())
+                                   .group_by(LeaseRow.__table__.c.state)).all())
+    engine.dispose()
+    assert states == {"released": 3}
+    assert fleet.held_leases() == 0

@@ -1,0 +1,199 @@
+"""Settings (TOML + TRTLLM_SEMKV_* env, errors name the setting) and namespaces / content keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from connector.harness import HarnessLlmArgs, KvCacheConfig, LlmRequest, ModelConfig
+from connector.namespace import DeploymentNamespace, NamespaceUnknown, content_keys, probe_key, salt_id
+from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
+from connector.settings import ConnectorConfigError, NamespaceOverrides, load_connector_settings
+
+CFG = ModelConfig()
+ARGS = HarnessLlmArgs(model=CFG.name, harness_model_config=CFG, kv_cache_config=KvCacheConfig(), max_seq_len=4096,
+                      max_num_tokens=512)
+
+
+def test_settings_from_toml_file_named_by_trtllm_env_and_env_overrides(tmp_path, monkeypatch) -> None:
+    config = tmp_path / "semkv.toml"
+    config.write_text('mode = "exact_equivalent"\nengine_id = "trt-0"\nlookup_timeout_s = 0.004\n'
+                      '[namespace]\nkv_dtype = "bfloat16"\n')
+    monkeypatch.setenv("TRTLLM_SEMKV_CONFIG", str(config))
+    monkeypatch.setenv("TRTLLM_SEMKV_LEASE_TTL_S", "30")
+    s = load_connector_settings()
+    assert (s.mode, s.engine_id, s.lookup_timeout_s, s.lease_ttl_s) == ("exact_equivalent", "trt-0", 0.004, 30.0)
+    assert s.namespace.kv_dtype == "bfloat16" and s.config == config and s.materializes
+
+
+def test_safe_defaults() -> None:
+    s = load_connector_settings(environ={})
+    assert s.mode == "discovery_only" and not s.materializes
+    assert s.lookup_timeout_s == 0.002 and s.freshness_policy == "engine"
+
+
+@pytest.mark.parametrize(("values", "named"), [
+    ({"lookup_timeout_s": 0}, "lookup_timeout_s"),
+    ({"store_capacity_bytes": -1}, "store_capacity_bytes"),
+    ({"freshness_policy": "vibes"}, "freshness_policy"),
+    ({"db": "mysql://x/y"}, "db"),
+    ({"mode": "experimental"}, "mode"),
+    ({"unknown_knob": 1}, "unknown_knob"),
+])
+def test_invalid_settings_fail_at_start_up_naming_the_setting(values, named) -> None:
+    with pytest.raises(ConnectorConfigError, match=f"setting '{named}'"):
+        load_connector_settings(values, environ={})
+
+
+def test_missing_config_file_is_an_error(tmp_path) -> None:
+    with pytest.raises(ConnectorConfigError, match="TRTLLM_SEMKV_CONFIG"):
+        load_connector_settings(environ={"TRTLLM_SEMKV_CONFIG": str(tmp_path / "nope.toml")})
+
+
+def ns_of(request: LlmRequest, args=ARGS, **overrides):  # noqa: ANN001, ANN202
+    return DeploymentNamespace(args, NamespaceOverrides(**overrides)).for_request(request)
+
+
+def test_namespace_changes_with_every_kv_relevant_field() -> None:
+    base = ns_of(LlmRequest(1, [1, 2, 3], 1))
+    variants = [
+        ns_of(LlmRequest(1, [1, 2, 3], 1, cache_salt="tenant")),
+        ns_of(LlmRequest(1, [1, 2, 3], 1, lora_task_id=4)),
+        ns_of(LlmRequest(1, [1, 2, 3], 1), kv_dtype="bfloat16"),
+        ns_of(LlmRequest(1, [1, 2, 3], 1), tenant="other"),
+        ns_of(LlmRequest(1, [1, 2, 3], 1), engine_version="tensorrt_llm/9.9"),
+        ns_of(LlmRequest(1, [1, 2, 3], 1), args=dataclasses.replace(ARGS, model="another-model")),
+        ns_of(LlmRequest(1, [1, 2, 3], 1), args=dataclasses.replace(
+            ARGS, harness_model_config=ModelConfig(tokens_per_block=16),
+            kv_cache_config=KvCacheConfig(tokens_per_block=16))),
+    ]
+    digests = {base.digest, *(v.digest for v in variants)}
+    assert len(digests) == 1 + len(variants)
+    mm = LlmRequest(1, [1, 2, 3], 1)
+    mm.multimodal_hashes = [[1, 2, 3, 4]]
+    assert ns_of(mm).digest != base.digest
+    assert ns_of(LlmRequest(9, [7, 7], 1)).digest == base.digest  # tokens are in the keys, not the namespace
+
+
+def test_salt_string_and_1_2_salt_id_agree() -> None:
+    @dataclasses.dataclass
+    class Request12:  # TensorRT-LLM 1.2 exposes only the id
+        cache_salt_id: int | None
+        lora_task_id: int | None = None
+
+    newer = ns_of(LlmRequest(1, [1], 1, cache_salt="tenant-a"))
+    assert ns_of(Request12(salt_id("tenant-a"))).digest == newer.digest
+
+
+def test_unknown_or_unsupported_fields_give_no_namespace() -> None:
+    auto = dataclasses.replace(ARGS, dtype="auto")
+    assert ns_of(LlmRequest(1, [1], 1), args=auto) == NamespaceUnknown(
+        "kv_dtype", "KV dtype is 'auto' in llm_args; set [namespace] kv_dtype")
+    assert ns_of(LlmRequest(1, [1], 1), args=auto, kv_dtype="fp8").fields["kv_dtype"] == "fp8"
+    tp = dataclasses.replace(ARGS, tensor_parallel_size=2)
+    assert ns_of(LlmRequest(1, [1], 1), args=tp).kind == "unsupported"
+
+    class Bare:  # a request object that does not say whether it has a tenant salt
+        lora_task_id = None
+
+    assert ns_of(Bare()).field == "cache_salt"
+    ptuning = LlmRequest(1, [1], 1)
+    ptuning.prompt_embedding_table = object()
+    assert ns_of(ptuning).field == "ptuning"
+
+
+def test_content_keys_are_chained_over_namespace_and_every_earlier_token() -> None:
+    ns, other = ns_of(LlmRequest(1, [1], 1)), ns_of(LlmRequest(1, [1], 1, cache_salt="t"))
+    tokens = list(range(100, 100 + 4 * 32))
+    keys = content_keys(ns, tokens, 32)
+    assert len(keys) == 4 and all(len(k) == 16 for k in keys) and len(set(keys)) == 4
+    changed = list(tokens)
+    changed[5] += 1  # a token of block 0 changes every later key
+    assert all(a != b for a, b in zip(keys, content_keys(ns, changed, 32)))
+    late = list(tokens)
+    late[3 * 32 + 1] += 1
+    assert content_keys(ns, late, 32)[:3] == keys[:3] and content_keys(ns, late, 32)[3] != keys[3]
+    assert all(a != b for a, b in zip(keys, content_keys(other, tokens, 32)))  # the salt is in every key
+    assert content_keys(ns, tokens + [1, 2], 32) == keys  # only whole blocks
+    assert content_keys(ns, tokens, 32, 2) == keys[:2]
+    assert probe_key(tokens[:15]) is None and probe_key(tokens) == probe_key(tokens[:16] + [0])
+
+
+def _reference_content_keys(namespace, token_ids, tokens_per_block, num_blocks=None):  # noqa: ANN001, ANN202
+    """The original implementation (array('q') + streaming xxh3_128), kept as the oracle for the
+    faster one: keys are stored in the ledger, so they must never change bit for bit."""
+    import array
+    import sys
+
+    import xxhash
+
+    whole = len(token_ids) // tokens_per_block
+    n = whole if num_blocks is None else min(num_blocks, whole)
+    if n <= 0:
+        return []
+    packed = array.array("q", token_ids[: n * tokens_per_block])
+    if sys.byteorder != "little":
+        packed.byteswap()
+    view = memoryview(packed).cast("B")
+    seed, stride = namespace.key_seed, tokens_per_block * 8
+    keys, parent = [], b""
+    for start in range(0, n * stride, stride):
+        hasher = xxhash.xxh3_128(seed)
+        hasher.update(parent)
+        hasher.update(view[start : start + stride])
+        parent = hasher.digest()
+        keys.append(parent)
+    return keys
+
+
+def test_content_keys_are_bit_identical_to_the_reference_implementation() -> None:
+    import random
+
+    import numpy as np
+
+    rng = random.Random(20261129)
+    namespaces = [ns_of(LlmRequest(1, [1], 1)), ns_of(LlmRequest(1, [1], 1, cache_salt="t"))]
+    for case in range(300):
+        tpb = rng.choice([1, 2, 4, 16, 32, 64])
+        length = rng.choice([0, 1, tpb - 1, tpb, rng.randrange(0, 40 * tpb + 1)])
+        high = rng.choice([2**8, 2**17, 2**31, 2**63])
+        tokens = [rng.randrange(-high if case % 7 == 0 else 0, high) for _ in range(length)]
+        ns = namespaces[case % 2]
+        limit = rng.choice([None, 0, 1, 3, length // max(tpb, 1) + 5])
+        expected = _reference_content_keys(ns, tokens, tpb, limit)
+        assert content_keys(ns, tokens, tpb, limit) == expected, (tpb, length, limit)
+        assert content_keys(ns, np.array(tokens, dtype=np.int64), tpb, limit) == expected
+
+
+def test_metadata_is_picklable_and_small() -> None:
+    plan = LoadPlan(request_id=1, donor_id="d", provider_generation=0, namespace="n" * 32, mode="exact_equivalent",
+                    target_block_ids=tuple(range(1024)), donor_block_start=0, num_blocks=1024, token_count=32768,
+                    score_bucket="exact", lease_id="l" * 32, store_ref="d.kv", checksum="c" * 32,
+                    donor_engine_id="A", donor_generation=1, layout="num_layers=2", freshness_policy="engine")
+    save = SaveInstruction(request_id=2, donor_id="e", block_ids=(1, 2), num_blocks=2, tokens_per_block=32,
+                           namespace="n", layout="x", probe=None, namespace_fields={"a": "b"})
+    meta = ConnectorMetadata((plan,), (save,), 3)
+    raw = pickle.dumps(meta)
+    assert pickle.loads(raw) == meta
+    assert len(raw) < 16_000 and meta.approx_size_bytes() >= len(raw) // 2
+
+
+def test_connector_check_command(tmp_path, sqlite_db) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from connector.cli import register
+
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)  # a second command keeps typer in multi-command mode
+    good = tmp_path / "good.toml"
+    good.write_text(f'mode = "exact_equivalent"\nengine_id = "e"\ndb = "{sqlite_db}"\nstore_dir = "{tmp_path / "s"}"\n')
+    result = CliRunner().invoke(app, ["connector-check", "--config", str(good)])
+    assert result.exit_code == 0 and "connector ready: mode=exact_equivalent" in result.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text('mode = "experimental"\n')
+    result = CliRunner().invoke(app, ["connector-check", "--config", str(bad)])
+    assert result.exit_code == 2 and "rule 5" in result.output

