@@ -1,7 +1,10 @@
 """Database URLs and engines for both backends (DESIGN §5 "Backends").
 
-* SQLite (default, embedded): a file; WAL, ``synchronous=NORMAL``, ``busy_timeout``, reads
-  through ``mmap``, a 64 MiB page cache for writers; created with mode 0600. Writers open
+* SQLite (default, embedded): a file; WAL, ``synchronous=NORMAL``, ``busy_timeout``, a 64 MiB
+  page cache for writers; created with mode 0600. No ``mmap``: in WAL mode every commit by another
+  connection makes a reader drop its page cache and, with ``mmap``, unmap the file, so a lookup
+  right after a lease write took 0.8 ms instead of 0.15 ms for one indexed query (A/B on the
+  2-core reference machine; a static database had suggested the opposite). Writers open
   transactions with ``BEGIN IMMEDIATE`` so that the write lock is taken up front (pysqlite's
   deferred BEGIN would otherwise fail with SQLITE_BUSY on upgrade; SQLAlchemy docs,
   dialects/sqlite.html "Serializable isolation / Savepoints / Transactional DDL").
@@ -30,20 +33,16 @@ from ledger.errors import LedgerError
 
 DEFAULT_DB = "sqlite:///semkv-ledger.db"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-PG_PLAN_CACHE_MODE = "force_custom_plan"
-"""asyncpg and psycopg keep server-side prepared statements per connection, and PostgreSQL
-switches a prepared statement to a cached generic plan after five executions. A generic plan
-made while a table was still small (a fresh ledger) stays in use as the table grows: the writer's
-block load used ``ix_blocks_engine_state`` and filtered every block of the engine per hash
-(2.5 s per 256 hashes at 50k blocks; writer at 64 events/txn 1.3k vs 7.4k block events/s with
-custom plans, no difference at 1024/txn). Every ledger statement is an indexed point query, so
-planning each execution is cheap and always uses the current table sizes."""
+PG_WRITER_PLAN_CACHE_MODE = "force_custom_plan"
+"""The consumer's writer (asyncpg) plans every statement with its parameters. asyncpg keeps
+server-side prepared statements per connection, and PostgreSQL switches one to a cached generic
+plan after five executions; a generic plan made while ``blocks`` was small (a fresh ledger) stays
+in use as it grows: the block load then used ``ix_blocks_engine_state`` and filtered every block
+of the engine per hash (2.5 s for 256 hashes at 50k blocks). Writer at 64 events/txn: 1.3k block
+events/s with cached plans, 7.4k with custom ones; no difference at 1024/txn (planning is
+amortised over the batch). NOT for the connector's psycopg reads: planning its 3-table point
+joins costs ~0.6 ms per query (a binary search makes ~10), against 0.1 ms with cached plans."""
 SQLITE_WRITER_CACHE_KIB = 64 * 1024
-SQLITE_MMAP_BYTES = 1 << 30
-"""Reads of the database file go through a shared memory map instead of ``pread`` into each
-connection's 2 MiB page cache: the connector's block-liveness check (one primary-key probe per
-donor block, 1M-block ledger) fell from 2.8 to 1.9 ms per 1024 blocks (interleaved A/B on the
-2-core reference machine; same gain as a 64 MiB per-connection cache, without its memory)."""
 
 
 def normalize_url(db: str) -> URL:
@@ -88,7 +87,6 @@ def _sqlite_listeners(sync_engine: Engine, *, writer: bool) -> None:
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute(f"PRAGMA mmap_size={SQLITE_MMAP_BYTES}")
         if writer:
             # A transaction of 1024 engine events dirties ~1-3 MB of random blocks-index pages;
             # the default 2 MiB cache spilled them mid-transaction (tools/bench_ledger.py).
@@ -116,8 +114,7 @@ def sync_engine(db: str, *, writer: bool = False, create: bool | None = None, po
         engine = create_engine(url.set(drivername="sqlite+pysqlite"))
         _sqlite_listeners(engine, writer=writer)
         return engine
-    return create_engine(url.set(drivername="postgresql+psycopg"), pool_size=pool_size, pool_pre_ping=True,
-                         connect_args={"options": f"-c plan_cache_mode={PG_PLAN_CACHE_MODE}"})
+    return create_engine(url.set(drivername="postgresql+psycopg"), pool_size=pool_size, pool_pre_ping=True)
 
 
 def async_engine(db: str) -> AsyncEngine:
@@ -129,7 +126,7 @@ def async_engine(db: str) -> AsyncEngine:
         _sqlite_listeners(engine.sync_engine, writer=True)
         return engine
     return create_async_engine(url.set(drivername="postgresql+asyncpg"), pool_pre_ping=True,
-                               connect_args={"server_settings": {"plan_cache_mode": PG_PLAN_CACHE_MODE}})
+                               connect_args={"server_settings": {"plan_cache_mode": PG_WRITER_PLAN_CACHE_MODE}})
 
 
 # ------------------------------------------------------------------------------------------------
