@@ -1,4 +1,4 @@
-"""semkv-ledger's TensorRT-LLM KV Cache Connector.
+"""semkv-ledger's KV Cache Connector for TensorRT-LLM (and, through a thin adapter, vLLM).
 
 Load it in TensorRT-LLM with::
 
@@ -18,12 +18,15 @@ with ``TRTLLM_SEMKV_CONFIG=/etc/semkv/connector.toml`` in the environment (see
     plan          LoadPlan, SaveInstruction, ConnectorMetadata (picklable, bounded)
     donor_store   FileDonorStore: host-local, checksummed, atomically published donor bytes
     lookup        deadline runner, background runner, miss diagnosis
-    ledger_reader hot-path reads of the ledger tables (plain SQL on kept connections)
     donors        DonorRegistrar: finished requests become donors
     scheduler     SemKvScheduler (rank 0): lookup + lease, plans, donor registration
     worker        SemKvWorker (every rank): per-layer revalidated loads, donor saves
     metrics       Prometheus metrics (semkv_*)
     _trtllm       import shim for TensorRT-LLM's base classes (newer path, 1.x path, local ABCs)
+    vllm_connector SemKvVllmConnector: the same core behind vLLM's KVConnectorBase_V1
+    _vllm         import shim for vLLM's connector base (local stand-ins when vLLM is absent)
+    discovery/    semantic donor discovery (evidence and telemetry only; [discovery] settings)
+    placement/    placement advice API and HTTP service (`semkv-ledger serve`)
     harness/      REFERENCE ENGINE HARNESS (tests and demos only)
 """
 

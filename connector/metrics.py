@@ -83,7 +83,7 @@ class ConnectorMetrics:
                                         "placement-mode advice: a fresh donor lives on another engine",
                                         ("donor_engine_id",), registry=r)
         self.semantic_lookups = Counter("semkv_semantic_lookups_total",
-                                        "Semantic provider lookups (no provider is configured: stays 0)", registry=r)
+                                        "Discovery lookups run by the scheduler ([discovery] enabled; evidence only)", registry=r)
         self.materialized = Counter("semkv_exact_materialized_total",
                                     "Plans whose every layer was copied (exact-equivalent)", registry=r)
         self.materialized_tokens = Counter("semkv_materialized_tokens_total",

@@ -144,7 +144,8 @@ class DeploymentNamespace:
         model = o.model_id or (str(getattr(llm_args, "model", "") or "") or None)
         if model is None:
             return NamespaceUnknown("model_id", "llm_args.model is empty; set [namespace] model_id")
-        version = o.engine_version or (_HARNESS_ENGINE_VERSION if harness is not None else _trtllm_version())
+        version = o.engine_version or getattr(llm_args, "semkv_engine_version", None) or (
+            _HARNESS_ENGINE_VERSION if harness is not None else _trtllm_version())
         if version is None:
             return NamespaceUnknown("engine_version", "tensorrt_llm is not importable; set [namespace] engine_version")
         backend = getattr(llm_args, "backend", None)
@@ -255,6 +256,9 @@ def _layout(llm_args: Any, harness: Any, tpb: int, dtype: str, o: NamespaceOverr
                                     "'num_layers=N,kv_factor=2,block_elems=E'")
     if harness is not None:
         return KvLayout(harness.num_layers, 2, harness.num_kv_heads * harness.head_dim * tpb, dtype)
+    adapted = getattr(llm_args, "semkv_kv_layout", None)  # another engine's adapter knows its pool exactly
+    if isinstance(adapted, KvLayout):
+        return adapted
     config_file = Path(str(getattr(llm_args, "model", ""))) / "config.json"
     try:
         config = json.loads(config_file.read_text())

@@ -14,7 +14,11 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
    corrupt bytes, refused or expiring lease, deadline, any exception — is a miss ``(0, False)``,
    counted by reason; nothing ever raises into the engine (rule 4). ``discovery_only`` and
    ``placement`` always answer ``(0, False)`` at once and do their lookup in the background
-   (telemetry only).
+   (telemetry only). With donor discovery on (``[discovery] enabled = true``, or a ``discovery=``
+   service injected), the prompt is then shown to the :class:`~connector.discovery.service.DiscoveryService`
+   AFTER the answer is fixed: queued to its thread (default), or inline under its own hard deadline
+   (``[discovery] inline = true``). Discovery is evidence, never authority: it cannot change the
+   answer, and its failures are logged and ignored (rules 2 and 4).
 2. ``update_state_after_alloc(request, block_ids)`` — binds the recipient-owned target blocks
    ``block_ids[num_computed // tpb : ... + n_blocks]`` into a :class:`~connector.plan.LoadPlan`. If
    the allocation does not match the promise, the lease is released and the plan is replaced by a
@@ -25,6 +29,9 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
    request's lease (rule 7) and, for a request that completed its prefill, registers it as a donor
    in the ledger (content keys, engine block hashes, namespace, generation) and asks the worker to
    save its bytes; returns True so the blocks stay allocated until the worker reports the save.
+   With discovery on, the new donor (its whole prompt blocks' tokens, the generation it was
+   registered in, its text when allowed) is queued for indexing on discovery's bounded queue; the
+   indexer thread drops it if the ledger says it is stale or its generation is no longer current.
 
 Newer TensorRT-LLM ``cancel_load``/``request_reset`` (present only when the base class has them, or
 via :class:`ResetHooksMixin`) release the lease and drop the plan; the engine then recomputes.
@@ -38,9 +45,11 @@ import os
 import socket
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from connector._trtllm import KvCacheConnectorScheduler
+from connector.discovery.hook import SchedulerDiscovery
 from connector.donors import DonorRegistrar
 from connector.donor_store import ChecksumMismatch, DonorStoreError, EntryMissing, FileDonorStore
 from connector.lookup import BackgroundRunner, DeadlineRunner, MissDiagnosis, stale_reason_name
@@ -51,6 +60,9 @@ from connector.settings import ConnectorSettings, load_connector_settings
 from ledger.errors import LedgerError
 from ledger.queries import DonorSpan, Lease, LedgerClient
 from ledger.types import FreshnessPolicy, StaleReason
+
+if TYPE_CHECKING:
+    from connector.discovery.service import DiscoveryService
 
 __all__ = ["ResetHooksMixin", "SemKvScheduler", "process_rank"]
 
@@ -91,8 +103,12 @@ def process_rank() -> int:
 
 
 def _window_size(llm_args: Any, settings: ConnectorSettings) -> int:
+    """The attention window the engine's KV events carry, so donors match the event stream's blocks."""
     if settings.window_size:
         return settings.window_size
+    adapted = getattr(llm_args, "semkv_window_size", None)  # an adapter whose events carry none says 0
+    if adapted is not None:
+        return int(adapted)
     value = getattr(llm_args, "max_seq_len", None)
     if not value:
         log.warning("semkv: llm_args.max_seq_len unknown; set window_size so donors match the engine's events")
@@ -121,14 +137,23 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         llm_args: TensorRT-LLM's ``TorchLlmArgs`` (or the harness's).
         settings, ledger, store, metrics: injected for tests and embedding; by default settings come
             from ``TRTLLM_SEMKV_CONFIG`` / ``TRTLLM_SEMKV_*``, the rest from the settings.
+        discovery: a :class:`~connector.discovery.service.DiscoveryService` to use (and share, e.g.
+            between the engines of one process; the caller closes it). Default: when
+            ``settings.discovery.enabled``, one built from ``settings.discovery`` on ``settings.db``,
+            counting on ``metrics``' registry and closed by :meth:`close`; otherwise none.
+        text_of: ``request -> str | None``, the prompt text given to discovery when
+            ``allow_prompt_text`` (default :func:`~connector.discovery.types.request_text`).
 
     Raises:
-        ConnectorConfigError: invalid settings (including ``mode = "experimental"``).
+        ConnectorConfigError: invalid settings (including ``mode = "experimental"``, or a discovery
+            provider that cannot be built).
         SchemaOutOfDate, PersistenceError: the ledger is not migrated or not reachable.
     """
 
     def __init__(self, llm_args: Any, *, settings: ConnectorSettings | None = None, ledger: LedgerClient | None = None,
-                 store: FileDonorStore | None = None, metrics: ConnectorMetrics | None = None) -> None:
+                 store: FileDonorStore | None = None, metrics: ConnectorMetrics | None = None,
+                 discovery: DiscoveryService | None = None,
+                 text_of: Callable[[Any], str | None] | None = None) -> None:
         super().__init__(llm_args)
         self.settings = s = settings or load_connector_settings()
         self.metrics = metrics or process_metrics()
@@ -145,13 +170,20 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.holder = s.engine_id or f"{socket.gethostname()}:{os.getpid()}"
         self.ledger = ledger or LedgerClient(s.db)
         self.store = store or FileDonorStore(s.store_dir, s.store_capacity_bytes, ledger=self.ledger)
+        self._discovery = SchedulerDiscovery.start(
+            s.discovery, discovery, db=s.db, registry=self.metrics.registry, ledger=self.ledger, metrics=self.metrics,
+            engine_id=s.engine_id or "", model_id=self.model_id, tokens_per_block=self.tokens_per_block,
+            text_of=text_of)
+        # the discovery service (shared, or this scheduler's own); None when discovery is off
+        self.discovery = self._discovery.service if self._discovery is not None else None
         self._diagnosis = MissDiagnosis(self.ledger, self.store)
         self._hot = DeadlineRunner("semkv-lookup")
         self._background = BackgroundRunner("semkv-background", on_drop=self.metrics.telemetry_dropped.inc)
         self._requests: dict[int, _RequestState] = {}
         self._saves: deque[SaveInstruction] = deque()
         self._iteration = 0
-        self._donors = DonorRegistrar(s, self.namespace, self.ledger, _FreshSpans(self.ledger, self.policy),
+        registrar_ledger = self._discovery.registrar_ledger if self._discovery is not None else self.ledger
+        self._donors = DonorRegistrar(s, self.namespace, registrar_ledger, _FreshSpans(self.ledger, self.policy),
                                       self.metrics, self.tokens_per_block, self.window_size)
         self._record_engine_start()
 
@@ -170,20 +202,25 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         """Tokens past ``num_computed_tokens`` the worker will load before attention reads them.
 
         Returns ``(n, False)``: ``n`` whole blocks' worth of tokens (0 on any doubt); loads are
-        synchronous per layer, so ``load_is_async`` is always False. Never raises.
+        synchronous per layer, so ``load_is_async`` is always False. Never raises. Discovery, when
+        on, runs after ``n`` is fixed and cannot change it.
         """
         started = time.perf_counter()
         self.metrics.lookups.labels(mode=self.settings.mode).inc()
         try:
-            return self._lookup(request, int(num_computed_tokens)), False
-        except _Miss as miss:
-            if miss.reason:
-                self.metrics.record_miss(miss.reason, miss.field)
-            return 0, False
-        except Exception:  # boundary (DESIGN §2 rule 4): a bug is a counted miss, never an engine error
-            log.exception("semkv: lookup failed for request %s", getattr(request, "request_id", "?"))
-            self.metrics.record_miss("error")
-            return 0, False
+            try:
+                n = self._lookup(request, int(num_computed_tokens))
+            except _Miss as miss:
+                if miss.reason:
+                    self.metrics.record_miss(miss.reason, miss.field)
+                n = 0
+            except Exception:  # boundary (DESIGN §2 rule 4): a bug is a counted miss, never an engine error
+                log.exception("semkv: lookup failed for request %s", getattr(request, "request_id", "?"))
+                self.metrics.record_miss("error")
+                n = 0
+            if self._discovery is not None:  # after the answer is fixed; never raises
+                self._discovery.observe(request, self._namespace_of)
+            return n, False
         finally:
             self.metrics.lookup_seconds.labels(mode=self.settings.mode).observe(time.perf_counter() - started)
 
@@ -320,6 +357,18 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             log.info("semkv placement advice: donor %s on engine %s holds %d blocks", span.donor_id,
                      span.engine_id, span.num_blocks)
 
+    def _namespace_of(self, request: Any) -> Namespace | NamespaceUnknown:
+        """The request's namespace: the one its lookup computed, else derived now."""
+        state = self._requests.get(request.request_id)
+        if state is not None and state.namespace is not None:
+            return state.namespace
+        return self.namespace.for_request(request)
+
+    @property
+    def model_id(self) -> str:
+        """The deployment's model id (the namespace's ``model_id`` field), or ``""`` when unknown."""
+        return (self.namespace.fields or {}).get("model_id", "")
+
     # ============================================================ 2. after allocation
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """Bind target blocks to the promise (lock released). Never raises."""
@@ -409,6 +458,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             if save is None:
                 return False
             self._saves.append(save)
+            if self._discovery is not None:  # queued for indexing; never blocks, never raises
+                self._discovery.index_donor(request, save)
             return True
         except Exception:  # boundary: a donor we failed to register is just not a donor
             log.exception("semkv: request_finished failed for request %s", request.request_id)
@@ -430,16 +481,22 @@ class SemKvScheduler(KvCacheConnectorScheduler):
 
     # ============================================================ lifecycle
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait for background work (lease releases, telemetry) queued so far; tests and shutdown."""
+        """Wait for background work (lease releases, telemetry, discovery lookups and indexing)
+        queued so far; tests and shutdown."""
         self._background.flush(timeout_s)
+        if self._discovery is not None:
+            self._discovery.flush(timeout_s)
 
     def close(self) -> None:
-        """Release every lease still held, stop the threads, close the ledger."""
+        """Release every lease still held, stop the threads, close the ledger (and the discovery
+        service this scheduler built; an injected one is its owner's to close)."""
         for state in list(self._requests.values()):
             self._release(state, "shutdown")
         self._background.close()
         self._hot.close()
         self.ledger.close()
+        if self._discovery is not None:
+            self._discovery.close()
 
 
 class ResetHooksMixin:

@@ -20,6 +20,9 @@ prefixed ``TRTLLM``/``TLLM`` to them (reference/TRTLLM_CONNECTOR.md), so the con
        [namespace]
        kv_dtype = "bfloat16"              # needed when llm_args says "auto"
        tenant = "prod"
+       [discovery]                        # optional donor discovery (telemetry only; default off)
+       enabled = true
+       providers = ["chunks", "minhash"]
 
 4. the defaults below, which are safe: ``discovery_only`` never changes what the engine computes.
 
@@ -39,6 +42,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from connector.discovery.settings import DiscoverySettings
 from ledger.types import FreshnessPolicy
 
 __all__ = ["CONFIG_ENV", "ENV_PREFIX", "ConnectorConfigError", "ConnectorSettings", "NamespaceOverrides",
@@ -128,6 +132,9 @@ class ConnectorSettings(BaseSettings):
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve ``/metrics`` on this port (+ the process's rank); None: no server."""
     namespace: NamespaceOverrides = Field(default_factory=NamespaceOverrides)
+    discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    """Donor discovery (``[discovery]``, ``TRTLLM_SEMKV_DISCOVERY__*``; :mod:`connector.discovery.settings`):
+    off unless ``enabled``; evidence and telemetry only, it never changes what the engine is told."""
 
     @field_validator("mode", mode="before")
     @classmethod

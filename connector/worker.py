@@ -3,6 +3,9 @@
 Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
 
 * ``register_kv_caches(kv)`` — once: the pool ``[num_blocks, num_layers, kv_factor, block_elems]``.
+  Other engines' adapters (``connector/vllm_connector.py``) call :meth:`SemKvWorker.register_layer_views`
+  with one block-major view ``[num_blocks, kv_factor, block_elems]`` per layer instead; everything
+  below works on those per-layer views, so the core is the same for every engine.
 * ``start_load_kv(stream)`` — every iteration, after ``bind_connector_meta``. For each
   :class:`~connector.plan.LoadPlan`: a failed plan, a layout that differs from the pool, a ledger
   revalidation that fails (freshness, generation, lease, namespace — DESIGN §2 rule 6: after
@@ -35,6 +38,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -53,6 +57,7 @@ __all__ = ["SemKvLoadError", "SemKvWorker"]
 log = logging.getLogger(__name__)
 _STORE_CACHE_LEVEL = "1"  # host memory / local disk
 _SAVE_REPORT_TIMEOUT_S = 120.0
+_FAILED_PLANS_KEPT = 4096  # TensorRT-LLM never drains them (the hook raises instead)
 
 
 class SemKvLoadError(RuntimeError):
@@ -89,9 +94,13 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.metrics = metrics or process_metrics()
         self.ledger = ledger or LedgerClient(s.db)
         self.store = store or FileDonorStore(s.store_dir, s.store_capacity_bytes, ledger=self.ledger)
-        self.kv_cache: torch.Tensor | None = None
+        self.layers: list[torch.Tensor] = []  # per layer: [num_blocks, kv_factor, block_elems] (views)
+        self.num_blocks = 0
         self.layout: KvLayout | None = None
         self._active: list[_ActiveLoad] = []
+        self.failed_plans: deque[LoadPlan] = deque(maxlen=_FAILED_PLANS_KEPT)
+        """Plans whose load failed or was abandoned, oldest first; an engine adapter that reports
+        failed blocks to its engine (vLLM's ``get_block_ids_with_load_errors``) drains it."""
         self._stream: Any = None
         self._to_gather: dict[int, SaveInstruction] = {}
         self._gathered: set[int] = set()
@@ -110,9 +119,28 @@ class SemKvWorker(KvCacheConnectorWorker):
         if kv_cache_tensor.dim() != 4:
             raise ValueError(f"semkv expects a KV pool [num_blocks, num_layers, kv_factor, block_elems], "
                              f"got shape {tuple(kv_cache_tensor.shape)}")
-        self.kv_cache = kv_cache_tensor
         _, layers, kv_factor, elems = kv_cache_tensor.shape
-        self.layout = KvLayout(layers, kv_factor, elems, str(kv_cache_tensor.dtype).removeprefix("torch."))
+        self.register_layer_views([kv_cache_tensor[:, layer] for layer in range(layers)],
+                                  KvLayout(layers, kv_factor, elems, str(kv_cache_tensor.dtype).removeprefix("torch.")))
+
+    def register_layer_views(self, views: list[torch.Tensor], layout: KvLayout) -> None:
+        """Learn the pool as one view per layer, each ``[num_blocks, kv_factor, block_elems]``.
+
+        The views may be strided (a slice of a stacked pool, a permuted ``[2, num_blocks, ...]``
+        tensor); loads write through them with ``index_put_`` and saves gather with
+        ``index_select``, so no layer is ever copied whole.
+
+        Raises:
+            ValueError: the views disagree with ``layout`` or with each other.
+        """
+        if len(views) != layout.num_layers or not views:
+            raise ValueError(f"semkv: {len(views)} layer views for a layout of {layout.num_layers} layers")
+        expected = (views[0].shape[0], layout.kv_factor, layout.block_elems)
+        for idx, view in enumerate(views):
+            if tuple(view.shape) != expected or str(view.dtype).removeprefix("torch.") != layout.dtype:
+                raise ValueError(f"semkv: layer {idx} view {tuple(view.shape)} {view.dtype} does not match "
+                                 f"{expected} {layout.dtype}")
+        self.layers, self.num_blocks, self.layout = list(views), expected[0], layout
 
     # ============================================================ loads
     def start_load_kv(self, stream: Any) -> None:
@@ -138,12 +166,12 @@ class SemKvWorker(KvCacheConnectorWorker):
     def _begin(self, plan: LoadPlan) -> _ActiveLoad:
         if plan.failed:
             raise SemKvLoadError(plan, "plan_failed", plan.failed)
-        if self.kv_cache is None or self.layout is None:
+        if not self.layers or self.layout is None:
             raise SemKvLoadError(plan, "no_kv_cache", "register_kv_caches was not called")
         if plan.layout != self.layout.describe():
             raise SemKvLoadError(plan, "layout_mismatch", f"plan {plan.layout} vs pool {self.layout.describe()}")
         if len(plan.target_block_ids) != plan.num_blocks or (
-                plan.target_block_ids and max(plan.target_block_ids) >= self.kv_cache.shape[0]):
+                plan.target_block_ids and max(plan.target_block_ids) >= self.num_blocks):
             raise SemKvLoadError(plan, "bad_targets", f"{len(plan.target_block_ids)} target blocks")
         self._revalidate(plan, None, full=True)
         try:
@@ -158,7 +186,7 @@ class SemKvWorker(KvCacheConnectorWorker):
             reader.close()
             raise SemKvLoadError(plan, "header_mismatch", f"entry {h.donor_id} {h.layout()} {h.num_blocks} blocks")
         self.store.lease(plan.donor_id)
-        targets = torch.tensor(plan.target_block_ids, dtype=torch.long, device=self.kv_cache.device)
+        targets = torch.tensor(plan.target_block_ids, dtype=torch.long, device=self.layers[0].device)
         return _ActiveLoad(plan, reader, targets, time.perf_counter())
 
     def _revalidate(self, plan: LoadPlan, layer_idx: int | None, *, full: bool) -> None:
@@ -198,8 +226,7 @@ class SemKvWorker(KvCacheConnectorWorker):
             self._active = []
 
     def _copy_layer(self, load: _ActiveLoad, layer_idx: int) -> None:
-        plan, h, kv = load.plan, load.reader.header, self.kv_cache
-        assert kv is not None
+        plan, h, kv = load.plan, load.reader.header, self.layers[layer_idx]
         self._revalidate(plan, layer_idx, full=self.settings.per_layer_block_check)
         started = time.perf_counter()
         try:
@@ -210,7 +237,7 @@ class SemKvWorker(KvCacheConnectorWorker):
             raise SemKvLoadError(plan, "store_missing", str(exc), layer_idx) from exc
         src = torch.frombuffer(raw, dtype=kv.dtype).view(h.num_blocks, h.kv_factor, h.block_elems)
         src = src[plan.donor_block_start : plan.donor_block_end]
-        kv[load.targets, layer_idx] = src.to(kv.device, non_blocking=False)
+        kv[load.targets] = src.to(kv.device, non_blocking=False)
         self.copy_seconds += time.perf_counter() - started
 
     def _materialized(self, load: _ActiveLoad) -> None:
@@ -224,6 +251,8 @@ class SemKvWorker(KvCacheConnectorWorker):
     def _fail_all(self, error: SemKvLoadError) -> None:
         log.error("%s", error)
         self.metrics.load_failures.labels(reason=error.reason).inc()
+        self.failed_plans.append(error.plan)
+        self.failed_plans.extend(load.plan for load in self._active if load.plan is not error.plan)
         for load in self._active:
             load.reader.close()
             self.store.release(load.plan.donor_id)
@@ -233,6 +262,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         """Plans bound in an iteration whose forward never ran (request dropped): not materialized."""
         for load in self._active:
             self.metrics.load_failures.labels(reason="abandoned").inc()
+            self.failed_plans.append(load.plan)
             load.reader.close()
             self.store.release(load.plan.donor_id)
         self._active = []
@@ -268,17 +298,18 @@ class SemKvWorker(KvCacheConnectorWorker):
         return sorted(done), []
 
     def _gather(self) -> None:
-        kv, layout = self.kv_cache, self.layout
+        layout = self.layout
         for rid, instruction in list(self._to_gather.items()):
             del self._to_gather[rid]
             self._gathered.add(rid)
-            if kv is None or layout is None or instruction.layout != layout.describe():
+            if not self.layers or layout is None or instruction.layout != layout.describe():
                 self.metrics.donor_saves.labels(outcome="layout_mismatch").inc()
                 continue
             started = time.perf_counter()
-            ids = torch.tensor(instruction.block_ids[: instruction.num_blocks], dtype=torch.long, device=kv.device)
-            blocks = kv.index_select(0, ids).cpu()  # [n, layers, kv_factor, elems], a host copy
-            layers = [blocks[:, l].contiguous().view(torch.uint8).numpy() for l in range(layout.num_layers)]
+            ids = torch.tensor(instruction.block_ids[: instruction.num_blocks], dtype=torch.long,
+                               device=self.layers[0].device)
+            # per layer [n, kv_factor, elems]: a host copy, so the engine may free the blocks at once
+            layers = [view.index_select(0, ids).cpu().contiguous().view(torch.uint8).numpy() for view in self.layers]
             with self._idle:
                 self._in_flight += 1
             try:
@@ -305,10 +336,10 @@ class SemKvWorker(KvCacheConnectorWorker):
 
     def _save(self, instruction: SaveInstruction, layers: list[Any]) -> None:
         layout = self.layout
-        assert layout is not None and self.kv_cache is not None
+        assert layout is not None and self.layers
         self.store.put(instruction.donor_id, layers, {
             "namespace": instruction.namespace, "num_layers": layout.num_layers, "kv_factor": layout.kv_factor,
-            "block_elems": layout.block_elems, "dtype": layout.dtype, "itemsize": self.kv_cache.element_size(),
+            "block_elems": layout.block_elems, "dtype": layout.dtype, "itemsize": self.layers[0].element_size(),
             "num_blocks": instruction.num_blocks, "tokens_per_block": instruction.tokens_per_block,
             "probe": instruction.probe, "namespace_fields": dict(instruction.namespace_fields)})
 

@@ -4,9 +4,9 @@ Runs the labelled workload of ``tools/workloads.py`` (CPython stdlib text, see i
 through reference-harness engines wired like the connector tests' ``Fleet`` (SQLite ledger, consumer
 daemon over loopback ZMQ, shared donor store): donors on engine A (and H, which offloads them to
 host memory for ``host_offload``), targets on engine B, once with B in ``discovery_only`` and once
-in ``exact_equivalent``; every engine runs ``DiscoveringScheduler`` with one shared
-``DiscoveryService`` (providers exact, chunks, minhash and, with the ``semantic`` extra, embedding;
-prompt text allowed). Reports, as a markdown table and a PNG plot under ``tools/results/``:
+in ``exact_equivalent``; every engine's ``SemKvScheduler`` runs discovery with one shared
+``DiscoveryService`` (``SemKvScheduler(..., discovery=service)``; providers exact, chunks, minhash
+and, with the ``semantic`` extra, embedding; prompt text allowed). Reports, as a markdown table and a PNG plot under ``tools/results/``:
 
 * per scenario: cold TTFT (discovery_only, nothing loaded), warm TTFT (exact_equivalent),
   materialized plans and tokens, whether discovery (exact span) or a semantic candidate was found;

@@ -7,7 +7,8 @@ ledger lease and the worker's revalidation, ever materializes anything.
 
 Module map:
 
-    types      Match, Segment, BlockRef, DonorRecord, Query, DiscoveryProvider protocol, score buckets
+    types      Match, Segment, BlockRef, DonorRecord, Query, DiscoveryProvider protocol, score buckets,
+               request_text (the prompt text a serving layer attached to a request)
     settings   DiscoverySettings: the [discovery] table / TRTLLM_SEMKV_DISCOVERY__* variables
     tokens     vectorised window hashes, verified exact span alignment (numpy)
     chunks     BlockChunkProvider: donor blocks at other positions (reordered RAG chunks, tool schemas)
@@ -18,15 +19,18 @@ Module map:
     runner     one thread per provider; waiting under one deadline
     service    DiscoveryService: lookup (bounded), fresh-only answers, bounded background indexing
     telemetry  semkv_discovery_* metrics and the per-lookup structlog line
-    scheduler  DiscoveringScheduler: SemKvScheduler + discovery (the seam, see below)
+    hook       SchedulerDiscovery: what SemKvScheduler calls (observe, index_donor, flush, close)
 
-Seam into ``connector/scheduler.py`` (until it is folded in, :class:`DiscoveringScheduler` is it):
-``SemKvScheduler.__init__`` gains ``discovery: DiscoveryService | None = None`` (built from
-``settings.discovery`` when its providers are non-empty); ``get_num_new_matched_tokens`` calls
-``self.discovery.lookup_async(...)`` (or ``lookup(...)`` when ``inline``) after computing the
-namespace and tokens, whatever the mode; ``request_finished`` queues a :class:`DonorRecord` when the
-registrar returned a save; ``flush``/``close`` flush/close the service; ``ConnectorSettings`` gains
-``discovery: DiscoverySettings``.
+How the connector uses it (:class:`connector.scheduler.SemKvScheduler`): ``ConnectorSettings.discovery``
+is the ``[discovery]`` table; with ``enabled = true`` (default false: no service, no thread) the
+scheduler builds one :class:`DiscoveryService` on its ledger and metrics registry, or uses the one
+passed as ``SemKvScheduler(..., discovery=service)`` (shared, e.g. by the engines of one process;
+its owner closes it). ``get_num_new_matched_tokens`` shows the prompt to the service AFTER its
+answer is fixed (``lookup_async``, or ``lookup`` under ``lookup_timeout_s`` when ``inline``), whatever
+the mode, and swallows any failure; ``request_finished`` queues a :class:`DonorRecord` (with the
+generation the donor was registered in) when a donor was registered; ``flush``/``close``
+flush/close the service. Prompt text comes from ``text_of(request)`` (default :func:`request_text`)
+and is used only when ``allow_prompt_text``.
 """
 
 from __future__ import annotations
@@ -34,24 +38,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from connector.discovery.settings import DiscoverySettings, load_discovery_settings
-from connector.discovery.types import BlockRef, DiscoveryProvider, DonorRecord, Match, Query, Segment
+from connector.discovery.types import BlockRef, DiscoveryProvider, DonorRecord, Match, Query, Segment, request_text
 
-__all__ = ["BlockRef", "DiscoveringScheduler", "DiscoveryProvider", "DiscoveryService", "DiscoverySettings",
-           "DonorRecord", "Match", "Query", "Segment", "load_discovery_settings"]
+__all__ = ["BlockRef", "DiscoveryProvider", "DiscoveryService", "DiscoverySettings", "DonorRecord", "Match", "Query",
+           "Segment", "load_discovery_settings", "request_text"]
 
 if TYPE_CHECKING:
-    from connector.discovery.scheduler import DiscoveringScheduler
     from connector.discovery.service import DiscoveryService
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: the service pulls in the ledger reader and datasketch; the scheduler pulls in the connector.
+    # Lazy: the service pulls in the ledger client and the providers (datasketch, numpy kernels).
     if name == "DiscoveryService":
         from connector.discovery.service import DiscoveryService
 
         return DiscoveryService
-    if name == "DiscoveringScheduler":
-        from connector.discovery.scheduler import DiscoveringScheduler
-
-        return DiscoveringScheduler
     raise AttributeError(f"module 'connector.discovery' has no attribute {name!r}")

@@ -1,7 +1,9 @@
 """Ledger-prefix provider: the longest fresh EXACT donor span for the target (``exact_equivalent``).
 
-The same read the scheduler's exact path makes (:meth:`connector.ledger_reader.LedgerReader.find_span`
-over the chained content keys of :func:`connector.namespace.content_keys`), offered as a provider so
+The same read the scheduler's exact path makes (:meth:`ledger.queries.LedgerClient.find_donor_span`
+with ``check_blocks=False``, over the chained content keys of :func:`connector.namespace.content_keys`:
+the longest span whose donor STATE is fresh; block liveness is the lease's and the worker's to check),
+offered as a provider so
 that standalone callers, placement advice and the benchmark see exact and semantic evidence side by
 side. It keeps no index (the ledger is the index) and ignores registrations. A match here is still
 only evidence: materialization happens only through the scheduler's lease and the worker's
@@ -14,8 +16,8 @@ import time
 
 from connector.discovery.settings import DiscoverySettings
 from connector.discovery.types import BlockRef, DonorRecord, Match, Query, Segment
-from connector.ledger_reader import LedgerReader
 from connector.namespace import Namespace, content_keys
+from ledger.queries import LedgerClient
 
 __all__ = ["LedgerPrefixProvider"]
 
@@ -35,7 +37,7 @@ class LedgerPrefixProvider:
         if not db:
             raise ValueError("the exact provider reads the ledger: pass db=")
         self.settings = settings
-        self._reader = LedgerReader(db)
+        self._ledger = LedgerClient(db, check=False)
 
     def index(self, donor: DonorRecord) -> None:
         """The ledger is the index."""
@@ -55,7 +57,7 @@ class LedgerPrefixProvider:
         if n == 0 or len(query.namespace) != 32:
             return []
         keys = content_keys(Namespace(query.namespace, {}), query.token_ids.tolist(), tpb, n)
-        span = self._reader.find_span(query.namespace, keys, time.time(), 1)
+        span = self._ledger.find_donor_span(query.namespace, keys, now=time.time(), min_blocks=1, check_blocks=False)
         if span is None:
             return []
         tokens = span.num_blocks * tpb
@@ -68,4 +70,4 @@ class LedgerPrefixProvider:
                       donor_engine_id=span.engine_id, donor_generation=span.generation, score=1.0)]
 
     def close(self) -> None:
-        self._reader.close()
+        self._ledger.close()

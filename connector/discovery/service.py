@@ -14,8 +14,9 @@ Lookup contract (DESIGN §2 rule 4, §7):
   unfinished providers are ``timeout`` misses, exceptions ``error`` misses, refusals
   ``policy_denied`` — all counted (:mod:`.telemetry`), none raised;
 * every candidate is checked against the ledger before it can be returned
-  (:meth:`connector.ledger_reader.LedgerReader.check`: donor state, generation = the engine's,
-  expiry, namespace digest — which covers the cache salt, LoRA, model and layout): a stale,
+  (:meth:`ledger.queries.LedgerClient.donor_freshness` without block liveness: donor state,
+  generation = the engine's, expiry, namespace digest — which covers the cache salt, LoRA, model
+  and layout): a stale,
   quarantined, evicted, unsaved or expired donor is dropped as ``stale``, a donor of another
   namespace as ``namespace_mismatch``; neither is ever returned. Block liveness (freshness policy
   ``engine``) is NOT re-checked here: the scheduler's lease and the worker's revalidation do that
@@ -51,8 +52,8 @@ from connector.discovery.runner import Job, ProviderLane, wait_all
 from connector.discovery.settings import DiscoverySettings
 from connector.discovery.telemetry import DiscoveryMetrics, log_lookup, metrics_for
 from connector.discovery.types import DiscoveryProvider, DonorRecord, Match, Query, readonly_tokens
-from connector.ledger_reader import LedgerReader
-from ledger.types import StaleReason
+from ledger.queries import LedgerClient
+from ledger.types import FreshnessPolicy, StaleReason
 
 __all__ = ["DiscoveryService"]
 
@@ -89,8 +90,7 @@ class DiscoveryService:
             if hasattr(provider, "on_embed"):
                 provider.on_embed = self.metrics.embedding_seconds.observe  # type: ignore[attr-defined]
         self.db = db
-        self._reader = LedgerReader(db)
-        self._ledger: Any = None
+        self._ledger = LedgerClient(db, check=False)  # thread-safe: one DBAPI connection per thread
         self._lanes = {p.name: ProviderLane(p.name, s.provider_queue_max) for p in self.providers}
         self._order: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._index_queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=s.index_queue_max)
@@ -212,7 +212,7 @@ class DiscoveryService:
         for match in found:
             if job.abandoned:
                 break
-            reason = self._reader.check(match.donor_id, query.namespace, None, now)
+            reason = self._freshness(match.donor_id, query.namespace, now)
             if reason is None:
                 fresh.append(match)
             else:
@@ -285,7 +285,7 @@ class DiscoveryService:
             self.metrics.index_queue.set(self._index_queue.qsize())
 
     def _index(self, record: DonorRecord) -> None:
-        reason = self._reader.check(record.donor_id, record.namespace, None, time.time())
+        reason = self._freshness(record.donor_id, record.namespace, time.time())
         if reason == StaleReason.GENERATION_MISMATCH or (
                 reason in _OK_AT_INDEX and record.generation is not None
                 and record.generation != self._engine_generation(record.engine_id)):
@@ -326,11 +326,12 @@ class DiscoveryService:
             except Exception:  # boundary
                 log.exception("semkv discovery: provider %s failed to publish its index", provider.name)
 
-    def _engine_generation(self, engine_id: str) -> int | None:
-        if self._ledger is None:
-            from ledger.queries import LedgerClient
+    def _freshness(self, donor_id: str, namespace: str, now: float) -> StaleReason | None:
+        """The donor's freshness without block liveness (namespace, state, expiry, generation). None: fresh."""
+        return self._ledger.donor_freshness(donor_id, namespace=namespace, num_blocks=0,
+                                            policy=FreshnessPolicy.STORE, now=now)
 
-            self._ledger = LedgerClient(self.db, check=False)
+    def _engine_generation(self, engine_id: str) -> int | None:
         engine = self._ledger.engine(engine_id)
         return None if engine is None else engine.generation
 
@@ -363,9 +364,7 @@ class DiscoveryService:
             lane.close()
         for provider in self.providers:
             provider.close()
-        self._reader.close()
-        if self._ledger is not None:
-            self._ledger.close()
+        self._ledger.close()
 
     def __enter__(self) -> DiscoveryService:
         return self

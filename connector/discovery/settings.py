@@ -1,5 +1,11 @@
 """Settings of donor discovery: one frozen model, the ``[discovery]`` table of the connector's TOML.
 
+The connector reads it as the ``discovery`` field of :class:`connector.settings.ConnectorSettings`
+(same TOML table, same ``TRTLLM_SEMKV_DISCOVERY__*`` variables), and its scheduler builds a
+:class:`~connector.discovery.service.DiscoveryService` only when ``enabled = true``: by default the
+connector runs no discovery thread and behaves exactly as without discovery. Other users (the
+placement service, benchmarks) ignore ``enabled``.
+
 Read by :func:`load_discovery_settings` from, in order of precedence:
 
 1. keyword overrides;
@@ -9,6 +15,7 @@ Read by :func:`load_discovery_settings` from, in order of precedence:
 3. the ``[discovery]`` table of the TOML file named by ``TRTLLM_SEMKV_CONFIG``::
 
        [discovery]
+       enabled = true                                    # the connector's scheduler runs discovery
        providers = ["chunks", "minhash", "embedding"]   # aliases or "package.module:Class"
        lookup_timeout_s = 0.002                          # hard deadline on the scheduler path
        allow_prompt_text = false                         # text reaches providers only when true
@@ -25,9 +32,10 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import NoDecode
 
 __all__ = ["DISCOVERY_ENV_PREFIX", "DiscoverySettings", "load_discovery_settings"]
 
@@ -41,7 +49,10 @@ class DiscoverySettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    providers: tuple[str, ...] = ("chunks", "minhash")
+    enabled: bool = False
+    """The connector's scheduler runs discovery (telemetry only, never a promise). False: no
+    discovery service, no thread, no lookup; the other settings are then unused by the connector."""
+    providers: Annotated[tuple[str, ...], NoDecode] = ("chunks", "minhash")
     """Providers in order: aliases ``exact``, ``chunks``, ``minhash``, ``embedding`` or import paths
     ``package.module:Class`` (constructed as ``Class(settings, db=ledger_url)``)."""
     lookup_timeout_s: float = Field(0.002, gt=0, le=1.0)
@@ -54,7 +65,7 @@ class DiscoverySettings(BaseModel):
     instead of on the discovery thread; inline lookups never embed (providers answer from cache)."""
     allow_prompt_text: bool = False
     """Pass prompt text to providers and index donor text. False: text is dropped at the service."""
-    allowed_models: tuple[str, ...] | None = None
+    allowed_models: Annotated[tuple[str, ...] | None, NoDecode] = None
     """Model ids discovery may run for; None: any. Others are ``policy_denied``."""
     index_queue_max: int = Field(1024, ge=1)
     """Donor registrations waiting for the indexer; beyond it a registration is dropped and counted."""
@@ -90,6 +101,21 @@ class DiscoverySettings(BaseModel):
     embedding_chunk_words: int = Field(160, ge=8)
     embedding_cache_size: int = Field(1024, ge=0)
     """Query embeddings kept for inline lookups (prepared off the path)."""
+
+    @field_validator("providers", "allowed_models", mode="before")
+    @classmethod
+    def _split_list(cls, value: Any) -> Any:
+        """An environment variable's string (``NoDecode``: pydantic-settings hands it over raw), as a
+        JSON list or comma-separated: ``"chunks,minhash"`` is ``["chunks", "minhash"]``."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except ValueError:
+                    raise ValueError(f"not a JSON list: {value!r}") from None
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
 
 
 def load_discovery_settings(overrides: Mapping[str, Any] | None = None, *,

@@ -24,7 +24,7 @@ from typing import Literal, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 __all__ = ["CONFIDENCE_BUCKETS", "SCORE_BUCKETS", "BlockRef", "DiscoveryProvider", "DonorRecord", "Match",
-           "MatchType", "Query", "Segment", "confidence_rank", "readonly_tokens", "score_bucket"]
+           "MatchType", "Query", "Segment", "confidence_rank", "readonly_tokens", "request_text", "score_bucket"]
 
 MatchType = Literal["exact_equivalent", "semantic_candidate"]
 
@@ -46,6 +46,18 @@ def score_bucket(value: float) -> str:
 def confidence_rank(label: str) -> int:
     """0 for ``low`` … 3 for ``exact``; -1 for an unknown label."""
     return CONFIDENCE_BUCKETS.index(label) if label in CONFIDENCE_BUCKETS else -1
+
+
+def request_text(request: object) -> str | None:
+    """The request's prompt text if the serving layer attached one (a ``prompt_text`` or
+    ``py_prompt_text`` string attribute), else None. TensorRT-LLM's ``LlmRequest`` carries token ids
+    only; the connector's scheduler uses this as its default ``text_of``, and only when the
+    discovery settings allow prompt text."""
+    for name in ("prompt_text", "py_prompt_text"):
+        value = getattr(request, name, None)
+        if isinstance(value, str):
+            return value
+    return None
 
 
 def readonly_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:

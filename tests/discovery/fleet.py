@@ -1,16 +1,21 @@
-"""Harness engines whose scheduler is :class:`DiscoveringScheduler`, in the connector tests' ``Fleet``
+"""Harness engines whose :class:`SemKvScheduler` runs donor discovery, in the connector tests' ``Fleet``
 (real SQLite ledger, real consumer daemon over loopback ZMQ, shared donor store). Used by the tests
-and by ``tools/bench_discovery.py``."""
+and by ``tools/bench_discovery.py``.
+
+:func:`discovering_engine` injects one shared :class:`DiscoveryService` (``SemKvScheduler(...,
+discovery=service)``, as engines of one process would share it); an engine whose scheduler builds
+its own service from its settings is just ``fleet.engine(..., discovery={"enabled": True, ...})``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from connector.discovery.scheduler import DiscoveringScheduler
 from connector.discovery.service import DiscoveryService
 from connector.harness import HarnessLLM, KvCacheConfig, ModelConfig
 from connector.metrics import ConnectorMetrics
+from connector.scheduler import SemKvScheduler
 from connector.worker import SemKvWorker
 from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model
 
@@ -21,18 +26,18 @@ def discovering_engine(fleet: Fleet, engine_id: str, service: DiscoveryService, 
                        text_of: Callable[[Any], str | None] | None = None, model: ModelConfig = MODEL,
                        kv_cache_config: KvCacheConfig | None = None, max_num_tokens: int = 256,
                        **overrides: Any) -> Engine:
-    """An engine on ``engine_id``'s publisher running ``DiscoveringScheduler`` with a shared ``service``."""
+    """An engine on ``engine_id``'s publisher whose ``SemKvScheduler`` uses the shared ``service``."""
     settings = fleet.connector_settings(engine_id, mode=mode, **overrides)
     metrics = ConnectorMetrics()
 
     def sched_init(self, llm_args):  # noqa: ANN001, ANN202
-        DiscoveringScheduler.__init__(self, llm_args, settings=settings, metrics=metrics, discovery=service,
-                                      text_of=text_of)
+        SemKvScheduler.__init__(self, llm_args, settings=settings, metrics=metrics, discovery=service,
+                                text_of=text_of)
 
     def worker_init(self, llm_args):  # noqa: ANN001, ANN202
         SemKvWorker.__init__(self, llm_args, settings=settings, metrics=metrics)
 
-    spec = (type("BoundDiscoveringScheduler", (DiscoveringScheduler,), {"__init__": sched_init}),
+    spec = (type("BoundDiscoveryScheduler", (SemKvScheduler,), {"__init__": sched_init}),
             type("BoundWorker", (SemKvWorker,), {"__init__": worker_init}))
     kvc = kv_cache_config or KvCacheConfig(tokens_per_block=model.tokens_per_block, event_buffer_max_size=4096,
                                            max_tokens=4 * model.max_context)

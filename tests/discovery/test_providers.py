@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from datasketch import MinHash
@@ -13,7 +15,7 @@ from connector.discovery.registry import build_providers, resolve_provider
 from connector.discovery.settings import DiscoverySettings, load_discovery_settings
 from connector.discovery.tokens import align_segments, window_hashes
 from connector.discovery.types import Query, readonly_tokens, score_bucket
-from connector.settings import ConnectorConfigError
+from connector.settings import ConnectorConfigError, load_connector_settings
 from tests.discovery.conftest import MODEL_ID, NS, TPB, record
 from tools.workloads import Workload
 
@@ -128,3 +130,27 @@ def test_registry_and_settings(tmp_path, monkeypatch) -> None:
     assert load_discovery_settings({"inline": True}, environ={}).inline
     with pytest.raises(ConnectorConfigError, match="lookup_timeout_s"):
         load_discovery_settings({"lookup_timeout_s": 0}, environ={})
+
+
+def test_connector_settings_carry_the_discovery_table(tmp_path, monkeypatch) -> None:
+    """``[discovery]`` of the connector's TOML and ``TRTLLM_SEMKV_DISCOVERY__*`` are the connector
+    settings' ``discovery`` field, read the same way as :func:`load_discovery_settings`; off by default."""
+    for name in [n for n in os.environ if n.startswith("TRTLLM_SEMKV_")]:
+        monkeypatch.delenv(name)
+    assert load_connector_settings(environ={}).discovery == DiscoverySettings()
+    assert not DiscoverySettings().enabled
+    config = tmp_path / "connector.toml"
+    config.write_text('db = "x.db"\nmode = "exact_equivalent"\n[discovery]\nenabled = true\n'
+                      'providers = ["minhash"]\nlookup_timeout_s = 0.004\n')
+    monkeypatch.setenv("TRTLLM_SEMKV_CONFIG", str(config))
+    monkeypatch.setenv("TRTLLM_SEMKV_DISCOVERY__PROVIDERS", "chunks, minhash")
+    monkeypatch.setenv("TRTLLM_SEMKV_DISCOVERY__ALLOWED_MODELS", '["m1", "m2"]')
+    s = load_connector_settings()
+    assert s.discovery == load_discovery_settings()
+    assert s.discovery.enabled and s.discovery.providers == ("chunks", "minhash")
+    assert s.discovery.lookup_timeout_s == 0.004 and s.discovery.allowed_models == ("m1", "m2")
+    monkeypatch.delenv("TRTLLM_SEMKV_CONFIG")
+    for values, named in (({"lookup_timeout_s": 0}, "discovery.lookup_timeout_s"),
+                          ({"no_such_knob": 1}, "discovery.no_such_knob")):
+        with pytest.raises(ConnectorConfigError, match=f"setting '{named}'"):
+            load_connector_settings({"discovery": values}, environ={})

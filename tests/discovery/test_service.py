@@ -82,6 +82,38 @@ def test_cross_salt_candidate_is_a_namespace_mismatch(sqlite_db: str, workload: 
         assert svc.metrics.value("semkv_discovery_dropped_total", provider="chunks", reason="namespace_mismatch") == 1
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_ledger_checks_read_through_the_ledger_client_on_both_backends(backend: str, request, workload: Workload
+                                                                       ) -> None:
+    """The exact provider (``find_donor_span``, donor state only) and the freshness check of every
+    candidate and registration (``donor_freshness`` without blocks) on SQLite and PostgreSQL."""
+    db = request.getfixturevalue("sqlite_db" if backend == "sqlite" else "postgres_db")
+    exact = next(lab for lab in workload.labels if lab.scenario == "system_prompt")
+    moved = next(lab for lab in workload.labels if lab.scenario == "agent_tools")
+    with DiscoveryService(settings(providers=("exact", "chunks")), db=db) as svc:
+        for lab in (exact, moved):
+            tokens = workload.prompt(lab.donor).tokens
+            generation = seed_donor(db, lab.donor, tokens)
+            svc.register_donor(record(lab.donor, tokens, generation=generation))
+        seed_donor(db, "salted", workload.prompt(moved.donor).tokens, namespace=NS_OTHER)
+        svc.register_donor(record("salted", workload.prompt(moved.donor).tokens, namespace=NS_OTHER))
+        assert svc.flush()
+        assert svc.indexed() == {"exact": 0, "chunks": 3}
+        hit = lookup(svc, workload, exact.target)
+        assert (hit.donor_id, hit.match_type) == (exact.donor, "exact_equivalent")
+        assert hit.reusable_token_count == exact.exact_prefix_tokens // TPB * TPB
+        hit = lookup(svc, workload, moved.target)
+        assert (hit.donor_id, hit.match_type) == (moved.donor, "semantic_candidate")
+        assert svc.metrics.value("semkv_discovery_dropped_total", provider="chunks", reason="namespace_mismatch") >= 1
+        bump_generation(db)  # A's donors are quarantined
+        assert lookup(svc, workload, exact.target) is None
+        assert lookup(svc, workload, moved.target) is None
+        assert svc.metrics.value("semkv_discovery_dropped_total", provider="chunks", reason="stale") >= 1
+        svc.register_donor(record(moved.donor, workload.prompt(moved.donor).tokens, generation=generation))
+        assert svc.flush()
+        assert svc.metrics.value("semkv_discovery_index_total", outcome="stale") == 1
+
+
 class Sleepy:
     """A provider that blocks until released (a hung index, a slow remote store …)."""
 
