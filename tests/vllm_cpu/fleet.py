@@ -28,11 +28,13 @@ def free_port() -> int:
 
 
 def connector_toml(path: Path, *, db: str, engine_id: str, store_dir: Path, policy: str = "engine",
-                   metrics_port: int | None = None) -> Path:
+                   metrics_port: int | None = None, **extra: int | float | str) -> Path:
     """A connector config for one engine (exact_equivalent; generous deadline on a 2-core CPU).
-    With ``metrics_port``, the scheduler serves it and the worker ``metrics_port + 1``."""
-    port = f"metrics_port = {metrics_port}\n" if metrics_port else ""
-    path.write_text(port + f'''db = "{db}"
+    With ``metrics_port``, the scheduler serves it and the worker ``metrics_port + 1``; ``extra``
+    settings are written as given."""
+    lines = [f"metrics_port = {metrics_port}"] if metrics_port else []
+    lines += [f"{key} = {value!r}" if isinstance(value, str) else f"{key} = {value}" for key, value in extra.items()]
+    path.write_text("".join(line + "\n" for line in lines) + f'''db = "{db}"
 mode = "exact_equivalent"
 engine_id = "{engine_id}"
 freshness_policy = "{policy}"
