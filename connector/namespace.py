@@ -147,7 +147,8 @@ class DeploymentNamespace:
         version = o.engine_version or getattr(llm_args, "semkv_engine_version", None) or (
             _HARNESS_ENGINE_VERSION if harness is not None else _trtllm_version())
         if version is None:
-            return NamespaceUnknown("engine_version", "tensorrt_llm is not importable; set [namespace] engine_version")
+            return NamespaceUnknown("engine_version", "the engine's version is unknown (tensorrt_llm not importable, "
+                                    "no adapter version); set [namespace] engine_version")
         backend = getattr(llm_args, "backend", None)
         if not backend:
             return NamespaceUnknown("backend", "llm_args.backend is not set")

@@ -1,0 +1,155 @@
+"""The vLLM adapter's translation, without vLLM (its local stand-ins): layouts, views over real
+tensors, block hashes, request scope. The whole chain on real vLLM engines is tests/vllm_cpu."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from connector.namespace import DeploymentNamespace, KvLayout, Namespace, NamespaceUnknown
+from connector.vllm_connector import VllmDeployment, VllmRequest, engine_block_hash, kv_layout, layer_views
+from connector.worker import SemKvWorker
+
+BLOCKS, TPB, HEADS, HEAD = 6, 32, 2, 64
+
+
+@pytest.fixture(autouse=True)
+def vllm_version(monkeypatch) -> None:
+    """vLLM is not installed here: pretend the version the adapter would read from it."""
+    monkeypatch.setattr("connector.vllm_connector.VLLM_VERSION", "0.32.0")
+
+
+class FullAttentionSpec:  # the class name is what the adapter checks
+    def __init__(self, **fields: object) -> None:
+        self.__dict__.update(dict(block_size=TPB, num_kv_heads=HEADS, head_size=HEAD, head_size_v=HEAD,
+                                  dtype=torch.float32, sliding_window=None, page_size_padded=None) | fields)
+
+
+class SlidingWindowSpec(FullAttentionSpec):
+    pass
+
+
+def kv_cache_config(spec: object = None, layers: int = 2, groups: int = 1) -> types.SimpleNamespace:
+    group = types.SimpleNamespace(layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(layers)],
+                                  kv_cache_spec=spec or FullAttentionSpec())
+    return types.SimpleNamespace(num_blocks=BLOCKS, kv_cache_groups=[group] * groups)
+
+
+def vllm_config(model_dir: str = "/models/tiny", cache_dtype: str = "auto") -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model=model_dir, tokenizer=model_dir, dtype=torch.float32,
+                                           max_model_len=4096, quantization=None, get_sliding_window=lambda: None),
+        cache_config=types.SimpleNamespace(block_size=TPB, cache_dtype=cache_dtype),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        device_config=types.SimpleNamespace(device_type="cpu"), attention_config=types.SimpleNamespace(backend=None),
+        speculative_config=None, lora_config=None, kv_transfer_config=None)
+
+
+def test_layout_of_a_single_full_attention_group() -> None:
+    assert kv_layout(kv_cache_config()) == KvLayout(2, 2, TPB * HEADS * HEAD, "float32")
+
+
+@pytest.mark.parametrize("config", [
+    kv_cache_config(groups=2), kv_cache_config(SlidingWindowSpec()), kv_cache_config(FullAttentionSpec(head_size_v=32)),
+    kv_cache_config(FullAttentionSpec(page_size_padded=4096)), kv_cache_config(FullAttentionSpec(sliding_window=128)),
+])
+def test_unsupported_layouts_are_refused_not_guessed(config) -> None:
+    layout = kv_layout(config)
+    assert isinstance(layout, NamespaceUnknown) and layout.kind == "unsupported"
+
+
+def test_deployment_namespace_is_known_and_names_vllm() -> None:
+    deployment = VllmDeployment(vllm_config(), kv_cache_config())
+    namespace = DeploymentNamespace(deployment)
+    assert namespace.unknown is None
+    assert namespace.tokens_per_block == TPB
+    assert namespace.fields["backend"] == "vllm" and namespace.fields["attention_backend"] == "cpu:auto"
+    assert namespace.fields["kv_dtype"] == "float32"
+    assert namespace.fields["engine_version"] == "vllm/0.32.0"
+    assert deployment.semkv_window_size == 0
+
+
+def test_without_a_vllm_version_nothing_is_materialized(monkeypatch) -> None:
+    monkeypatch.setattr("connector.vllm_connector.VLLM_VERSION", None)
+    namespace = DeploymentNamespace(VllmDeployment(vllm_config(), kv_cache_config()))
+    assert namespace.unknown is not None and namespace.unknown.field == "engine_version"
+
+
+def test_hybrid_model_makes_every_request_unsupported() -> None:
+    namespace = DeploymentNamespace(VllmDeployment(vllm_config(), kv_cache_config(groups=2)))
+    assert namespace.unknown is not None and namespace.unknown.field == "kv_layout"
+
+
+def _request(salt: str | None = None, lora: int | None = None, embeds: object = None) -> types.SimpleNamespace:
+    return types.SimpleNamespace(request_id="r1", num_prompt_tokens=64, all_token_ids=list(range(70)),
+                                 cache_salt=salt, lora_request=None if lora is None else types.SimpleNamespace(lora_int_id=lora),
+                                 mm_features=[], prompt_embeds=embeds, block_hashes=[bytes(range(32)), b"\xff" * 32])
+
+
+def test_request_scope_separates_salts_and_loras_and_refuses_prompt_embeds() -> None:
+    namespace = DeploymentNamespace(VllmDeployment(vllm_config(), kv_cache_config()))
+    plain, salted, lora = (namespace.for_request(VllmRequest(_request(**kw)))
+                           for kw in ({}, {"salt": "tenant-A"}, {"lora": 3}))
+    assert all(isinstance(ns, Namespace) for ns in (plain, salted, lora))
+    assert len({plain.digest, salted.digest, lora.digest}) == 3
+    refused = namespace.for_request(VllmRequest(_request(embeds=torch.zeros(1))))
+    assert isinstance(refused, NamespaceUnknown) and refused.field == "ptuning"
+    view = VllmRequest(_request())
+    assert view.prompt_len == 64 and view.get_tokens(0)[:3] == [0, 1, 2]
+
+
+def test_block_hashes_are_converted_as_vllm_events_publish_them(monkeypatch) -> None:
+    digest = bytes(range(32))
+    assert engine_block_hash(digest) == int.from_bytes(digest[-8:], "big")
+    assert VllmRequest(_request()).block_hashes[1] == 2**64 - 1
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    assert engine_block_hash(digest) == digest
+
+
+@pytest.mark.parametrize("shape", ["cpu", "kv_first"])
+def test_layer_views_write_through_to_the_engine_tensors(shape: str) -> None:
+    layout = kv_layout(kv_cache_config())
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    if shape == "cpu":  # CPU attention: [num_blocks, num_kv_heads, block_size, 2 * head_size]
+        tensors = {n: torch.zeros(BLOCKS, HEADS, TPB, 2 * HEAD) for n in names}
+    else:  # GPU backends: [2, num_blocks, block_size, num_kv_heads, head_size]
+        tensors = {n: torch.zeros(2, BLOCKS, TPB, HEADS, HEAD) for n in names}
+    views = layer_views(tensors, names, BLOCKS, layout)
+    assert all(tuple(v.shape) == (BLOCKS, 2, layout.block_elems) for v in views)
+    block = torch.arange(2 * layout.block_elems, dtype=torch.float32).view(1, 2, layout.block_elems)
+    views[1][torch.tensor([4])] = block
+    tensor = tensors[names[1]]
+    written = tensor[4] if shape == "cpu" else tensor[:, 4]
+    assert torch.equal(written.flatten(), block.flatten())
+    assert torch.count_nonzero(tensors[names[0]]) == 0
+    assert torch.equal(views[1].index_select(0, torch.tensor([4])), block)
+
+
+def test_layer_views_refuse_an_unknown_block_dimension() -> None:
+    layout = kv_layout(kv_cache_config())
+    names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    with pytest.raises(ValueError, match="block dimension"):
+        layer_views({n: torch.zeros(3, 7, 5) for n in names}, names, BLOCKS, layout)
+    with pytest.raises(ValueError, match="registered no KV cache"):
+        layer_views({}, names, BLOCKS, layout)
+
+
+def test_worker_core_accepts_layer_views_and_refuses_mismatches(tmp_path, sqlite_db) -> None:
+    from connector.settings import load_connector_settings
+
+    settings = load_connector_settings({"db": sqlite_db, "store_dir": tmp_path / "store"}, environ={})
+    worker = SemKvWorker(VllmDeployment(vllm_config(), kv_cache_config()), settings=settings)
+    try:
+        layout = kv_layout(kv_cache_config())
+        names = ["a", "b"]
+        views = layer_views({n: torch.zeros(BLOCKS, HEADS, TPB, 2 * HEAD) for n in names}, names, BLOCKS, layout)
+        worker.register_layer_views(views, layout)
+        assert worker.num_blocks == BLOCKS and worker.layout == layout
+        with pytest.raises(ValueError):
+            worker.register_layer_views(views[:1], layout)
+        with pytest.raises(ValueError):
+            worker.register_layer_views([v.to(torch.float16) for v in views], layout)
+    finally:
+        worker.close()
