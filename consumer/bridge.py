@@ -3,7 +3,8 @@
 Runs inside the TensorRT-LLM process (or beside an ``LLM`` object). TensorRT-LLM's LLM API only
 offers a pull queue (``LLM.get_kv_cache_events``, reference/WIRE.md §A); this module turns it into
 the same wire as vLLM's ``ZmqEventPublisher`` (vllm-project/vllm ``vllm/distributed/kv_events.py``)
-so one consumer ingests all engines::
+so one consumer ingests all engines (``trtllm-serve`` hands out no ``LLM``: ``consumer/serve_bridge.py``
+polls its HTTP endpoint into the same publisher)::
 
     llm = LLM(model=path, kv_cache_config=KvCacheConfig(enable_block_reuse=True, event_buffer_max_size=16384))
     with LlmEventBridge(llm, KvEventPublisher("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")):  # start() ... close()
@@ -13,9 +14,10 @@ Wire (reference/WIRE.md §B, checked against the recorded engine in shared/fixtu
 
 * live: PUB multipart ``[topic, seq as 8 bytes big-endian, payload]``; ``payload`` is msgpack
   ``[ts: float (s since epoch), events: list, attention_dp_rank: int | None]``. ``seq`` starts at 0
-  and grows by 1 per batch, also for batches that were dropped (full queue) or failed to encode,
-  so a subscriber sees every loss as a gap, never as a silent hole. Python ints ≥ 2**63 encode
-  as msgpack uint64, as TensorRT-LLM's unsigned block hashes need.
+  and grows by 1 per batch, also for batches that were dropped (full queue), failed to encode or
+  were lost before reaching the publisher (:meth:`KvEventPublisher.mark_lost`), so a subscriber
+  sees every loss as a gap, never as a silent hole. Python ints ≥ 2**63 encode as msgpack
+  uint64, as TensorRT-LLM's unsigned block hashes need.
 * replay: ROUTER. A DEALER sends ``[b"", start_seq8]`` (a REQ the same on the wire); the server
   answers every buffered batch with ``seq >= start_seq`` as ``envelope + [topic, seq8, payload]``
   (byte-identical to live) and then the end marker ``envelope + [b"", ff×8, b""]``. A start beyond
@@ -53,7 +55,7 @@ from consumer.wire import SEQ_END_MARKER, encode_frames
 
 __all__ = [
     "DEFAULT_ENDPOINT", "DEFAULT_REPLAY_ENDPOINT", "DEFAULT_TOPIC", "KvEventPublisher", "LlmEventBridge",
-    "PublisherStats", "ReplayBuffer", "ReplayStats", "group_by_dp_rank", "open_socket",
+    "PollingBridge", "PublisherStats", "ReplayBuffer", "ReplayStats", "group_by_dp_rank", "open_socket",
     "serve_replay_request", "socket_endpoint",
 ]  # fmt: skip
 
@@ -209,8 +211,8 @@ class PublisherStats:
     """Counters of a :class:`KvEventPublisher` (:meth:`~KvEventPublisher.stats` returns a copy).
 
     Every seq below ``next_seq`` is exactly one of: published, send_failures (buffered, so
-    replay can still recover it), dropped_queue_full, encode_failures, abandoned_at_close, or
-    still queued / being encoded.
+    replay can still recover it), dropped_queue_full, encode_failures, abandoned_at_close,
+    lost_upstream (:meth:`~KvEventPublisher.mark_lost`), or still queued / being encoded.
     """
 
     next_seq: int = 0
@@ -219,6 +221,7 @@ class PublisherStats:
     encode_failures: int = 0
     send_failures: int = 0
     abandoned_at_close: int = 0
+    lost_upstream: int = 0  # seqs consumed by mark_lost(): batches lost before they reached the publisher
     queued: int = 0
     buffered: int = 0
     replay: ReplayStats = field(default_factory=ReplayStats)
@@ -326,6 +329,21 @@ class KvEventPublisher:
                 return seq
         if dropped == 1 or dropped % 1000 == 0:  # rate-limited: an overloaded engine must not log per batch
             log.warning("publisher.queue_full_dropped", seq=seq, dropped_total=dropped)
+        return seq
+
+    def mark_lost(self) -> int:
+        """Consume one seq without sending anything and return it: the caller lost a batch before
+        it could publish it (e.g. an HTTP response the engine had drained its queue into, and
+        that never arrived whole), so subscribers see the loss as a seq gap, as for a dropped
+        batch. Counted in ``lost_upstream``. Raises RuntimeError after :meth:`close`.
+        """
+        with self._lock:
+            if self._closing.is_set():
+                raise RuntimeError("KvEventPublisher is closed")
+            seq = self._stats.next_seq
+            self._stats.next_seq += 1
+            self._stats.lost_upstream += 1
+        log.warning("publisher.seq_marked_lost", seq=seq, lost_total=self._stats.lost_upstream)
         return seq
 
     def flush(self, timeout_s: float = 5.0) -> bool:
@@ -468,7 +486,96 @@ def group_by_dp_rank(events: list[Any]) -> list[tuple[int | None, list[Any]]]:
     return list(groups.items())
 
 
-class LlmEventBridge:
+class PollingBridge:
+    """Background thread that polls an event source and republishes each drain (shared by
+    :class:`LlmEventBridge` and ``consumer.serve_bridge.ServeEventBridge``).
+
+    Subclasses implement :meth:`_drain_once`: one poll, returning the number of events published,
+    or None when the poll failed (then the thread backs off exponentially, ``min_backoff_s`` up to
+    ``max_backoff_s``, so a broken source is never spun on). After a good poll the thread waits
+    ``idle_wait_s`` (0: poll again at once, the source itself blocks). :meth:`close` stops the
+    loop, then polls with ``final=True`` until a drain comes back empty or failed (at most
+    ``_FINAL_DRAINS`` times), then flushes (and by default closes) the publisher.
+    """
+
+    def __init__(
+        self,
+        publisher: KvEventPublisher,
+        *,
+        close_publisher: bool = True,
+        max_backoff_s: float = 1.0,
+        min_backoff_s: float = 0.01,
+        idle_wait_s: float = 0.0,
+        thread_name: str = "semkv-event-bridge",
+    ) -> None:
+        self.publisher = publisher
+        self._close_publisher = close_publisher
+        self._max_backoff_s = max_backoff_s
+        self._min_backoff_s = min(min_backoff_s, max_backoff_s)
+        self._idle_wait_s = idle_wait_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self.events_seen = self.batches_published = self.poll_errors = 0
+
+    def start(self) -> PollingBridge:
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop polling, drain what the source still holds, flush (and close) the publisher."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("bridge.close_timeout", timeout_s=timeout_s)
+        if self._close_publisher:
+            self.publisher.close(timeout_s)
+        else:
+            self.publisher.flush(timeout_s)
+
+    def __enter__(self) -> PollingBridge:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        backoff_s = 0.0
+        while not self._stop.is_set():
+            if self._drain_once(final=False) is None:
+                backoff_s = min(max(2 * backoff_s, self._min_backoff_s), self._max_backoff_s)
+                self._stop.wait(backoff_s)  # don't spin on a broken source
+            else:
+                backoff_s = 0.0
+                if self._idle_wait_s > 0:
+                    self._stop.wait(self._idle_wait_s)
+        # Final drain of what the source queued before close(); bounded in case the engine is
+        # still generating.
+        for _ in range(_FINAL_DRAINS):
+            if not self._drain_once(final=True):
+                break
+
+    def _drain_once(self, *, final: bool) -> int | None:
+        """One poll; the number of events published, or None when the poll failed."""
+        raise NotImplementedError
+
+    def _publish_drain(self, events: Sequence[Any]) -> int | None:
+        """Publish one drain as one batch per attention-DP rank; the number of events, or None
+        when the publisher is already closed (the events are then lost, and logged)."""
+        if not events:
+            return 0
+        self.events_seen += len(events)
+        for rank, group in group_by_dp_rank(list(events)):
+            try:
+                self.publisher.publish(group, rank)
+            except RuntimeError:  # publisher closed under us (close() timed out): nothing to send to
+                log.error("bridge.publisher_closed", events_lost=len(group))
+                return None
+            self.batches_published += 1
+        return len(events)
+
+
+class LlmEventBridge(PollingBridge):
     """Background thread: ``llm.get_kv_cache_events(timeout=poll_timeout_s)`` → publisher.
 
     ``llm`` is TensorRT-LLM's ``LLM`` or anything with ``get_kv_cache_events(timeout=seconds) ->
@@ -487,67 +594,25 @@ class LlmEventBridge:
         close_publisher: bool = True,
         max_backoff_s: float = 1.0,
     ) -> None:
+        super().__init__(publisher, close_publisher=close_publisher, max_backoff_s=max_backoff_s,
+                         thread_name="semkv-llm-event-bridge")
         self._llm = llm
-        self.publisher = publisher
         self._poll_timeout_s = poll_timeout_s
-        self._close_publisher = close_publisher
-        self._max_backoff_s = max_backoff_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="semkv-llm-event-bridge", daemon=True)
-        self.events_seen = self.batches_published = self.poll_errors = 0
 
     def start(self) -> LlmEventBridge:
-        self._thread.start()
+        super().start()
         return self
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop polling, drain what the engine still holds, flush (and close) the publisher."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.warning("bridge.close_timeout", timeout_s=timeout_s)
-        if self._close_publisher:
-            self.publisher.close(timeout_s)
-        else:
-            self.publisher.flush(timeout_s)
 
     def __enter__(self) -> LlmEventBridge:
         return self.start()
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _run(self) -> None:
-        backoff_s = 0.0
-        while not self._stop.is_set():
-            if self._drain_once(self._poll_timeout_s) is None:
-                backoff_s = min(max(2 * backoff_s, 0.01), self._max_backoff_s)
-                self._stop.wait(backoff_s)  # don't spin on a broken executor
-            else:
-                backoff_s = 0.0
-        # Final drain of what the engine queued before close(); timeout 0, never None (None may
-        # mean "wait forever" to the executor); bounded in case the engine is still generating.
-        for _ in range(_FINAL_DRAINS):
-            if not self._drain_once(0):
-                break
-
-    def _drain_once(self, timeout_s: float) -> int | None:
-        """One poll; returns the number of events published, or None when the LLM raised."""
+    def _drain_once(self, *, final: bool) -> int | None:
+        # At close: timeout 0, never None (None may mean "wait forever" to the executor).
+        timeout_s = 0 if final else self._poll_timeout_s
         try:
             events = self._llm.get_kv_cache_events(timeout=timeout_s)
         except Exception as exc:  # boundary: an executor error must not kill the bridge
             self.poll_errors += 1
             log.error("bridge.poll_failed", error=repr(exc), errors_total=self.poll_errors)
             return None
-        if not events:
-            return 0
-        self.events_seen += len(events)
-        for rank, group in group_by_dp_rank(list(events)):
-            try:
-                self.publisher.publish(group, rank)
-            except RuntimeError:  # publisher closed under us (close() timed out): nothing to send to
-                log.error("bridge.publisher_closed", events_lost=len(group))
-                return None
-            self.batches_published += 1
-        return len(events)
+        return self._publish_drain(events or [])

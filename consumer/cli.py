@@ -12,7 +12,7 @@ import json
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, get_type_hints
 
 import typer
 
@@ -23,6 +23,7 @@ _DEFAULT_REPLAY_ENDPOINT = "tcp://127.0.0.1:5558"  # = consumer.bridge.DEFAULT_R
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the ``semkv-ledger`` app."""
     _register_publish(app)
+    _register_bridge_serve(app)
     _register_consume(app)
     _register_keygen(app)
 
@@ -187,6 +188,112 @@ def publish_command(
             typer.echo("interrupted", err=True)
             raise typer.Exit(130) from None
     typer.echo(json.dumps({"event": "publish.report", **asdict(report)}))
+
+
+def _publish_option(name: str) -> Any:
+    """``Annotated[type, typer.Option(...)]`` of ``publish``'s parameter ``name``: commands that also
+    publish (``bridge-serve``) share its flags and help instead of restating them."""
+    return get_type_hints(publish_command, include_extras=True)[name]
+
+
+_PublishEndpoint = _publish_option("endpoint")
+_PublishReplayEndpoint = _publish_option("replay_endpoint")
+_PublishBind = _publish_option("bind")
+_PublishBufferSteps = _publish_option("buffer_steps")
+_PublishCurveSecretKey = _publish_option("curve_secret_key")
+_PublishCurveSubscriberKeys = _publish_option("curve_subscriber_keys")
+
+
+_DEFAULT_SERVE_URL = "http://127.0.0.1:8000"  # = consumer.serve_bridge.DEFAULT_URL (trtllm-serve's default)
+
+
+def _register_bridge_serve(app: typer.Typer) -> None:
+    app.command("bridge-serve")(bridge_serve_command)
+
+
+def bridge_serve_command(
+    url: Annotated[str, typer.Option(help="trtllm-serve's base URL; its POST /kv_cache_events is polled "
+                                     "(needs kv_cache_config.event_buffer_max_size > 0).")] = _DEFAULT_SERVE_URL,
+    endpoint: _PublishEndpoint = _DEFAULT_ENDPOINT,
+    replay_endpoint: _PublishReplayEndpoint = _DEFAULT_REPLAY_ENDPOINT,
+    topic: Annotated[str, typer.Option(help="Topic frame of every message (UTF-8).")] = "kv",
+    poll_interval_s: Annotated[float, typer.Option(min=0.0, help="Seconds between two polls.")] = 0.05,
+    http_timeout_s: Annotated[float, typer.Option(min=0.001, help="HTTP timeout per poll; a slower "
+                                                  "response is abandoned and counted lost (seq gap).")] = 30.0,
+    bind: _PublishBind = True,
+    buffer_steps: _PublishBufferSteps = 10_000,
+    curve_secret_key: _PublishCurveSecretKey = None,
+    curve_subscriber_keys: _PublishCurveSubscriberKeys = None,
+    log_level: Annotated[str, typer.Option(help="debug, info (default), warning or error.")] = "info",
+) -> None:
+    """Republish trtllm-serve's KV-cache events (POST /kv_cache_events) on ZMQ PUB with a replay
+    ROUTER, like the in-process publisher bridge, until SIGINT/SIGTERM.
+
+    HTTP errors are logged (JSON lines on stderr), counted and retried; a response that may have
+    carried events and was lost leaves a seq gap. Prints one JSON line with the endpoints when
+    ready and one with the counters when stopped. Exit codes: 0 stopped by a signal, 2 usage,
+    socket or key error.
+    """
+    import signal
+    import threading
+
+    import zmq
+
+    from consumer.curve import CurveError, CurveKeys, InsecureEndpointWarning, exposure_warning
+
+    try:
+        from consumer.serve_bridge import ServeEventBridge, events_url
+    except ImportError as exc:  # httpx is not a runtime dependency of every install
+        typer.echo(f"error: bridge-serve needs httpx (pip install httpx): {exc}", err=True)
+        raise typer.Exit(2) from exc
+    from consumer.bridge import KvEventPublisher
+    from consumer.daemon import configure_logging
+
+    if (curve_secret_key is None) != (curve_subscriber_keys is None):
+        typer.echo("error: --curve-secret-key and --curve-subscriber-keys go together", err=True)
+        raise typer.Exit(2)
+    for what, point, bound in (("bridge-serve's PUB", endpoint, bind),
+                               ("bridge-serve's replay ROUTER", replay_endpoint, True)):
+        warning = exposure_warning(point or None, curve=curve_secret_key is not None, what=what) if bound else None
+        if warning:
+            typer.echo(f"warning: {warning}", err=True)
+    try:
+        events_url(url)
+        if log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    configure_logging(log_level)
+    try:
+        curve = (None if curve_secret_key is None or curve_subscriber_keys is None
+                 else CurveKeys.from_files(curve_secret_key, curve_subscriber_keys))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", InsecureEndpointWarning)  # printed above, as a plain line
+            publisher = KvEventPublisher(endpoint, replay_endpoint or None, topic=topic, bind=bind,
+                                         buffer_steps=buffer_steps, curve=curve)
+    except (OSError, zmq.ZMQError, CurveError) as exc:
+        typer.echo(f"error: cannot start publishing: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    bridge = ServeEventBridge(url, publisher, poll_interval_s=poll_interval_s, timeout_s=http_timeout_s)
+
+    stop = threading.Event()
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if main_thread else None
+    bridge.start()
+    typer.echo(json.dumps({"event": "bridge_serve.ready", "url": bridge.events_url, "endpoint": publisher.endpoint,
+                           "replay_endpoint": publisher.replay_endpoint}))
+    try:
+        while not stop.wait(0.5):  # short waits: SIGINT (KeyboardInterrupt) is delivered between them
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        bridge.close(timeout_s=10.0)  # the poll in flight (trtllm-serve waits 2 s per event) and a final drain
+    typer.echo(json.dumps({"event": "bridge_serve.report", **asdict(bridge.stats()),
+                           "publisher": asdict(publisher.stats())}))
 
 
 _CONSUME_HELP = (

@@ -142,6 +142,15 @@ def _new_miss(fleet: Fleet, before: dict[str, float]) -> str:
     return wait_for(changed, 30, "the miss to be counted")
 
 
+def _b_declines(fleet: Fleet, doc: list[int], **kw: str) -> str:
+    """B serves ``doc`` + a question; asserts nothing was promised; returns the counted miss reason."""
+    before_promised, before = _promised(fleet), _misses(fleet)
+    fleet.b.generate(doc + fleet.questions[1], max_tokens=2, **kw)
+    reason = _new_miss(fleet, before)
+    assert _promised(fleet) == before_promised
+    return reason
+
+
 def test_b_materializes_a_donor_and_answers_exactly_as_native_reuse(fleet: Fleet) -> None:
     """B loads A's 32 blocks through the ledger; its greedy tokens equal B's cold answer, and its
     logprobs are bit-identical to vLLM's own prefix reuse of the same KV (B computing the document
@@ -176,10 +185,7 @@ def test_b_materializes_a_donor_and_answers_exactly_as_native_reuse(fleet: Fleet
 
 
 def test_another_cache_salt_gets_nothing(fleet: Fleet) -> None:
-    before_promised, before = _promised(fleet), _misses(fleet)
-    fleet.b.generate(fleet.docs[0] + fleet.questions[2], max_tokens=2, cache_salt="tenant-x")
-    assert _new_miss(fleet, before) == "namespace_mismatch"
-    assert _promised(fleet) == before_promised
+    assert _b_declines(fleet, fleet.docs[0], cache_salt="tenant-x") == "namespace_mismatch"
 
 
 def test_donor_blocks_evicted_under_policy_engine_gets_nothing(fleet: Fleet) -> None:
@@ -187,12 +193,9 @@ def test_donor_blocks_evicted_under_policy_engine_gets_nothing(fleet: Fleet) -> 
     for name in FILLER_SOURCES[:3]:  # ~4500 tokens through A's 3072-token pool: LRU evicts the document
         fleet.a.generate(fleet.tokens(name)[:1500], max_tokens=2)
     wait_for(lambda: fleet.live_blocks(donor) < DOC_TOKENS // BLOCK, 60, "A's BlockRemoved events in the ledger")
-    before_promised, before = _promised(fleet), _misses(fleet)
-    fleet.b.generate(fleet.docs[1] + fleet.questions[1], max_tokens=2)
-    reason = _new_miss(fleet, before)
+    reason = _b_declines(fleet, fleet.docs[1])
     print(f"\neviction control: live donor blocks {fleet.live_blocks(donor)}/32, miss reason {reason}")
     assert reason == "donor_blocks_removed"
-    assert _promised(fleet) == before_promised
 
 
 def test_event_stream_gap_gets_nothing(fleet: Fleet) -> None:
@@ -202,12 +205,9 @@ def test_event_stream_gap_gets_nothing(fleet: Fleet) -> None:
     for name in FILLER_SOURCES[3:5]:
         fleet.a.generate(fleet.tokens(name)[:300], max_tokens=2)
     wait_for(lambda: fleet.generation("A") > generation, 60, "the gap to bump A's generation")
-    before_promised, before = _promised(fleet), _misses(fleet)
-    fleet.b.generate(fleet.docs[2] + fleet.questions[1], max_tokens=2)
-    reason = _new_miss(fleet, before)
+    reason = _b_declines(fleet, fleet.docs[2])
     print(f"\ngap control: A generation {generation} -> {fleet.generation('A')}, miss reason {reason}")
     assert reason in {"donor_quarantined", "donor_generation_mismatch"}
-    assert _promised(fleet) == before_promised
 
 
 def test_donor_engine_restart_gets_nothing(fleet: Fleet) -> None:
@@ -217,9 +217,6 @@ def test_donor_engine_restart_gets_nothing(fleet: Fleet) -> None:
     fleet.a = fleet.start_a()  # same engine id, same endpoint: vLLM's seq starts again at 0
     fleet.a.generate(fleet.tokens(FILLER_SOURCES[5])[:200], max_tokens=2)
     wait_for(lambda: fleet.generation("A") > generation, 60, "A's restart to bump its generation")
-    before_promised, before = _promised(fleet), _misses(fleet)
-    fleet.b.generate(fleet.docs[3] + fleet.questions[1], max_tokens=2)
-    reason = _new_miss(fleet, before)
+    reason = _b_declines(fleet, fleet.docs[3])
     print(f"\nrestart control: miss reason {reason}")
     assert reason == "donor_restarted"
-    assert _promised(fleet) == before_promised
