@@ -229,6 +229,18 @@ def _settings(vllm_config: Any) -> ConnectorSettings:
     return load_connector_settings(dict(extra.get("semkv_settings") or {}), environ=environ)
 
 
+def _resumed(cached: Any) -> list[tuple[str, Any, int]]:
+    """``(req_id, block_ids per group, num_computed_tokens)`` of the cached requests resumed from
+    preemption (vLLM 0.32 ``CachedRequestData.resumed_req_ids``; older releases had a
+    ``resumed_from_preemption`` list)."""
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is None:
+        flags = getattr(cached, "resumed_from_preemption", None) or []
+        resumed = {rid for rid, flag in zip(cached.req_ids, flags, strict=False) if flag}
+    return [(rid, cached.new_block_ids[i] or (), cached.num_computed_tokens[i])
+            for i, rid in enumerate(cached.req_ids) if rid in resumed]
+
+
 class _HostStream:
     """The ``stream`` argument of the core's worker hooks where no device stream exists (CPU)."""
 
@@ -293,15 +305,22 @@ class SemKvVllmConnector(KVConnectorBase_V1):
         self.scheduler.update_state_after_alloc(view, list(block_ids[0]) if len(block_ids) == 1 else [])
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        """This step's load plans and save instructions."""
+        """This step's load plans and save instructions.
+
+        A request resumed after preemption was looked up again and may hold a new promise: vLLM
+        lists it among the cached requests with its whole block list, so it is reported to the
+        core as a new request too — otherwise its plan would never ship and vLLM would compute on
+        blocks nobody loaded.
+        """
+        first_reports = [(d.req_id, d.block_ids, d.num_computed_tokens) for d in scheduler_output.scheduled_new_reqs]
+        first_reports += _resumed(scheduler_output.scheduled_cached_reqs)
         new = []
-        for data in scheduler_output.scheduled_new_reqs:
-            request = self._requests.get(data.req_id)
-            external = self._promised.pop(data.req_id, 0)
-            block_ids = data.block_ids[0] if len(data.block_ids) == 1 else []
+        for req_id, block_ids, num_computed in first_reports:
+            request = self._requests.get(req_id)
+            external = self._promised.pop(req_id, 0)
             new.append(types.SimpleNamespace(
-                request_id=data.req_id, new_block_ids=list(block_ids),
-                computed_position=int(data.num_computed_tokens) - external,
+                request_id=req_id, new_block_ids=list(block_ids[0]) if len(block_ids) == 1 else [],
+                computed_position=int(num_computed) - external,
                 block_hashes=VllmRequest(request).block_hashes if request is not None else []))
         meta = self.scheduler.build_connector_meta(types.SimpleNamespace(new_requests=new, cached_requests=[]))
         return SemKvVllmMetadata(meta)

@@ -153,3 +153,39 @@ def test_worker_core_accepts_layer_views_and_refuses_mismatches(tmp_path, sqlite
             worker.register_layer_views([v.to(torch.float16) for v in views], layout)
     finally:
         worker.close()
+
+
+def test_resumed_requests_are_first_reports_in_both_vllm_shapes() -> None:
+    from connector.vllm_connector import _resumed
+
+    current = types.SimpleNamespace(req_ids=["a", "b"], resumed_req_ids={"b"}, new_block_ids=[([9],), ([1, 2, 3],)],
+                                    num_computed_tokens=[100, 64])
+    assert _resumed(current) == [("b", ([1, 2, 3],), 64)]
+    older = types.SimpleNamespace(req_ids=["a", "b"], resumed_from_preemption=[True, False],
+                                  new_block_ids=[([4, 5],), None], num_computed_tokens=[32, 7])
+    assert _resumed(older) == [("a", ([4, 5],), 32)]
+
+
+def test_scheduler_role_builds_on_the_core_and_ships_metadata(tmp_path, sqlite_db) -> None:
+    from connector._vllm import KVConnectorRole
+    from connector.plan import ConnectorMetadata
+    from connector.vllm_connector import SemKvVllmConnector, SemKvVllmMetadata
+
+    config = vllm_config()
+    config.kv_transfer_config = types.SimpleNamespace(kv_connector_extra_config={"semkv_settings": {
+        "db": sqlite_db, "mode": "exact_equivalent", "engine_id": "vllm-a", "store_dir": str(tmp_path / "store")}})
+    connector = SemKvVllmConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    try:
+        request = _request()
+        assert connector.get_num_new_matched_tokens(request, 0) == (0, False)  # empty ledger: a counted miss
+        output = types.SimpleNamespace(
+            scheduled_new_reqs=[types.SimpleNamespace(req_id="r1", block_ids=([0, 1],), num_computed_tokens=0)],
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                                        num_computed_tokens=[]))
+        meta = connector.build_connector_meta(output)
+        assert isinstance(meta, SemKvVllmMetadata) and isinstance(meta.inner, ConnectorMetadata)
+        assert meta.inner.loads == ()
+        assert connector.request_finished(request, [0, 1]) == (True, None)  # a donor: keep blocks until saved
+        assert len(connector.build_connector_meta(output).inner.saves) == 1
+    finally:
+        connector.shutdown()
