@@ -60,7 +60,7 @@ def migrate(db: DbOption = DEFAULT_DB) -> None:
 def replay(
     db: DbOption = DEFAULT_DB,
     until: Annotated[int | None, typer.Option(help="Stop after this log seq (time travel); no diff then.")] = None,
-    out: Annotated[str | None, typer.Option(help="Keep the rebuilt projections in this SQLite file.")] = None,
+    out: Annotated[str | None, typer.Option(help="Keep the rebuilt projections (tables only, no log) in this SQLite file, for sqlite3.")] = None,
     json_out: JsonOption = False,
 ) -> None:
     """Rebuild every projection from the log in a scratch database and diff it against the live one.
