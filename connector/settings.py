@@ -66,7 +66,7 @@ class NamespaceOverrides(BaseModel):
     Every field here ends up in the namespace digest (DESIGN §3), see :mod:`connector.namespace`.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     model_id: str | None = None
     """Stable model identity (e.g. a HF repo id plus revision); default ``llm_args.model``."""
@@ -79,7 +79,9 @@ class NamespaceOverrides(BaseModel):
     attention_backend: str | None = None
     """Token layout inside a block depends on it (NHD/HND); default ``llm_args.attn_backend``."""
     tokenizer: str | None = None
+    """Tokenizer identity, mixed in when known (keys are token ids, so it cannot change bytes); default the model."""
     chat_template: str | None = None
+    """Chat template identity, mixed in when known (informational for the same reason)."""
     tenant: str | None = None
     """Extra tenant scope mixed into every request's namespace (on top of ``cache_salt``)."""
     extra: dict[str, str] = Field(default_factory=dict)
@@ -90,7 +92,7 @@ class ConnectorSettings(BaseSettings):
     """Everything the connector needs. Units are in the field names."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", frozen=True,
-                                      extra="forbid")
+                                      extra="forbid", use_attribute_docstrings=True)
 
     config: Path | None = None
     """The TOML file these settings came from (``TRTLLM_SEMKV_CONFIG``); informational."""
@@ -129,6 +131,7 @@ class ConnectorSettings(BaseSettings):
     window_size: int | None = Field(None, ge=1)
     """Attention window the engine reports in KV events; default from llm_args (max_seq_len)."""
     attention_dp_rank: int = Field(0, ge=0)
+    """Attention-DP rank whose blocks this scheduler's donors live in (the events' ``attention_dp_rank``)."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve ``/metrics`` on this port (+ the process's rank); None: no server."""
     namespace: NamespaceOverrides = Field(default_factory=NamespaceOverrides)
@@ -215,3 +218,28 @@ def _describe(exc: ValidationError, path: Path | None) -> str:
         problems.append(f"{name}: {message} (setting '{name}', env {env_name})")
     where = f" from {path}" if path else ""
     return f"invalid connector setting{'s' if len(problems) > 1 else ''}{where}: " + "; ".join(problems)
+
+
+def settings_markdown() -> str:
+    """The connector's settings page (``docs/connector-settings.md``), generated from the models."""
+    from connector.discovery.settings import DiscoverySettings
+    from ledger.settings_doc import model_rows
+
+    header = ["| setting (TOML key) | environment | default | meaning |", "|---|---|---|---|"]
+    return "\n".join([
+        "# Connector settings", "",
+        "Generated from `connector/settings.py` by `python -m connector.settings > docs/connector-settings.md`",
+        "(a test fails when this file and the models disagree).",
+        f"Priority: environment > TOML file (named by `{CONFIG_ENV}`) > default. Only `TRTLLM_*` variables",
+        "reach TensorRT-LLM's MPI workers; vLLM takes the file from",
+        "`kv_connector_extra_config={\"semkv_config\": ...}` and single values from `\"semkv_settings\"`.",
+        "`semkv-ledger connector-check --config FILE` validates a file.", "",
+        *header, *model_rows(ConnectorSettings, env_prefix=ENV_PREFIX, skip=frozenset({"namespace", "discovery"})), "",
+        "## `[namespace]`: fields the connector cannot always read from the engine", "",
+        *header, *model_rows(NamespaceOverrides, env_prefix=ENV_PREFIX, key_prefix="namespace."), "",
+        "## `[discovery]`: semantic donor discovery (evidence and telemetry only)", "",
+        *header, *model_rows(DiscoverySettings, env_prefix=ENV_PREFIX, key_prefix="discovery."), ""])
+
+
+if __name__ == "__main__":
+    print(settings_markdown(), end="")

@@ -47,7 +47,7 @@ DISCOVERY_ENV_PREFIX = "TRTLLM_SEMKV_DISCOVERY__"
 class DiscoverySettings(BaseModel):
     """Everything discovery needs. Units are in the field names."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     enabled: bool = False
     """The connector's scheduler runs discovery (telemetry only, never a promise). False: no
@@ -84,11 +84,13 @@ class DiscoverySettings(BaseModel):
     chunk_max_fanout: int = Field(8, ge=1)
     """Block-chunk provider: donors considered per repeated block content (newest first)."""
     minhash_num_perm: int = Field(64, ge=16, le=512)
+    """MinHash permutations per signature (more: better Jaccard estimates, slower indexing)."""
     minhash_shingle_tokens: int = Field(5, ge=2, le=64)
     """MinHash shingle width (tokens)."""
     minhash_threshold: float = Field(0.3, gt=0, lt=1)
     """Jaccard threshold the LSH bands are tuned for (datasketch ``MinHashLSH``)."""
     minhash_seed: int = 1
+    """Seed of the MinHash permutations (every process must use the same to share signatures)."""
     minhash_min_overlap: float = Field(0.2, ge=0, le=1)
     """Verified token overlap (share of the target) a MinHash candidate needs, unless its estimated
     Jaccard alone is at least ``minhash_threshold``."""
@@ -99,6 +101,7 @@ class DiscoverySettings(BaseModel):
     embedding_max_chunks: int = Field(4, ge=1, le=64)
     """Long texts are embedded as up to this many windows, mean-pooled."""
     embedding_chunk_words: int = Field(160, ge=8)
+    """Words per embedded window of a long text."""
     embedding_cache_size: int = Field(1024, ge=0)
     """Query embeddings kept for inline lookups (prepared off the path)."""
 
