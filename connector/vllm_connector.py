@@ -59,11 +59,15 @@ from connector.namespace import KvLayout, NamespaceUnknown
 from connector.plan import ConnectorMetadata
 from connector.settings import CONFIG_ENV, ConnectorSettings, load_connector_settings
 
-__all__ = ["SemKvVllmConnector", "SemKvVllmMetadata", "VllmDeployment", "VllmRequest", "engine_block_hash",
+__all__ = ["EXTRA_CONFIG_KEY", "EXTRA_SETTINGS_KEY", "SemKvVllmConnector", "SemKvVllmMetadata", "VllmDeployment", "VllmRequest", "engine_block_hash",
            "layer_views"]
 
 log = logging.getLogger(__name__)
 _U64 = (1 << 64) - 1
+EXTRA_CONFIG_KEY = "semkv_config"
+"""``kv_connector_extra_config`` key naming the connector's TOML file."""
+EXTRA_SETTINGS_KEY = "semkv_settings"
+"""``kv_connector_extra_config`` key of a table of single settings (they win over the file)."""
 
 
 class SemKvVllmMetadata(KVConnectorMetadata):
@@ -224,9 +228,9 @@ def layer_views(kv_caches: dict[str, Any], layer_names: list[str], num_blocks: i
 def _settings(vllm_config: Any) -> ConnectorSettings:
     extra = dict(getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {})
     environ = dict(os.environ)
-    if extra.get("semkv_config"):
-        environ[CONFIG_ENV] = str(extra["semkv_config"])
-    return load_connector_settings(dict(extra.get("semkv_settings") or {}), environ=environ)
+    if extra.get(EXTRA_CONFIG_KEY):
+        environ[CONFIG_ENV] = str(extra[EXTRA_CONFIG_KEY])
+    return load_connector_settings(dict(extra.get(EXTRA_SETTINGS_KEY) or {}), environ=environ)
 
 
 def _resumed(cached: Any) -> list[tuple[str, Any, int]]:

@@ -13,11 +13,13 @@ replays this format (``consumer/publish.py``); live KV-event messages are 3 fram
 
 Errors: a file that ends inside a message raises :class:`CaptureFormatError`, which names the
 byte offset of the message and of the missing field, so a half-written capture is never read as
-a shorter valid one.
+a shorter valid one. A frame length (or frame count × 4 bytes) larger than the whole file cannot
+come from a capture cut short: it is reported as "not a capture file".
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -89,6 +91,7 @@ def read_capture(path: str | Path) -> Iterator[CapturedMessage]:
     """
     name = str(path)
     with open(path, "rb") as stream:
+        size = os.fstat(stream.fileno()).st_size
         offset = 0
         while True:
             header = stream.read(_MESSAGE_HEADER.size)
@@ -96,20 +99,27 @@ def read_capture(path: str | Path) -> Iterator[CapturedMessage]:
                 return  # clean end: exactly at a message boundary
             _check_length(header, _MESSAGE_HEADER.size, "message header", name, offset)
             received_ns, frame_count = _MESSAGE_HEADER.unpack(header)
+            if frame_count * _FRAME_HEADER.size > size:
+                raise CaptureFormatError(f"not a capture file (bad frame count {frame_count}: its lengths alone "
+                                         f"would need more than the file's {size} bytes)", path=name, offset=offset + 8)
             message_offset = offset
             offset += _MESSAGE_HEADER.size
             frames: list[bytes] = []
             for index in range(frame_count):
-                frame, offset = _read_frame(stream, name, offset, index, message_offset)
+                frame, offset = _read_frame(stream, name, offset, index, message_offset, size)
                 frames.append(frame)
             yield CapturedMessage(received_ns=received_ns, frames=frames)
 
 
-def _read_frame(stream: BinaryIO, name: str, offset: int, index: int, message_offset: int) -> tuple[bytes, int]:
+def _read_frame(stream: BinaryIO, name: str, offset: int, index: int, message_offset: int,
+                size: int) -> tuple[bytes, int]:
     where = f"frame {index} of the message starting at offset {message_offset}"
     raw_len = stream.read(_FRAME_HEADER.size)
     _check_length(raw_len, _FRAME_HEADER.size, f"length of {where}", name, offset)
     (length,) = _FRAME_HEADER.unpack(raw_len)
+    if length > size:  # a capture cut short still holds whole length fields: this one is garbage
+        raise CaptureFormatError(f"not a capture file (bad frame length {length} of {where}: more than the "
+                                 f"file's {size} bytes)", path=name, offset=offset)
     offset += _FRAME_HEADER.size
     frame = stream.read(length)
     _check_length(frame, length, f"body of {where} ({length} bytes)", name, offset)

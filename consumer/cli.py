@@ -181,7 +181,9 @@ def publish_command(
         except SubscriberTimeout as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from exc
-        except CaptureFormatError as exc:
+        except CaptureFormatError as exc:  # what went out before the bad message is reported first
+            if publisher.report is not None:
+                typer.echo(json.dumps({"event": "publish.report", **asdict(publisher.report)}))
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
         except KeyboardInterrupt:
@@ -347,7 +349,7 @@ def consume_command(
     replay_timeout_s: Annotated[float | None, typer.Option(help="Replay fails after this many seconds "
                                                            "without a reply (default 2).")] = None,
     idle_replay_s: Annotated[float | None, typer.Option(help="Probe replay after this many idle seconds "
-                                                        "(default 5).")] = None,
+                                                        "(default 5; 0 disables the idle probe).")] = None,
     max_frame_bytes: Annotated[int | None, typer.Option(help="Frames above this are dead-lettered "
                                                         "undecoded (default 16 MiB).")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info (default), warning or error.")] = None,
@@ -365,6 +367,7 @@ def consume_command(
     from pydantic import ValidationError
 
     from consumer.daemon import serve
+    from consumer.metrics import MetricsServerError
     from consumer.settings import load_settings
 
     overrides = {"db": db, "metrics_port": metrics_port, "metrics_host": metrics_host, "record": record,
@@ -381,7 +384,38 @@ def consume_command(
     try:
         settings = load_settings(overrides, config_file=config,
                                  cli_source=flag_source if engine_id is not None else None)
-    except (ValidationError, FileNotFoundError, ValueError) as exc:
+    except ValidationError as exc:
+        typer.echo(f"error: {_one_line(exc)}", err=True)
+        raise typer.Exit(2) from exc
+    except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    raise typer.Exit(serve(settings, migrate=migrate, exit_when_idle_s=exit_when_idle))
+    try:
+        code = serve(settings, migrate=migrate, exit_when_idle_s=exit_when_idle)
+    except MetricsServerError as exc:  # start-up: a setting is wrong, a restart would not help (exit 2)
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except OSError as exc:
+        if not _is_record_error(exc, settings.record):
+            raise
+        typer.echo(f"error: --record {exc.filename} (record): cannot open the capture file: "
+                   f"{exc.strerror or exc}", err=True)
+        raise typer.Exit(2) from exc
+    raise typer.Exit(code)
+
+
+def _one_line(exc: Any) -> str:
+    """A pydantic ValidationError as one line: ``field: message; field: message``."""
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error.get("loc", ()))
+        message = str(error.get("msg", "")).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts) or str(exc).replace("\n", " ")
+
+
+def _is_record_error(exc: OSError, record: Path | None) -> bool:
+    """The capture file of ``record`` (or of one of its per-source variants) cannot be opened."""
+    if record is None or exc.filename is None:
+        return False
+    return Path(str(exc.filename)).parent == record.parent

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 __all__ = [
     "CurveError", "CurveKeys", "HandshakeEvent", "HandshakeMonitor", "InsecureEndpointWarning",
-    "ZapAuthorizer", "classify", "exposure_warning", "is_loopback", "keygen", "load_key_pair",
+    "RefusalLogGate", "ZapAuthorizer", "classify", "exposure_warning", "is_loopback", "keygen", "load_key_pair",
     "load_public_keys", "warn_if_exposed",
 ]  # fmt: skip
 
@@ -273,6 +274,23 @@ def monitor(sock: zmq.Socket) -> zmq.Socket:
     return sock.get_monitor_socket(_MONITORED)
 
 
+class RefusalLogGate:
+    """Rate limit of ``*.handshake_refused`` log lines: a refused peer retries every ~100 ms, so each
+    socket logs its first refusal, then at most one line per ``every_s`` (with the count so far)."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self._every_s = every_s
+        self._last: dict[str, float] = {}
+
+    def allow(self, label: str) -> bool:
+        now = time.monotonic()
+        last = self._last.get(label)
+        if last is not None and now - last < self._every_s:
+            return False
+        self._last[label] = now
+        return True
+
+
 class HandshakeMonitor:
     """Handshake counts of a few sockets owned by one thread (the publishers'); call :meth:`drain`
     from that thread, e.g. once per loop turn. Counts are readable from any thread."""
@@ -284,6 +302,7 @@ class HandshakeMonitor:
         self.succeeded = 0
         self.refused = 0
         self.refused_by_reason: dict[str, int] = {}
+        self._gate = RefusalLogGate()
 
     def watch(self, label: str, sock: zmq.Socket) -> None:
         self._monitors.append((label, sock, monitor(sock)))
@@ -312,7 +331,7 @@ class HandshakeMonitor:
             self.refused += 1
             assert event.reason is not None
             self.refused_by_reason[event.reason] = self.refused_by_reason.get(event.reason, 0) + 1
-        if self.refused == 1 or self.refused % 100 == 0:  # a peer retries every ~100 ms: rate-limited
+        if self._gate.allow(label):  # a peer retries every ~100 ms: rate-limited per socket
             log.warning(f"{self._who}.handshake_refused", socket=label, reason=event.reason,
                         endpoint=event.endpoint, refused_total=self.refused, hint=HINTS[event.reason])
 

@@ -16,20 +16,27 @@ Which side counts what:
   batch to its commit), database retries, queue depth.
 
 :class:`MetricsServer` serves ``GET /metrics`` (Prometheus text format) and ``GET /healthz`` (JSON:
-``{"status": "ok"|"unhealthy", "db": {...}, "sources": {source_id: {...}}}``, HTTP 200 or 503)
-on one port, as a small asyncio server in the daemon's event loop (no thread).
+``{"status": "ok"|"degraded"|"unhealthy", "db": {...}, "sources": {source_id: {...}}}``) on one
+port, as a small asyncio server in the daemon's event loop (no thread). ``unhealthy`` (HTTP 503):
+the database or a task is down. ``degraded`` (HTTP 200, so that a liveness probe does not restart
+a daemon that a restart cannot fix, and a refused peer cannot make it fail): a source's security
+handshakes are refused and no message arrived since (``handshakes_refused_since_last_message``;
+wrong keys, or CURVE on one side only; see docs/troubleshooting.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["ConsumerMetrics", "HealthCheck", "MetricsServer"]
+__all__ = ["ConsumerMetrics", "HealthCheck", "MetricsServer", "MetricsServerError"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -117,11 +124,16 @@ class ConsumerMetrics:
         return 0.0 if found is None else found
 
 
+class MetricsServerError(OSError):
+    """The metrics server cannot listen; the message names the setting to change."""
+
+
 class MetricsServer:
     """``/metrics`` and ``/healthz`` over HTTP/1.0 on one port (asyncio; one request per connection).
 
     ``port=0`` picks a free port; read it back from :attr:`port` after :meth:`start`.
-    Raises ``OSError`` from :meth:`start` when the port cannot be bound.
+    Raises :class:`MetricsServerError` (an ``OSError``) from :meth:`start` when the address cannot
+    be bound.
     """
 
     _READ_TIMEOUT_S = 5.0
@@ -132,7 +144,12 @@ class MetricsServer:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self._host, self.port)
+        try:
+            self._server = await asyncio.start_server(self._handle, self._host, self.port)
+        except OSError as exc:
+            error = MetricsServerError(_listen_error(self._host, self.port, exc))
+            error.errno = exc.errno
+            raise error from exc
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
@@ -164,6 +181,23 @@ class MetricsServer:
             return b"200 OK", CONTENT_TYPE_LATEST, self._metrics.render()
         if path == b"/healthz":
             healthy, details = await self._health()
-            body = json.dumps({"status": "ok" if healthy else "unhealthy", **details}).encode()
+            status = "ok" if healthy else "unhealthy"
+            if healthy and any(isinstance(s, dict) and s.get("degraded")
+                               for s in (details.get("sources") or {}).values()):
+                status = "degraded"
+            body = json.dumps({"status": status, **details}).encode()
             return (b"200 OK" if healthy else b"503 Service Unavailable"), "application/json", body
         return b"404 Not Found", "text/plain", b"try /metrics or /healthz\n"
+
+
+def _listen_error(host: str, port: int, exc: OSError) -> str:
+    """One line naming the setting at fault: the port (in use, not allowed) or the host."""
+    code = exc.errno if isinstance(exc.errno, int) else None
+    why = f"{os.strerror(code)} (errno {code})" if code and code > 0 else (exc.strerror or str(exc))
+    if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+        option = f"--metrics-port {port} (metrics_port)"
+    elif code is None or code < 0 or code == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
+        option = f"--metrics-host {host} (metrics_host)"
+    else:
+        option = f"--metrics-host/--metrics-port {host}:{port}"
+    return f"{option}: metrics server cannot listen on {host}:{port}: {why}"

@@ -45,7 +45,7 @@ from consumer.bridge import (
     serve_replay_request,
     socket_endpoint,
 )
-from consumer.capture import CapturedMessage, read_capture
+from consumer.capture import CaptureFormatError, CapturedMessage, read_capture
 from consumer.curve import CurveKeys, HandshakeMonitor, ZapAuthorizer, warn_if_exposed
 from consumer.wire import is_end_marker, unpack_seq
 
@@ -123,6 +123,7 @@ class CapturePublisher:
         self._replay_stats = ReplayStats()
         self._stop = threading.Event()
         self.published = threading.Event()  # set once every message was sent
+        self.report: PublishReport | None = None  # of the last run(), also when the capture broke off
         self._ctx = zmq.Context()  # private, so close() can wait for queued frames to leave
         self._pub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
@@ -161,7 +162,8 @@ class CapturePublisher:
 
         Raises:
             SubscriberTimeout: ``wait_for_subscriber`` and nobody subscribed in time.
-            CaptureFormatError: the capture is truncated (messages before it were sent).
+            CaptureFormatError: the capture is truncated or not a capture (the messages before the
+                bad one were sent: :attr:`report` counts them, ``stopped_early`` True).
         """
         if self._pub is None:
             raise RuntimeError("CapturePublisher is closed")
@@ -169,12 +171,21 @@ class CapturePublisher:
             self._await_subscriber()
         counts = {"sent": 0, "failed": 0, "restarts": 0, "unbuffered": 0}
         started = time.monotonic()
-        completed = self._publish_all(counts)
+        self.report = None
+        try:
+            completed = self._publish_all(counts)
+        except CaptureFormatError:
+            self.report = self._report(counts, False, time.monotonic() - started)
+            raise
         duration_s = time.monotonic() - started
         if completed:
             self.published.set()
             log.info("publish.done", messages=counts["sent"], linger_s=self._linger_s)
             self._serve_until(time.monotonic() + self._linger_s)
+        self.report = self._report(counts, completed, duration_s)
+        return self.report
+
+    def _report(self, counts: dict[str, int], completed: bool, duration_s: float) -> PublishReport:
         return PublishReport(
             messages_sent=counts["sent"],
             send_failures=counts["failed"],

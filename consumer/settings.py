@@ -47,12 +47,36 @@ from pydantic_settings import (
 
 from ledger.db import DEFAULT_DB
 
-__all__ = ["DEFAULT_ENDPOINT", "ConsumerSettings", "SourceSettings", "load_settings"]
+__all__ = ["DEFAULT_ENDPOINT", "ConsumerSettings", "SourceSettings", "check_tcp_endpoint", "load_settings"]
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 MIB = 2**20
 _TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("semkv_config_file", default=None)
+
+
+def check_tcp_endpoint(endpoint: str, *, bind: bool, what: str = "endpoint") -> None:
+    """A ``tcp://HOST:PORT`` endpoint has a port in 1..65535; ``*`` or 0 (any free port) and a ``*``
+    host only where the socket binds. Other transports are not checked here.
+
+    Raises:
+        ValueError: naming ``what``, the endpoint and the rule.
+    """
+    if not endpoint.startswith("tcp://"):
+        return
+    address = endpoint[len("tcp://"):].rsplit(";", 1)[-1]  # connect: "tcp://SOURCE;HOST:PORT"
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{what} {endpoint!r}: expected tcp://HOST:PORT")
+    if port == "*" or port == "0":
+        if not bind:
+            raise ValueError(f"{what} {endpoint!r}: port {port} (any free port) only where the socket binds "
+                             "(--bind); a connecting socket needs a port in 1..65535")
+        return
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{what} {endpoint!r}: port {port!r} is not in 1..65535")
+    if host == "*" and not bind:
+        raise ValueError(f"{what} {endpoint!r}: host * only where the socket binds; give the engine's address")
 
 
 class SourceSettings(BaseModel):
@@ -85,6 +109,13 @@ class SourceSettings(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _tcp_ports(self) -> SourceSettings:
+        check_tcp_endpoint(self.endpoint, bind=self.bind, what="endpoint")
+        if self.replay_endpoint is not None:  # the replay DEALER always connects
+            check_tcp_endpoint(self.replay_endpoint, bind=False, what="replay_endpoint")
+        return self
+
+    @model_validator(mode="after")
     def _default_source_id(self) -> SourceSettings:
         if not self.source_id:
             object.__setattr__(self, "source_id", f"{self.engine_id}@{self.endpoint}")
@@ -109,9 +140,10 @@ class ConsumerSettings(BaseSettings):
     """Messages waiting between the sources and the writer; a full queue stops the sources reading."""
     replay_timeout_s: float = Field(2.0, gt=0)
     """Replay gives up when no reply arrives for this long (between two replies)."""
-    idle_replay_s: float | None = Field(5.0, gt=0)
+    idle_replay_s: float = Field(5.0, ge=0)
     """After this long without a message, ask the replay endpoint for anything newer (finds lost
-    trailing batches, and batches published before the SUB connected); None disables."""
+    trailing batches, and batches published before the SUB connected); 0 disables it (the start-up
+    probe and the replay of seen gaps still run)."""
     max_frame_bytes: int = Field(16 * MIB, ge=1024)
     """A frame above this is dead-lettered undecoded (``oversized_frame``)."""
     rcv_hwm: int = Field(10_000, ge=1)

@@ -31,7 +31,7 @@ receive HWM is unlimited, so the rest of one replay waits in ZMQ, bounded by the
 On start, BEFORE its SUB is opened (so nothing queued live is older than the probe's answer), a
 source with a ledger position ``L`` asks replay from ``L`` (not ``L + 1``): the batch at ``L`` is a
 duplicate if the engine kept running (a no-op in the ledger) and a restart otherwise, which the
-ledger detects by digest; a source without a position asks from 0. After ``idle_replay_s`` without a message the same probe runs
+ledger detects by digest; a source without a position asks from 0. After ``idle_replay_s`` (0: never) without a message or probe the same probe runs
 again (finds lost trailing batches and batches published before the SUB connected).
 
 ``record``: every message passed on (live or recovered, in that order; duplicates excluded) is
@@ -59,7 +59,7 @@ import zmq
 import zmq.asyncio
 
 from consumer.capture import CaptureWriter
-from consumer.curve import HINTS, CurveKeys, classify, monitor
+from consumer.curve import HINTS, CurveKeys, RefusalLogGate, classify, monitor
 from consumer.metrics import ConsumerMetrics
 from consumer.settings import ConsumerSettings, SourceSettings
 from consumer.wire import WireLimits, decode_message, is_end_marker, pack_seq
@@ -149,6 +149,9 @@ class Source:
         self._monitors: list[tuple[str, zmq.asyncio.Socket]] = []  # (socket label, monitor PAIR)
         self._retired: list[tuple[str, zmq.asyncio.Socket]] = []  # of closed sockets: drained, then closed
         self.handshakes_refused = 0
+        self.refused_since_message = 0  # refusals since a message was last received: /healthz "degraded"
+        self._refused_by_socket: dict[str, int] = {}
+        self._refusal_log = RefusalLogGate()
         self._settings, self._ctx, self._submit, self._record = settings, ctx, submit, record
         self._limits = WireLimits(max_frame_bytes=settings.max_frame_bytes)
         self._topic = source.topic.encode()
@@ -168,17 +171,22 @@ class Source:
         self.running = False  # the SUB is open and read
         self.messages = 0
         self.last_message_at: float | None = None
-        self.last_activity = 0.0
+        self.last_activity = 0.0  # monotonic time of the last message received (the daemon's idle clock)
+        self._probed_at = 0.0  # monotonic time of the last replay probe (the idle probe's own clock)
 
     @property
     def source_id(self) -> str:
         return self.config.source_id
 
     def status(self) -> dict[str, object]:
-        """For ``/healthz``: alive, last seq, messages, seconds since the last message."""
+        """For ``/healthz``: alive, last seq, messages, seconds since the last message, handshakes
+        refused (in all, and since the last message: ``degraded`` while that is not 0)."""
         age = None if self.last_message_at is None else round(time.time() - self.last_message_at, 3)
         return {"engine_id": self.config.engine_id, "alive": self.alive, "receiving": self.running, "last_seq": self.tracker.last_seq,
-                "messages": self.messages, "last_message_age_s": age}
+                "messages": self.messages, "last_message_age_s": age,
+                "handshakes_refused": self.handshakes_refused,
+                "handshakes_refused_since_last_message": self.refused_since_message,
+                "degraded": self.refused_since_message > 0}
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -252,11 +260,12 @@ class Source:
         if self._record is not None:
             self._record.flush()
         idle_s = self._settings.idle_replay_s
-        if idle_s is None or self.config.replay_endpoint is None:
+        if not idle_s or self.config.replay_endpoint is None:  # 0 (or None): no idle probe
             return
-        if time.monotonic() - self.last_activity >= idle_s:
+        # Its own clock: a probe is not a message, so it must not reset the daemon's idle clock
+        # (last_activity), or --exit-when-idle above idle_replay_s would never fire.
+        if time.monotonic() - max(self.last_activity, self._probed_at) >= idle_s:
             await self._probe()
-            self.last_activity = time.monotonic()
 
     # -- live messages ------------------------------------------------------------------------
 
@@ -291,6 +300,7 @@ class Source:
         if not 0 <= seq <= last or not self.tracker.seen(seq, xxhash.xxh3_64_intdigest(frames[2])):
             return False
         self.messages += 1
+        self.refused_since_message = 0
         self._m.messages_received.labels(**self._labels).inc()
         self._m.duplicates_dropped.labels(**self._labels).inc()
         return True
@@ -344,6 +354,7 @@ class Source:
         start = 0 if last is None else (last if self._resume_pending else last + 1)
         self._resume_pending = False  # the ledger's last batch is re-requested once, on the first probe
         result = await self.replay(start)
+        self._probed_at = time.monotonic()
         self._m.replay_probes.labels(**self._labels).inc()
         if result.batches:
             self.log.info("source.probe_recovered", start_seq=start, batches=result.batches,
@@ -391,6 +402,7 @@ class Source:
 
     def _decode(self, frames: list[bytes]) -> ReceivedBatch | DeadLetter:
         self.messages += 1
+        self.refused_since_message = 0
         self.last_message_at = now = time.time()
         self._m.messages_received.labels(**self._labels).inc()
         item = decode_message(frames, source_id=self.source_id, engine_id=self.config.engine_id,
@@ -512,10 +524,13 @@ class Source:
                 self._m.handshakes.labels(**self._labels, socket=label).inc()
                 continue
             self.handshakes_refused += 1
+            self.refused_since_message += 1
+            on_socket = self._refused_by_socket[label] = self._refused_by_socket.get(label, 0) + 1
             self._m.curve_refused.labels(**self._labels, socket=label, reason=str(event.reason)).inc()
-            if self.handshakes_refused == 1 or self.handshakes_refused % 100 == 0:  # peers retry every ~100 ms
+            if self._refusal_log.allow(label):  # peers retry every ~100 ms: first, then every 10 s, per socket
                 self.log.warning("source.handshake_refused", socket=label, reason=event.reason,
-                                 endpoint=event.endpoint, refused_total=self.handshakes_refused,
+                                 endpoint=event.endpoint, refused_on_socket=on_socket,
+                                 refused_total=self.handshakes_refused,
                                  hint=HINTS[str(event.reason)])
 
 

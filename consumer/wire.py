@@ -42,6 +42,7 @@ Raw bytes kept for audits and exact replay:
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -320,7 +321,8 @@ def decode_message(
     Returns:
         :class:`DeadLetter` for a wrong frame set (WRONG_FRAME_COUNT, BAD_SEQ_FRAME incl. a replay
         end marker or a negative seq, OVERSIZED_FRAME); otherwise :class:`ReceivedBatch` whose
-        ``dead_letters`` hold a payload-level failure (MALFORMED_MSGPACK, BAD_BATCH_SHAPE; then
+        ``dead_letters`` hold a payload-level failure (MALFORMED_MSGPACK, BAD_BATCH_SHAPE,
+        VALUE_OUT_OF_RANGE for a NaN, infinite or negative ``ts``; then
         ``events == []`` and ``ts == 0.0``) or per-event failures (``batch_index`` = position).
         ``digest`` is xxh3_64 of the payload bytes.
     """
@@ -339,6 +341,10 @@ def decode_message(
         return _payload_failure(meta, seq, digest, payload, _Why.BAD_BATCH_SHAPE, str(exc))
     except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         return _payload_failure(meta, seq, digest, payload, _Why.MALFORMED_MSGPACK, str(exc))
+    ts = batch.ts
+    if not (math.isfinite(ts) and ts >= 0.0):  # NaN/inf/negative must never reach the ledger
+        return _payload_failure(meta, seq, digest, payload, _Why.VALUE_OUT_OF_RANGE,
+                                f"batch ts {ts!r} is not a finite time >= 0")
     rank = batch.data_parallel_rank
     if rank is not None and rank < 0:
         return _payload_failure(meta, seq, digest, payload, _Why.BAD_BATCH_SHAPE,

@@ -104,3 +104,16 @@ def test_writer_rejects_values_the_format_cannot_hold(tmp_path: Path) -> None:
             writer.write([b"x"], 2**64)
     with pytest.raises(ValueError):
         writer.write([b"x"], 1)  # closed
+
+
+def test_implausible_lengths_are_not_a_capture_file(tmp_path: Path) -> None:
+    """A length or frame count larger than the whole file cannot come from a capture cut short."""
+    big_frame = tmp_path / "big.bin"
+    big_frame.write_bytes(struct.pack(">QII", 1, 1, 10**8) + b"x" * 40)
+    with pytest.raises(CaptureFormatError, match=r"not a capture file \(bad frame length 100000000") as info:
+        list(read_capture(big_frame))
+    assert info.value.offset == 12
+    many = tmp_path / "many.bin"
+    many.write_bytes(struct.pack(">QI", 1, 10**6) + b"x" * 40)
+    with pytest.raises(CaptureFormatError, match=r"not a capture file \(bad frame count 1000000"):
+        list(read_capture(many))

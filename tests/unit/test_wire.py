@@ -450,6 +450,10 @@ def test_oversized_frame_keeps_seq_and_a_bounded_prefix():
     assert isinstance(decode(encode_frames(b"kv", 9, big)), ReceivedBatch)  # default 16 MiB
 
 
+_MAP_STORED = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2],
+               "block_size": 2}
+
+
 @pytest.mark.parametrize(("body", "reason"), [
     (GOOD[:-3], R.MALFORMED_MSGPACK),
     (GOOD + b"\x00", R.MALFORMED_MSGPACK),
@@ -462,8 +466,14 @@ def test_oversized_frame_keeps_seq_and_a_bounded_prefix():
     (enc(["now", [], 0]), R.BAD_BATCH_SHAPE),
     (enc([1.0, [], "rank"]), R.BAD_BATCH_SHAPE),
     (enc([1.0, [], -1]), R.BAD_BATCH_SHAPE),
+    (enc([float("nan"), [_MAP_STORED], 0]), R.VALUE_OUT_OF_RANGE),
+    (enc([float("inf"), [_MAP_STORED], 0]), R.VALUE_OUT_OF_RANGE),
+    (enc([float("-inf"), [], 0]), R.VALUE_OUT_OF_RANGE),
+    (enc([-1.5, [_MAP_STORED], 0]), R.VALUE_OUT_OF_RANGE),
+    (enc([-1, [], 0]), R.VALUE_OUT_OF_RANGE),
 ], ids=["truncated", "trailing-bytes", "empty", "reserved-byte", "map", "events-map", "events-str",
-        "no-events", "ts-str", "rank-str", "rank-negative"])
+        "no-events", "ts-str", "rank-str", "rank-negative", "ts-nan", "ts-inf", "ts-minus-inf",
+        "ts-negative", "ts-negative-int"])
 def test_payload_level_dead_letter_still_advances_the_source(body: bytes, reason: R):
     out = decode(encode_frames(b"kv", 4, body))
     assert isinstance(out, ReceivedBatch)

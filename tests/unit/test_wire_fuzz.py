@@ -27,7 +27,8 @@ SETTINGS = settings(max_examples=500, deadline=None, database=None, derandomize=
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 FRAME_REASONS = {DeadLetterReason.WRONG_FRAME_COUNT, DeadLetterReason.BAD_SEQ_FRAME,
                  DeadLetterReason.OVERSIZED_FRAME}
-PAYLOAD_REASONS = {DeadLetterReason.MALFORMED_MSGPACK, DeadLetterReason.BAD_BATCH_SHAPE}
+PAYLOAD_REASONS = {DeadLetterReason.MALFORMED_MSGPACK, DeadLetterReason.BAD_BATCH_SHAPE,
+                   DeadLetterReason.VALUE_OUT_OF_RANGE}  # a NaN, infinite or negative batch ts
 
 
 def check(frames: list[bytes]) -> ReceivedBatch | DeadLetter:

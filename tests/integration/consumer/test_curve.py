@@ -288,3 +288,28 @@ def test_consume_command_refuses_a_missing_key_file(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "ledger", *args], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert "none.key_secret not found" in result.stderr and "semkv-ledger keygen" in result.stderr
+
+
+async def test_healthz_is_degraded_while_handshakes_are_refused_and_sub_refusals_are_logged(
+        tmp_path: Path, keys: Path) -> None:
+    """An impostor publisher: /healthz reports the refusals and "degraded" (HTTP 200: a restart cannot
+    fix keys), and the SUB socket's refusals are logged, not only the replay socket's first one."""
+    from tests.integration.consumer.test_daemon_settings import http_get
+
+    db, _ = migrated_db(tmp_path)
+    with _publisher(keys, "rogue") as pub, structlog.testing.capture_logs() as logs:
+        src = {"engine_id": ENGINE, "endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
+               "curve_publisher_key": keys / "engine.key"}
+        settings = settings_for(db, src, curve_secret_key=keys / "consumer.key_secret", metrics_port=0)
+        async with DaemonRun(settings) as run:
+            _publish(pub, 2)
+            await wait_until(lambda: _refused(run, "sub", "no_detail") >= 1, 30, "SUB refusal")
+            status, _, body = await http_get(run.daemon.metrics_port, "/healthz")
+            health = json.loads(body)
+            await run.stop()
+    source = health["sources"][f"{ENGINE}@{pub.endpoint}"]
+    assert status == 200 and health["status"] == "degraded", health
+    assert source["handshakes_refused"] >= 1 and source["handshakes_refused_since_last_message"] >= 1
+    assert source["degraded"] and source["messages"] == 0
+    refused = [e for e in logs if e["event"] == "source.handshake_refused"]
+    assert {e["socket"] for e in refused} == {"sub", "replay"}, refused

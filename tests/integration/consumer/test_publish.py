@@ -7,6 +7,7 @@ the stream. Synchronisation is by handshake (XPUB subscription, the ``published`
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,3 +256,39 @@ def test_cli_reports_bad_endpoints_with_exit_code_2() -> None:
 def test_a_replay_capture_publishes_its_end_marker_unbuffered() -> None:
     report = publish_capture(FIXTURES / "replay_run1_dealer_from0.frames.bin", LOOPBACK, None, speed=0, linger_s=0)
     assert (report.messages_sent, report.unbuffered, report.restarts) == (48, 1, 0)
+
+
+def test_cli_reports_what_it_sent_before_a_truncated_capture(tmp_path: Path, ctx: zmq.Context,
+                                                             live: list[CapturedMessage]) -> None:
+    """The messages before the break went out: the report line says so, then the error, exit 2."""
+    cut = tmp_path / "cut.frames.bin"
+    with CaptureWriter(cut) as writer:
+        for message in live[:3]:
+            writer.write(message.frames, message.received_ns)
+    cut.write_bytes(cut.read_bytes() + b"\x00" * 5)  # a half-written 4th message header
+    sub = subscriber(ctx)
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    received: list[list[bytes]] = []
+    reader = threading.Thread(target=lambda: received.extend(sub.recv_multipart() for _ in range(3)))
+    reader.start()
+    args = ["publish", "--from-file", str(cut), "--endpoint", f"tcp://127.0.0.1:{port}", "--connect",
+            "--replay-endpoint", "", "--speed", "0", "--wait-for-subscriber", "--linger", "0"]  # fmt: skip
+    result = CliRunner().invoke(_cli_app(), args)
+    reader.join(10)
+    assert result.exit_code == 2, result.output
+    reports = [json.loads(line) for line in result.stdout.splitlines() if '"publish.report"' in line]
+    assert len(reports) == 1 and reports[0]["messages_sent"] == 3 and reports[0]["stopped_early"]
+    assert "truncated capture" in result.stderr and "error:" in result.stderr
+    assert received == [m.frames for m in live[:3]]
+
+
+def test_random_bytes_are_not_a_capture_file(tmp_path: Path) -> None:
+    noise = tmp_path / "noise.bin"
+    noise.write_bytes(bytes([0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0x08, 0x41, 0x0B, 0x9B]) + b"\x17" * 64)
+    result = CliRunner().invoke(
+        _cli_app(), ["publish", "--from-file", str(noise), "--endpoint", LOOPBACK, "--replay-endpoint", "",
+                     "--speed", "0", "--linger", "0"])
+    assert result.exit_code == 2
+    assert "not a capture file (bad frame length 138480539" in result.stderr
+    assert "truncated" not in result.stderr
+    assert '"messages_sent": 0' in result.stdout
