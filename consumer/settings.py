@@ -46,6 +46,7 @@ from pydantic_settings import (
 )
 
 from ledger.db import DEFAULT_DB
+from ledger.settings_doc import default_text, markdown_cell
 
 __all__ = ["DEFAULT_ENDPOINT", "ConsumerSettings", "SourceSettings", "check_tcp_endpoint", "load_settings"]
 
@@ -271,15 +272,6 @@ def _consume_flags() -> dict[str, str]:
     return {p.name: "/".join([*p.opts, *p.secondary_opts]) for p in command.params if p.name}
 
 
-def _default(field: Any) -> str:
-    if field.default_factory is not None:
-        return f"`{field.default_factory()!r}`"
-    value = field.default
-    if value is None:
-        return "unset"
-    return '`""`' if value == "" else f"`{value}`"
-
-
 def settings_markdown() -> str:
     """The settings table of ``semkv-ledger consume``, generated from the models above."""
     flags = _consume_flags()
@@ -289,14 +281,14 @@ def settings_markdown() -> str:
              "(`--config`) > default. `SEMKV_SOURCES` is a JSON list of source objects.", "",
              "| setting (TOML key) | environment | flag | default | meaning |", "|---|---|---|---|---|"]
     for name, field in ConsumerSettings.model_fields.items():
-        lines.append(f"| `{name}` | `SEMKV_{name.upper()}` | {_flag(flags, name)} | {_default(field)} | "
-                     f"{_cell(field.description)} |")
+        lines.append(f"| `{name}` | `SEMKV_{name.upper()}` | {_flag(flags, name)} | {default_text(field)} | "
+                     f"{markdown_cell(field.description)} |")
     lines += ["", "Each `[[sources]]` entry (or element of the JSON list in `SEMKV_SOURCES`); the flags give one",
               "source, added to those of the file and the environment:", "",
               "| source field | flag | default | meaning |", "|---|---|---|---|"]
     for name, field in SourceSettings.model_fields.items():
-        default = "required" if field.is_required() else _default(field)
-        lines.append(f"| `{name}` | {_flag(flags, name)} | {default} | {_cell(field.description)} |")
+        default = default_text(field)
+        lines.append(f"| `{name}` | {_flag(flags, name)} | {default} | {markdown_cell(field.description)} |")
     only = sorted(set(flags) - set(ConsumerSettings.model_fields) - set(SourceSettings.model_fields))
     lines += ["", "Flags that are not settings: " + ", ".join(f"`{flags[n]}`" for n in only) + " (see "
               "`semkv-ledger consume --help`).", ""]
@@ -305,12 +297,6 @@ def settings_markdown() -> str:
 
 def _flag(flags: dict[str, str], name: str) -> str:
     return f"`{flags[name]}`" if name in flags else "—"
-
-
-def _cell(text: str | None) -> str:
-    if not text:
-        raise ValueError("every setting needs a docstring (it is its documentation)")
-    return " ".join(text.split()).replace("|", "\\|")
 
 
 if __name__ == "__main__":
