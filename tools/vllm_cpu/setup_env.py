@@ -45,8 +45,9 @@ def _digest(*parts: str) -> str:
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> None:
+    """Run a step; its output goes to stderr, so that stdout carries only the export lines."""
     print("+", " ".join(args), file=sys.stderr, flush=True)
-    subprocess.run(args, check=True, env=env)
+    subprocess.run(args, check=True, env=env, stdout=sys.stderr)
 
 
 def ensure_venv(home: Path) -> Path:
