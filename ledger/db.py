@@ -72,7 +72,8 @@ def _ensure_sqlite_file(url: URL, create: bool) -> None:
     if not file.exists():
         if not create:
             raise LedgerError(f"no ledger at {path}: run `semkv-ledger migrate --db {path}` first")
-        file.parent.mkdir(parents=True, exist_ok=True)
+        if not file.parent.is_dir():  # a mistyped path must not quietly start a second ledger elsewhere
+            raise LedgerError(f"cannot create the ledger {path}: directory {file.parent} does not exist")
         os.close(os.open(file, os.O_CREAT | os.O_WRONLY, 0o600))
 
 
@@ -118,7 +119,9 @@ def sync_engine(db: str, *, writer: bool = False, create: bool | None = None, po
 
 
 def async_engine(db: str) -> AsyncEngine:
-    """An asyncio engine for the consumer's writer (aiosqlite or asyncpg)."""
+    """An asyncio engine: asyncpg for the consumer's writer on PostgreSQL. On SQLite (aiosqlite) the
+    writer no longer uses it (it runs the sync recorder on one thread, ``ledger/writer.py``);
+    tools/bench_ledger.py still does, to compare the two."""
     url = normalize_url(db)
     if is_sqlite(url):
         _ensure_sqlite_file(url, create=True)

@@ -20,8 +20,15 @@ first send to the last message received (discard/decode) or committed (consumer:
 and lists where its time goes. Results: a Markdown table on stdout and in
 ``tools/results/consume-YYYY-MM-DD.md``.
 
+Before/after a change: ``--baseline-tree DIR`` (a copy of the repository taken before it) runs the
+SQLite consume and append-only measurements from both trees, ``--repeats`` rounds interleaved,
+and reports the best run of each with every run listed (the machine is shared and noisy). Every
+consumer runs as ``python -c 'from ledger.cli import main; main()' consume …`` with
+``PYTHONPATH`` set to its tree, this tree included, so both sides start the same way.
+
 Usage: ``python tools/bench_consume.py [--messages 2000] [--soak-s 60] [--profile]``
-(``--soak-s 600`` for the 10-minute soak).
+(``--soak-s 600 --rss-log rss.csv`` for the 10-minute soak;
+``--baseline-tree /tmp/before --only-sqlite --soak-s 0`` for a before/after comparison).
 """
 
 from __future__ import annotations
@@ -192,15 +199,25 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+CLI = "import sys; sys.argv[0] = 'semkv-ledger'; from ledger.cli import main; main()"
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    """The environment of a child that must import ``ledger``/``consumer`` from ``tree``."""
+    return {**os.environ, "PYTHONPATH": str(tree)}
+
+
 class Consumer:
-    def __init__(self, db: str, pub: Publisher, args: argparse.Namespace) -> None:
+    """``semkv-ledger consume`` as a subprocess, importing the code of ``tree`` (default: this one)."""
+
+    def __init__(self, db: str, pub: Publisher, args: argparse.Namespace, tree: Path = REPO) -> None:
         self.metrics_port = free_port()
-        cli = Path(sys.executable).with_name("semkv-ledger")
-        self.proc = subprocess.Popen([str(cli), "consume", "--db", db, "--engine-id", "bench", "--endpoint",
-                                      f"tcp://127.0.0.1:{pub.port}", "--replay-endpoint",
+        self.proc = subprocess.Popen([sys.executable, "-c", CLI, "consume", "--db", db, "--engine-id", "bench",
+                                      "--endpoint", f"tcp://127.0.0.1:{pub.port}", "--replay-endpoint",
                                       f"tcp://127.0.0.1:{pub.replay_port}", "--metrics-port", str(self.metrics_port),
                                       "--metrics-host", "127.0.0.1", "--batch-max-events", str(args.batch_max_events),
-                                      "--log-level", "warning"], stderr=subprocess.DEVNULL)
+                                      "--log-level", "warning"], stderr=subprocess.DEVNULL, cwd=tree,
+                                     env=tree_env(tree))
         self.rss: list[float] = []
 
     def wait_batches(self, n: int, timeout_s: float) -> float:
@@ -218,13 +235,14 @@ class Consumer:
         return self.proc.wait(60)
 
 
-def run_consumer(db: str, args: argparse.Namespace, profile_to: Path | None = None) -> tuple[float, float]:
+def run_consumer(db: str, args: argparse.Namespace, profile_to: Path | None = None,
+                 tree: Path = REPO) -> tuple[float, float]:
     """(seconds from first send to last commit, peak RSS MiB)."""
     from ledger.migrate import upgrade
 
     upgrade(db)
     pub = Publisher(args)
-    consumer = Consumer(db, pub, args)
+    consumer = Consumer(db, pub, args, tree)
     spy = None
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if profile_to is not None and Path(py_spy).exists():
@@ -267,29 +285,112 @@ def run_append_only(db: str, args: argparse.Namespace) -> float:
     return asyncio.run(go())
 
 
-def soak(db: str, args: argparse.Namespace, rate_block_events: float) -> dict:
-    """Paced publisher for ``soak_s``; RSS every second; backlog (published - committed) at the end."""
+APPEND_ONLY_CHILD = """import argparse, sys
+sys.path.insert(0, sys.argv[1] + "/tools")
+import bench_consume
+args = argparse.Namespace(messages=int(sys.argv[3]), events_per_message=int(sys.argv[4]),
+                          blocks_per_event=int(sys.argv[5]), batch_max_events=int(sys.argv[6]))
+print(bench_consume.run_append_only(sys.argv[2], args))
+"""
+
+
+def run_append_only_in(tree: Path, db: str, args: argparse.Namespace) -> float:
+    """:func:`run_append_only` in a child process importing ``tree``'s code (its own copy of this file)."""
+    out = subprocess.run([sys.executable, "-c", APPEND_ONLY_CHILD, str(tree), db, str(args.messages),
+                          str(args.events_per_message), str(args.blocks_per_event), str(args.batch_max_events)],
+                         cwd=tree, env=tree_env(tree), check=True, capture_output=True, text=True)
+    return float(out.stdout.split()[-1])
+
+
+def compare_trees(work: Path, args: argparse.Namespace) -> list[tuple]:
+    """Consume and append-only on SQLite, this tree against ``--baseline-tree``, ``--repeats`` times
+    interleaved (the order alternates per round); best run of each, every run listed."""
+    trees = {"this tree": REPO, "baseline": args.baseline_tree.resolve()}
+    consume: dict[str, list[tuple[float, float]]] = {name: [] for name in trees}
+    append: dict[str, list[float]] = {name: [] for name in trees}
+    for rnd in range(args.repeats):
+        order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
+        for name in order:
+            tag = f"{name.replace(' ', '-')}-{rnd}"
+            consume[name].append(run_consumer(f"sqlite:///{work}/consume-{tag}.db", args, tree=trees[name]))
+            append[name].append(run_append_only_in(trees[name], f"sqlite:///{work}/append-{tag}.db", args))
+            print(f"round {rnd} {name}: consume {consume[name][-1][0]:.2f} s, append-only {append[name][-1]:.2f} s",
+                  file=sys.stderr, flush=True)
+    rows = []
+    for name in trees:
+        seconds = [s for s, _ in consume[name]]
+        runs = ", ".join(f"{s:.2f}" for s in seconds)
+        rows.append((f"sqlite (consume), {name}: best of {args.repeats} ({runs} s)", min(seconds),
+                     f"{max(r for _, r in consume[name]):.1f}"))
+    for name in trees:
+        runs = ", ".join(f"{s:.2f}" for s in append[name])
+        rows.append((f"sqlite append-only, {name}: best of {args.repeats} ({runs} s)", min(append[name]), None))
+    return rows
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def compare_paced(work: Path, args: argparse.Namespace, rate: float) -> list[tuple[str, dict]]:
+    """Paced runs of ``--paced-s`` at ``rate``, this tree against ``--baseline-tree``, interleaved."""
+    trees = {"this tree": REPO, "baseline": args.baseline_tree.resolve()}
+    out = []
+    for rnd in range(args.repeats):
+        for name in (list(trees) if rnd % 2 == 0 else list(reversed(trees))):
+            result = soak(f"sqlite:///{work}/paced-{name.replace(' ', '-')}-{rnd}.db", args, rate, trees[name],
+                          seconds=args.paced_s)
+            out.append((f"{name}, {rnd}", {**result, "target": rate}))
+            print(f"paced {rnd} {name}: CPU {result['cpu_percent']:.1f} %", file=sys.stderr, flush=True)
+    return out
+
+
+def soak(db: str, args: argparse.Namespace, rate_block_events: float, tree: Path = REPO,
+         seconds: float | None = None, rss_log: Path | None = None) -> dict:
+    """Paced publisher for ``seconds`` (default ``soak_s``) from the moment the consumer serves
+    /metrics; RSS every second; CPU time of the consumer over that span; backlog (published -
+    committed) at the end."""
     from ledger.migrate import upgrade
 
+    seconds = args.soak_s if seconds is None else seconds
     upgrade(db)
     per_msg = args.events_per_message * args.blocks_per_event
     pub = Publisher(args, rate_msgs=rate_block_events / per_msg, repeat=True)
-    consumer = Consumer(db, pub, args)
+    consumer = Consumer(db, pub, args, tree)
+    while scrape(consumer.metrics_port, "semkv_consumer_transactions_total") < 0:  # imports done, serving
+        time.sleep(0.05)
     samples: list[tuple[float, float]] = []
-    started = time.time()
-    while time.time() - started < args.soak_s:
+    committed_at: list[tuple[float, float]] = []  # (wall clock, batches committed) per sample
+    started, cpu_started = time.time(), cpu_s(consumer.proc.pid)
+    committed_before = scrape(consumer.metrics_port, "semkv_consumer_batches_committed_total")
+    while time.time() - started < seconds:
         samples.append((time.time() - started, rss_mib(consumer.proc.pid)))
+        committed_at.append((time.time(), scrape(consumer.metrics_port, "semkv_consumer_batches_committed_total")))
         time.sleep(1.0)
     committed = scrape(consumer.metrics_port, "semkv_consumer_batches_committed_total")
+    transactions = scrape(consumer.metrics_port, "semkv_consumer_transactions_total")
+    cpu = cpu_s(consumer.proc.pid) - cpu_started
     pub.conn.send("halt")
     t_first, t_last, sent = pub.finish()
     gaps = scrape(consumer.metrics_port, "semkv_consumer_gaps_total")
     consumer.stop()
     pub.close()
-    half = [(t, r) for t, r in samples if t >= args.soak_s / 2] or samples
+    rate_msgs = rate_block_events / per_msg
+    backlog = [max(0.0, min(sent, rate_msgs * (wall - t_first)) - done) for wall, done in committed_at]  # msgs
+    if rss_log is not None:
+        rss_log.write_text("t_s,rss_mib,backlog_msgs\n" + "".join(f"{t:.1f},{r:.2f},{b:.0f}\n"
+                                                                  for (t, r), b in zip(samples, backlog)))
+    half = [(t, r) for t, r in samples if t >= seconds / 2] or samples
     return {"seconds": t_last - t_first, "block_events": sent * per_msg, "committed_per_s":
-            committed * per_msg / (t_last - t_first), "backlog": int(sent - committed), "rss_first": half[0][1],
-            "rss_last": half[-1][1], "rss_max": max(r for _, r in samples), "slope": 60 * _slope(half), "gaps": gaps}
+            committed * per_msg / (t_last - t_first), "backlog": int(sent - committed),
+            "cpu_percent": 100 * cpu / seconds,
+            "cpu_us_per_block_event": 1e6 * cpu / max(1.0, (committed - committed_before) * per_msg),
+            "events_per_txn": committed * args.events_per_message / max(1.0, transactions),
+            "backlog_max": max(backlog, default=0.0), "rss_start": samples[0][1],
+            "rss_first": half[0][1], "rss_last": half[-1][1], "rss_max": max(r for _, r in samples),
+            "slope": 60 * _slope(half), "slope_all": 60 * _slope(samples), "gaps": gaps}
 
 
 def _slope(points: list[tuple[float, float]]) -> float:
@@ -325,7 +426,8 @@ PROFILE_PARTS = [  # (label, path fragments): a sample counts for a part if any 
     ("ledger transaction, all of it (ledger/writer.py)", ("ledger/writer.py",)),
     ("  decide + apply (ledger/decide.py, apply.py)", ("ledger/decide.py", "ledger/apply.py")),
     ("  SQLAlchemy (compile, params, results)", ("sqlalchemy/",)),
-    ("SQLite itself (aiosqlite worker thread)", ("aiosqlite/core.py",)),
+    ("  driver calls: SQLite + binding (ledger/db.py Sql)", ("ledger/db.py",)),
+    ("aiosqlite worker thread (the previous writer)", ("aiosqlite/core.py",)),
     ("consumer: receive, track, decode (consumer/source.py)", ("consumer/source.py",)),
     ("  wire decode (consumer/wire.py)", ("consumer/wire.py",)),
     ("consumer: writer task, metrics (consumer/daemon.py)", ("consumer/daemon.py",)),
@@ -354,11 +456,13 @@ def summarize_profile(path: Path, top: int = 12) -> list[tuple[str, float]]:
     return rows + [(f"leaf: {leaf}", 100.0 * n / total) for leaf, n in leaves.most_common(top)]
 
 
-def report(rows: list[tuple], soak_row: dict | None, profile: list[tuple[str, float]], args) -> str:
+def report(rows: list[tuple], soak_row: dict | None, profile: list[tuple[str, float]], args,
+           load_start: tuple[float, ...], paced: list[tuple[str, dict]] = ()) -> str:
     per_msg = args.events_per_message * args.blocks_per_event
     total = args.messages * per_msg
     lines = [f"# consume benchmark {dt.date.today().isoformat()}", "",
-             f"Host: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, load average "
+             f"Host: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, load average (1/5/15 min) "
+             f"{' '.join(f'{x:.1f}' for x in load_start)} at the start, "
              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. Stream: {args.messages} messages × "
              f"{args.events_per_message} events × {args.blocks_per_event} blocks = {total:,} block events "
              f"(vLLM map dialect, half stored / half removed); batch_max_events {args.batch_max_events}.", "",
@@ -371,14 +475,27 @@ def report(rows: list[tuple], soak_row: dict | None, profile: list[tuple[str, fl
         rate = total / seconds
         ratio = f"{base / seconds:.3f}" if base else ""
         lines.append(f"| {name} | {rate:,.0f} | {seconds:.2f} | {ratio} | {rss or ''} |")
+    if paced:
+        lines += ["", f"Paced ({args.paced_s:.0f} s per run, SQLite, publisher at {paced[0][1]['target']:,.0f} block "
+                  "events/s, interleaved): the consumer's CPU (all threads) while keeping up; transactions are "
+                  "small when the consumer is not saturated.", "",
+                  "| tree, round | committed /s | backlog at end (msgs) | events/txn | consumer CPU % | "
+                  "CPU µs per block event |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {name} | {r['committed_per_s']:,.0f} | {r['backlog']} | {r['events_per_txn']:.1f} | "
+                  f"{r['cpu_percent']:.1f} | {r['cpu_us_per_block_event']:.2f} |" for name, r in paced]
     if soak_row:
         lines += ["", f"Soak ({args.soak_s:.0f} s, SQLite, publisher paced at {soak_row['target']:,.0f} block "
-                  "events/s; RSS of the consumer process, second half of the soak):", "",
-                  "| published | committed /s | backlog at end (msgs) | RSS at half MiB | RSS at end MiB | "
-                  "RSS max MiB | RSS slope MiB/min | gaps |", "|---:|---:|---:|---:|---:|---:|---:|---:|",
-                  f"| {soak_row['block_events']:,} | {soak_row['committed_per_s']:,.0f} | {soak_row['backlog']} | "
-                  f"{soak_row['rss_first']:.1f} | {soak_row['rss_last']:.1f} | {soak_row['rss_max']:.1f} | "
-                  f"{soak_row['slope']:+.2f} | {soak_row['gaps']:.0f} |"]
+                  "events/s; RSS of the consumer process sampled every second from the moment it serves /metrics; "
+                  "slope: least squares over the second half (whole run in brackets)):", "",
+                  "| published | committed /s | backlog at end (max) msgs | events/txn | consumer CPU % | "
+                  "RSS at start MiB | RSS at half MiB | RSS at end MiB | RSS max MiB | RSS slope MiB/min | gaps |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+                  f"| {soak_row['block_events']:,} | {soak_row['committed_per_s']:,.0f} | {soak_row['backlog']} "
+                  f"({soak_row['backlog_max']:.0f}) | "
+                  f"{soak_row['events_per_txn']:.1f} | {soak_row['cpu_percent']:.1f} | "
+                  f"{soak_row['rss_start']:.1f} | {soak_row['rss_first']:.1f} | {soak_row['rss_last']:.1f} | "
+                  f"{soak_row['rss_max']:.1f} | {soak_row['slope']:+.2f} ({soak_row['slope_all']:+.2f}) | "
+                  f"{soak_row['gaps']:.0f} |"]
     if profile:
         lines += ["", "py-spy (200 Hz, all threads, start-up excluded), SQLite consumer: % of samples", "",
                   "| where | % |", "|---|---:|"]
@@ -398,17 +515,40 @@ def main() -> None:
     parser.add_argument("--no-postgres", action="store_true")
     parser.add_argument("--profile", action="store_true", help="sample the SQLite consumer with py-spy")
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="a copy of the repository (e.g. before a change): SQLite consume and append-only run "
+                             "from both trees, interleaved, --repeats times each")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per tree with --baseline-tree")
+    parser.add_argument("--only-sqlite", action="store_true",
+                        help="skip discard/decode/PostgreSQL (with --baseline-tree: only the comparison)")
+    parser.add_argument("--rss-log", type=Path, default=None, help="write the soak's RSS samples here (CSV)")
+    parser.add_argument("--paced-s", type=float, default=0.0,
+                        help="with --baseline-tree: also paced runs this long per tree (consumer CPU at a fixed rate; "
+                             "--soak-rate, default 50%% of this tree's burst rate)")
     parser.add_argument("--out", type=Path, default=REPO / "tools" / "results" / f"consume-{dt.date.today()}.md")
     args = parser.parse_args()
     mp.set_start_method("spawn")
     work = Path(tempfile.mkdtemp(prefix="semkv-bench-"))
-    rows: list[tuple] = [("discard", run_subscriber(args, decode=False), None),
-                         ("decode", run_subscriber(args, decode=True), None)]
+    load_start = os.getloadavg()
+    rows: list[tuple] = []
+    if not args.only_sqlite:
+        rows += [("discard", run_subscriber(args, decode=False), None),
+                 ("decode", run_subscriber(args, decode=True), None)]
     profile_file = work / "spy.txt" if args.profile else None
-    sqlite_s, rss = run_consumer(f"sqlite:///{work}/bench.db", args, profile_file)
-    rows.append(("sqlite (consume)", sqlite_s, f"{rss:.1f}"))
-    rows.append(("sqlite append-only", run_append_only(f"sqlite:///{work}/append.db", args), None))
-    if args.no_postgres:
+    paced: list[tuple[str, dict]] = []
+    if args.baseline_tree is not None:
+        rows += compare_trees(work, args)
+        sqlite_s = rows[-4][1]  # this tree's best consume run
+        if args.paced_s > 0:
+            paced = compare_paced(work, args, args.soak_rate or 0.5 * args.messages * args.events_per_message
+                                  * args.blocks_per_event / sqlite_s)
+    else:
+        sqlite_s, rss = run_consumer(f"sqlite:///{work}/bench.db", args, profile_file)
+        rows.append(("sqlite (consume)", sqlite_s, f"{rss:.1f}"))
+        rows.append(("sqlite append-only", run_append_only(f"sqlite:///{work}/append.db", args), None))
+    if args.only_sqlite:
+        pass
+    elif args.no_postgres:
         rows.append(("postgresql (consume)", None, "--no-postgres"))
     else:
         try:
@@ -423,9 +563,9 @@ def main() -> None:
     if args.soak_s > 0:
         total = args.messages * args.events_per_message * args.blocks_per_event
         target = args.soak_rate or 0.5 * total / sqlite_s
-        soak_row = {**soak(f"sqlite:///{work}/soak.db", args, target), "target": target}
+        soak_row = {**soak(f"sqlite:///{work}/soak.db", args, target, rss_log=args.rss_log), "target": target}
     profile = summarize_profile(profile_file) if profile_file and profile_file.exists() else []
-    text = report(rows, soak_row, profile, args)
+    text = report(rows, soak_row, profile, args, load_start, paced)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -67,3 +67,15 @@ def test_a_locked_database_is_a_persistence_error_caused_by_sqlalchemys_operatio
     finally:
         client.close()
         blocker.dispose()
+
+
+def test_a_ledger_in_a_missing_directory_is_refused_not_created(tmp_path: Path) -> None:
+    """A mistyped path must not quietly start a second ledger somewhere else (migrate creates files,
+    never directories)."""
+    from ledger.errors import LedgerError
+    from ledger.migrate import upgrade
+
+    missing = tmp_path / "no-such-dir" / "ledger.db"
+    with pytest.raises(LedgerError, match="does not exist"):
+        upgrade(f"sqlite:///{missing}")
+    assert not missing.parent.exists()

@@ -1,0 +1,171 @@
+"""LedgerWriter on SQLite: the sync recorder on ONE dedicated thread (ledger/writer.py).
+
+The recorder contract itself is pinned by ``suite.py`` through the writer; these pin what the
+thread adds: one thread for every transaction, nothing recorded by a failed one, a clean close
+that waits for the transaction in flight, and a health read that is not queued behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+
+import pytest
+from sqlalchemy import func, select
+
+import ledger.db
+from ledger import recorder
+from ledger.db import sync_engine
+from ledger.errors import PersistenceError
+from ledger.schema import LogRow
+from ledger.writer import LedgerWriter
+from tests.builders import batch, stored
+
+THREAD_PREFIX = "semkv-ledger-writer"
+
+
+def log_rows(db: str) -> int:
+    engine = sync_engine(db)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(select(func.count()).select_from(LogRow.__table__)).scalar_one()
+    finally:
+        engine.dispose()
+
+
+def writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+@pytest.fixture
+def lock_holder(sqlite_db: str):
+    """Another writer's connection; ``hold()`` takes the write lock, ``release_after(s)`` commits later."""
+    conn = sqlite3.connect(sqlite_db.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False)
+
+    class Holder:
+        def hold(self) -> None:
+            conn.execute("BEGIN IMMEDIATE")
+
+        def release_after(self, seconds: float) -> threading.Timer:
+            timer = threading.Timer(seconds, conn.execute, args=("COMMIT",))
+            timer.start()
+            return timer
+
+        def release(self) -> None:
+            conn.execute("COMMIT")
+
+    yield Holder()
+    conn.close()
+
+
+async def test_every_transaction_runs_on_one_dedicated_thread_which_close_ends(sqlite_db, monkeypatch):
+    seen: list[int] = []
+    original = recorder.append
+
+    def spy(conn, items, **kw):  # noqa: ANN001, ANN202
+        seen.append(threading.get_ident())
+        return original(conn, items, **kw)
+
+    monkeypatch.setattr(recorder, "append", spy)
+    writer = await LedgerWriter.open(sqlite_db)
+    try:
+        for seq in range(3):
+            await writer.append([batch(seq, stored(seq + 1))])
+        assert len(set(seen)) == 1 and seen[0] != threading.get_ident()
+        assert [t.ident for t in writer_threads()] == [seen[0]]
+    finally:
+        await writer.close()
+    assert writer_threads() == []
+    await writer.close()  # idempotent
+
+
+async def test_a_failed_transaction_records_nothing_and_the_writer_goes_on(sqlite_db, monkeypatch):
+    original = recorder.write
+
+    def write_then_fail(sql, proj, entries):  # noqa: ANN001, ANN202 - the rows are written, then the driver fails
+        original(sql, proj, entries)
+        raise sqlite3.OperationalError("disk I/O error (injected)")
+
+    writer = await LedgerWriter.open(sqlite_db)
+    try:
+        monkeypatch.setattr(recorder, "write", write_then_fail)
+        with pytest.raises(PersistenceError, match="injected"):
+            await writer.append([batch(0, stored(1, 2, 3))])
+        assert log_rows(sqlite_db) == 0
+        monkeypatch.setattr(recorder, "write", original)
+        result = await writer.append([batch(0, stored(1, 2, 3))])
+        assert result.batches == 1 and result.events_applied == 1
+    finally:
+        await writer.close()
+    assert log_rows(sqlite_db) > 0
+
+
+async def test_a_locked_database_fails_the_transaction_then_the_same_writer_commits(sqlite_db, monkeypatch,
+                                                                                    lock_holder):
+    from sqlalchemy.exc import OperationalError
+
+    monkeypatch.setattr(ledger.db, "SQLITE_BUSY_TIMEOUT_MS", 50)
+    writer = await LedgerWriter.open(sqlite_db)
+    try:
+        lock_holder.hold()
+        with pytest.raises(PersistenceError) as caught:
+            await writer.append([batch(0, stored(1))])
+        assert isinstance(caught.value.__cause__, OperationalError)  # what the daemon retries
+        lock_holder.release()
+        assert (await writer.append([batch(0, stored(1))])).batches == 1
+    finally:
+        await writer.close()
+
+
+async def test_close_waits_for_the_transaction_in_flight(sqlite_db, lock_holder):
+    writer = await LedgerWriter.open(sqlite_db)
+    lock_holder.hold()
+    timer = lock_holder.release_after(0.3)
+    pending = asyncio.create_task(writer.append([batch(0, stored(1, 2))]))
+    await asyncio.sleep(0.05)  # the transaction now waits for the lock on the writer thread
+    await writer.close()
+    assert pending.done() and pending.result().batches == 1
+    assert writer_threads() == []
+    timer.join()
+    assert log_rows(sqlite_db) > 0
+
+
+async def test_the_health_read_is_not_queued_behind_a_transaction_waiting_for_the_lock(sqlite_db, lock_holder):
+    writer = await LedgerWriter.open(sqlite_db)
+    try:
+        await writer.append([batch(0, stored(1))])
+        lock_holder.hold()
+        timer = lock_holder.release_after(1.5)
+        pending = asyncio.create_task(writer.append([batch(1, stored(2))]))
+        await asyncio.sleep(0.05)
+        positions = await asyncio.wait_for(writer.source_positions(), 1.0)  # WAL: readers do not wait
+        assert [p.last_seq for p in positions.values()] == [0]
+        assert not pending.done()
+        assert (await pending).batches == 1
+        timer.join()
+        assert [p.last_seq for p in (await writer.source_positions()).values()] == [1]
+    finally:
+        await writer.close()
+
+
+async def test_a_cancelled_append_still_commits_or_rolls_back_as_a_whole(sqlite_db, lock_holder):
+    """Cancelling the awaiting task (the daemon's shutdown timeout) cannot cut a transaction in two:
+    it runs to its end on the writer thread, and close waits for it."""
+    writer = await LedgerWriter.open(sqlite_db)
+    lock_holder.hold()
+    timer = lock_holder.release_after(0.3)
+    item = batch(0, stored(1, 2, 3))
+    pending = asyncio.create_task(writer.append([item]))
+    await asyncio.sleep(0.05)
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    await writer.close()
+    timer.join()
+    reopened = await LedgerWriter.open(sqlite_db)
+    try:
+        assert [p.last_seq for p in (await reopened.source_positions()).values()] == [0]
+        assert (await reopened.append([item])).duplicate_batches == 1  # recorded whole, exactly once
+    finally:
+        await reopened.close()
