@@ -59,7 +59,8 @@ def migrate(db: DbOption = DEFAULT_DB) -> None:
 @user_errors
 def replay(
     db: DbOption = DEFAULT_DB,
-    until: Annotated[int | None, typer.Option(help="Stop after this log seq (time travel); no diff then.")] = None,
+    until: Annotated[int | None, typer.Option(help="Stop after this log seq (time travel); no diff then.",
+                                              min=0)] = None,
     out: Annotated[str | None, typer.Option(help="Keep the rebuilt projections (tables only, no log) in this SQLite file, for sqlite3.")] = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -167,7 +168,7 @@ def inspect(
     kind: Annotated[str, typer.Argument(help="engine, donor or block")],
     ident: Annotated[str, typer.Argument(help="engine id, donor id, or block hash (decimal, 0x…, or 64 hex chars)")],
     db: DbOption = DEFAULT_DB,
-    limit: Annotated[int, typer.Option(help="At most this many log rows (newest).")] = 200,
+    limit: Annotated[int, typer.Option(help="At most this many log rows (newest).", min=1)] = 200,
 ) -> None:
     """Show one item's history from the log."""
     from ledger.stats import block_history, describe, history

@@ -123,7 +123,12 @@ def parse_hash(text: str) -> BlockHash:
     text = text.strip()
     if len(text) == 2 * WIDE_HASH_BYTES:
         return normalize_hash(text)
-    return normalize_hash(int(text, 0))
+    try:
+        value = int(text, 0)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a block hash: give a decimal or 0x-hex integer, or 64 hex "
+                         "characters") from None
+    return normalize_hash(value)
 
 
 class BlockState(enum.StrEnum):

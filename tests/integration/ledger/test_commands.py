@@ -1,0 +1,26 @@
+"""The audit commands refuse bad arguments with a clear message and a usage exit code (real CLI process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ledger", *args], capture_output=True, text=True, timeout=60,
+                          env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+
+
+def test_inspect_block_accepts_hash_notations_and_refuses_garbage(sqlite_db: str) -> None:
+    assert cli("inspect", "block", "0x10", "--db", sqlite_db).returncode == 1  # a valid hash with no history
+    refused = cli("inspect", "block", "zzz", "--db", sqlite_db)
+    assert refused.returncode == 2
+    assert "'zzz' is not a block hash" in refused.stderr and "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("args", [("replay", "--until", "-3"), ("inspect", "engine", "e", "--limit", "0")])
+def test_negative_or_empty_ranges_are_usage_errors(sqlite_db: str, args: tuple[str, ...]) -> None:
+    result = cli(*args, "--db", sqlite_db)
+    assert result.returncode == 2, result.stdout + result.stderr
