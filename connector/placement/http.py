@@ -2,7 +2,7 @@
 
 Endpoints (OpenAPI 3 schema at ``/openapi.json``, interactive docs at ``/docs``):
 
-* ``POST /v1/placement`` — :class:`PlacementRequest` → :class:`AdviceOut`: engines ranked by exact
+* ``POST /v1/placement`` — :class:`PlacementRequest` → :class:`~connector.placement.advice.Advice`: engines ranked by exact
   live overlap (blocks) and fresh donor spans, semantic candidates, each with the generation it was
   read at, and ``ledger_seq`` (the log position the snapshot includes).
 * ``POST /v1/donors`` — register a donor's tokens (and text) for the semantic index of this service
@@ -28,10 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import SQLAlchemyError
 
 from connector.discovery.types import DonorRecord, readonly_tokens
-from connector.placement.advice import PlacementAdvisor
+from connector.placement.advice import Advice, PlacementAdvisor
 from ledger.errors import LedgerError
 
-__all__ = ["AdviceOut", "PlacementRequest", "create_app"]
+__all__ = ["PlacementRequest", "create_app"]
 
 MAX_TOKENS = 262_144
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -52,42 +52,6 @@ class PlacementRequest(BaseModel):
     model_id: str = Field("", max_length=400)
     tokens_per_block: int | None = Field(None, ge=1, le=4096)
     max_semantic: int = Field(8, ge=0, le=64)
-
-
-class EngineOut(BaseModel):
-    engine_id: str
-    generation: int
-    status: str
-    fresh: bool
-    live_blocks: int
-    live_tokens: int
-    donor_id: str | None
-    donor_blocks: int
-    donor_tokens: int
-    semantic_tokens: int
-
-
-class SemanticOut(BaseModel):
-    donor_id: str
-    engine_id: str
-    generation: int | None
-    provider: str
-    match_type: str
-    reusable_token_count: int
-    segments: int
-    similarity_bucket: str
-    token_overlap_bucket: str
-    confidence_bucket: str
-    provider_generation: int
-
-
-class AdviceOut(BaseModel):
-    engines: list[EngineOut]
-    semantic: list[SemanticOut]
-    ledger_seq: int
-    tokens_per_block: int
-    num_tokens: int
-    elapsed_s: float
 
 
 class DonorIn(BaseModel):
@@ -125,7 +89,7 @@ def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: Co
             return JSONResponse({"detail": f"body over {max_body_bytes} bytes"}, status_code=413)
         return await call_next(request)
 
-    @app.post("/v1/placement", response_model=AdviceOut, summary="Rank engines for a request")
+    @app.post("/v1/placement", response_model=Advice, summary="Rank engines for a request")
     def placement(body: PlacementRequest) -> Any:
         started = time.perf_counter()
         try:
