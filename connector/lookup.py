@@ -26,7 +26,7 @@ from typing import Any
 
 from ledger.types import GenerationReason, StaleReason
 
-__all__ = ["BackgroundRunner", "DeadlineRunner", "MissDiagnosis", "stale_reason_name"]
+__all__ = ["BackgroundRunner", "DeadlineRunner", "MissDiagnosis", "Ticker", "stale_reason_name"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,32 @@ class BackgroundRunner:
                 if not must:
                     with self._lock:
                         self._telemetry -= 1
+
+
+class Ticker:
+    """A daemon thread that calls ``fn()`` every ``period_s`` seconds until :meth:`close`;
+    failures are logged (once per distinct message in a row) and the ticks go on."""
+
+    def __init__(self, name: str, period_s: float, fn: Callable[[], Any]) -> None:
+        self._fn, self._period = fn, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _loop(self) -> None:
+        last_error = None
+        while not self._stop.wait(self._period):
+            try:
+                self._fn()
+                last_error = None
+            except Exception as exc:  # boundary: a tick that fails is retried at the next one
+                if str(exc) != last_error:
+                    log.warning("semkv: %s failed: %s", self._thread.name, exc)
+                last_error = str(exc)
 
 
 class MissDiagnosis:

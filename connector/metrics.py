@@ -103,6 +103,9 @@ class ConnectorMetrics:
                                         registry=r)
         self.load_failures = Counter("semkv_load_failures_total", "Promised loads that failed in the worker",
                                      ("reason",), registry=r)
+        self.promises_broken = Counter("semkv_promises_broken_total",
+                                       "Promises whose ledger lease was refused or late; their plan ships failed",
+                                       ("reason",), registry=r)
         self.leases_held = Gauge("semkv_leases_held", "Leases this process holds", registry=r)
         self.leases_released = Counter("semkv_leases_released_total", "Leases released, by reason", ("reason",),
                                        registry=r)

@@ -6,10 +6,19 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
    the block manager HOLDS ITS LOCK. TensorRT-LLM's own prefix reuse ran first (rule 1): the lookup
    starts at the block boundary ``num_computed_tokens`` and only adds tokens past it. In
    ``exact_equivalent`` it asks the ledger for the longest FRESH donor span of the request's
-   chained content keys in the request's namespace, checks the donor store holds checksummed bytes,
-   and takes a ledger lease (pin) BEFORE answering ``(n, False)`` in whole blocks, leaving at least
-   one prompt token to compute. The ledger/store part runs under a hard deadline
-   (``lookup_timeout_s``); key hashing (O(prompt), CPU only) runs before it on the calling thread.
+   chained content keys in the request's namespace — in memory, from the scheduler's
+   :class:`~ledger.donor_view.DonorView` of the ledger (donors whose bytes this host's store holds,
+   with their block liveness; caught up every ``donor_view_refresh_s`` by a background tick) —
+   checks the donor store holds checksummed bytes, and pins the donor in the store BEFORE answering
+   ``(n, False)`` in whole blocks, leaving at least one prompt token to compute. The ledger lease
+   (``lease_taken``, which re-checks freshness and every promised block in its write transaction)
+   is written right after, on the background thread, so the answer never waits for the ledger's
+   write lock; ``build_connector_meta`` waits for that lease (``lease_confirm_timeout_s``) before
+   it ships the plan, and a refused or late lease ships the plan FAILED — the request fails
+   closed, or is recomputed where the engine can (counted in ``semkv_promises_broken_total``).
+   The ledger/store part runs under a hard deadline (``lookup_timeout_s``): on SQLite on the
+   engine's own thread, the ledger interrupting its statements at the deadline; on PostgreSQL on
+   a lookup thread that is abandoned. Key hashing (O(prompt), CPU only) runs before it.
    Anything doubtful — unknown or unsupported namespace field, stale/quarantined donor, missing or
    corrupt bytes, refused or expiring lease, deadline, any exception — is a miss ``(0, False)``,
    counted by reason; nothing ever raises into the engine (rule 4). ``discovery_only`` and
@@ -24,7 +33,8 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
    the allocation does not match the promise, the lease is released and the plan is replaced by a
    FAILED plan, so the worker fails the request instead of letting it compute on unloaded blocks.
 3. ``build_connector_meta(scheduler_output)`` — every iteration: ships plans (with the request's
-   first report, after checking ``computed_position`` and block ids agree) and save instructions.
+   first report, after checking ``computed_position`` and block ids agree, and once the plan's
+   ledger lease is confirmed) and save instructions.
 4. ``request_finished(request, cache_block_ids)`` — once per request, also on failure: releases the
    request's lease (rule 7) and, for a request that completed its prefill, registers it as a donor
    in the ledger (content keys, engine block hashes, namespace, generation) and asks the worker to
@@ -44,7 +54,10 @@ import logging
 import os
 import socket
 import time
+import uuid
 from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -52,12 +65,13 @@ from connector._trtllm import KvCacheConnectorScheduler
 from connector.discovery.hook import SchedulerDiscovery
 from connector.donors import DonorRegistrar
 from connector.donor_store import ChecksumMismatch, DonorStoreError, EntryMissing, FileDonorStore
-from connector.lookup import BackgroundRunner, DeadlineRunner, MissDiagnosis, stale_reason_name
+from connector.lookup import BackgroundRunner, DeadlineRunner, MissDiagnosis, Ticker, stale_reason_name
 from connector.metrics import ConnectorMetrics, process_metrics, serve_metrics
 from connector.namespace import DeploymentNamespace, Namespace, NamespaceUnknown, content_keys, probe_key
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
 from connector.settings import ConnectorSettings, load_connector_settings
-from ledger.errors import LedgerError
+from ledger.donor_view import DonorView, ViewDonor
+from ledger.errors import DeadlineExceeded, LedgerError
 from ledger.queries import DonorSpan, Lease, LedgerClient
 from ledger.types import FreshnessPolicy, StaleReason
 
@@ -78,7 +92,9 @@ class _Miss(Exception):
 @dataclasses.dataclass(slots=True)
 class _Promise:
     span: DonorSpan
-    lease: Lease
+    lease_id: str
+    lease: Future[Lease | StaleReason]
+    """The ledger lease, written by the background thread after the answer."""
     start_block: int
     num_blocks: int
 
@@ -92,6 +108,11 @@ class _RequestState:
     plan: LoadPlan | None = None
     shipped: bool = False
     block_hashes: list[int] = dataclasses.field(default_factory=list)
+
+
+def _span_of(donor: ViewDonor, num_blocks: int) -> DonorSpan:
+    return DonorSpan(donor.donor_id, donor.engine_id, donor.generation, num_blocks, donor.tokens_per_block,
+                     donor.store_ref, donor.checksum, donor.provider_generation)
 
 
 def process_rank() -> int:
@@ -177,7 +198,12 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         # the discovery service (shared, or this scheduler's own); None when discovery is off
         self.discovery = self._discovery.service if self._discovery is not None else None
         self._diagnosis = MissDiagnosis(self.ledger, self.store)
-        self._hot = DeadlineRunner("semkv-lookup")
+        # SQLite reads run on the engine's thread under an interrupting deadline; others on a thread
+        self._hot = None if self.ledger.interruptible else DeadlineRunner("semkv-lookup")
+        self._view: DonorView | None = None
+        self._view_tick: Ticker | None = None
+        if s.materializes and s.donor_view_refresh_s > 0:
+            self._view = DonorView(self._in_store, s.donor_view_max_blocks)
         self._background = BackgroundRunner("semkv-background", on_drop=self.metrics.telemetry_dropped.inc)
         self._requests: dict[int, _RequestState] = {}
         self._saves: deque[SaveInstruction] = deque()
@@ -186,6 +212,19 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self._donors = DonorRegistrar(s, self.namespace, registrar_ledger, _FreshSpans(self.ledger, self.policy),
                                       self.metrics, self.tokens_per_block, self.window_size)
         self._record_engine_start()
+        if self._view is not None:  # after the start is recorded: this engine's old donors are stale in it
+            self._load_view()
+            view = self._view
+            self._view_tick = Ticker("semkv-donor-view", s.donor_view_refresh_s, lambda: self.ledger.refresh_view(view))
+
+    def _load_view(self) -> None:
+        """Load the donor view before the first request (a tick would take up to one period, and
+        lookups read the ledger until then)."""
+        assert self._view is not None
+        try:
+            self.ledger.refresh_view(self._view)
+        except LedgerError as exc:  # the ledger is down: lookups read it (and miss) until a tick loads the view
+            log.warning("semkv: could not load the donor view: %s", exc)
 
     def _record_engine_start(self) -> None:
         """A connector starting means a new engine process: what the ledger knew of this engine's
@@ -251,61 +290,85 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         if sum(1 for st in self._requests.values()
                if st.promise is not None and not st.shipped) >= self.settings.max_plans_per_iteration:
             raise _Miss("plan_limit")
-        finished, result = self._hot.run(lambda job: self._find_and_lease(job, rid, ns, lookup_keys, start_block),
-                                         self.settings.lookup_timeout_s, on_abandon=self._abandoned)
-        if not finished:
-            raise _Miss("timeout")
+        result = self._find_under_deadline(ns, lookup_keys, start_block)
         if isinstance(result, _Miss):
             if result.reason == "no_donor":
                 self._background.submit(lambda: self._explain(ns, keys, start_block, probe))
                 raise _Miss("")
             raise result
-        state.promise = result
+        state.promise = self._promise(rid, ns, result, start_block)
         self.metrics.promises.inc()
-        self.metrics.promised_tokens.inc(result.num_blocks * tpb)
+        self.metrics.promised_tokens.inc(state.promise.num_blocks * tpb)
         self.metrics.leases_held.inc()
-        return result.num_blocks * tpb
+        return state.promise.num_blocks * tpb
 
-    def _find_and_lease(self, job: Any, rid: int, ns: Namespace, keys: list[bytes], start_block: int
-                        ) -> _Promise | _Miss:
-        """Runs on the lookup thread, under the deadline. Returns a promise (lease held) or a miss.
+    def _find_under_deadline(self, ns: Namespace, keys: list[bytes], start_block: int) -> DonorSpan | _Miss:
+        """The ledger/store part of the lookup, at most ``lookup_timeout_s``.
 
-        Optimistic: the ledger finds the longest span whose donor's STATE is fresh without
-        checking its blocks (``check_blocks=False``); the lease (the ledger's own freshness check,
-        in its write transaction) then checks the blocks and pins the longest live prefix
-        (``up_to_blocks``), so block liveness is read once per hit. Only when fewer than
-        ``min_match_blocks`` of that donor's blocks are live does it fall back to the ledger's
-        exact search over several donors.
-        """
+        From the donor view (memory; see :mod:`ledger.donor_view`) once it is loaded; until then
+        (or with ``donor_view_refresh_s = 0``) from the ledger: on SQLite on the engine's own thread
+        (the ledger interrupts its statements at the deadline: no thread hand-off, ~30 µs here), on
+        PostgreSQL, whose socket reads cannot be interrupted that way, on the lookup thread,
+        abandoned at the deadline."""
+        if self._view is not None and self._view.ready:
+            return self._find(ns, keys, start_block, self._view)
+        timeout = self.settings.lookup_timeout_s
+        if self._hot is None:
+            try:
+                with self.ledger.deadline(timeout):
+                    return self._find(ns, keys, start_block, None)
+            except DeadlineExceeded:
+                return _Miss("timeout")
+        finished, result = self._hot.run(lambda job: self._find(ns, keys, start_block, None), timeout)
+        return result if finished else _Miss("timeout")
+
+    def _find(self, ns: Namespace, keys: list[bytes], start_block: int, view: DonorView | None) -> DonorSpan | _Miss:
+        """The longest span the ledger says is fresh whose checksummed bytes the store holds."""
         min_blocks = start_block + self.settings.min_match_blocks
-        span = self.ledger.find_donor_span(ns.digest, keys, policy=self.policy, min_blocks=min_blocks,
-                                           check_blocks=False)
+        if view is None:
+            span = self.ledger.find_donor_span(ns.digest, keys, policy=self.policy, min_blocks=min_blocks)
+        else:
+            found = view.longest_span(ns.digest, keys, now=time.time(), min_blocks=min_blocks,
+                                      check_blocks=self.policy == FreshnessPolicy.ENGINE)
+            span = None if found is None else _span_of(*found)
         if span is None:
             return _Miss("no_donor")
-        for attempt in range(2):
-            if span.store_ref is None or span.checksum is None:
-                return _Miss("donor_not_saved")
-            miss = self._check_bytes(span)
-            if miss is not None:
-                return miss
-            if job.abandoned:
-                return _Miss("timeout")
-            lease = self.ledger.take_lease(span.donor_id, request_id=str(rid), holder=self.holder,
-                                           namespace=ns.digest, num_blocks=min_blocks, up_to_blocks=span.num_blocks,
-                                           ttl_s=self.settings.lease_ttl_s, policy=self.policy)
-            if lease != StaleReason.BLOCKS_NOT_LIVE or attempt:
-                break
-            span = self.ledger.find_donor_span(ns.digest, keys, policy=self.policy, min_blocks=min_blocks)
-            if span is None:
-                return _Miss("donor_blocks_removed")
-        if isinstance(lease, StaleReason):
-            return _Miss(stale_reason_name(lease) if lease != StaleReason.LEASE_NOT_HELD else "lease_refused")
-        if lease.expires_at <= time.time():
-            self._background.submit(lambda: self.ledger.release_lease(lease.lease_id, "expired_at_take"), must=True)
-            return _Miss("lease_expired")
-        if lease.num_blocks < span.num_blocks:
-            span = dataclasses.replace(span, num_blocks=lease.num_blocks)
-        return _Promise(span, lease, start_block, span.num_blocks - start_block)
+        if span.store_ref is None or span.checksum is None:
+            return _Miss("donor_not_saved")
+        return self._check_bytes(span) or span
+
+    def _in_store(self, donor_id: str, store_ref: str) -> bool:
+        """Does this host's donor store hold the entry? (the donor view keeps only those)"""
+        try:
+            self.store.size_of(store_ref)
+            return True
+        except DonorStoreError:
+            return False
+
+    def _promise(self, rid: int, ns: Namespace, span: DonorSpan, start_block: int) -> _Promise:
+        """Pin the donor in the store now; write its ledger lease in the background (FIFO with the
+        release, so a release never overtakes its lease). ``build_connector_meta`` waits for the
+        lease before shipping the plan: the worker's revalidation reads it (DESIGN §2 rule 6)."""
+        taken_at = time.time()
+        if taken_at + self.settings.lease_ttl_s <= time.time():  # a TTL shorter than this very call
+            raise _Miss("lease_expired")
+        self.store.lease(span.donor_id)
+        lease_id, outcome = uuid.uuid4().hex, Future()
+        min_blocks = start_block + self.settings.min_match_blocks
+
+        def take() -> None:
+            if not outcome.set_running_or_notify_cancel():
+                return
+            try:
+                outcome.set_result(self.ledger.take_lease(
+                    span.donor_id, request_id=str(rid), holder=self.holder, namespace=ns.digest,
+                    num_blocks=min_blocks, up_to_blocks=span.num_blocks, ttl_s=self.settings.lease_ttl_s,
+                    policy=self.policy, lease_id=lease_id, now=taken_at))
+            except BaseException as exc:  # noqa: BLE001 - handed to build_connector_meta, which fails the plan
+                outcome.set_exception(exc)
+
+        self._background.submit(take, must=True)
+        return _Promise(span, lease_id, outcome, start_block, span.num_blocks - start_block)
 
     def _check_bytes(self, span: Any) -> _Miss | None:
         ref, checksum = span.store_ref, span.checksum
@@ -332,11 +395,6 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             self.store.evict(span.donor_id, "checksum_mismatch", force=True)
         except DonorStoreError as exc:  # vanished meanwhile: the next lookup misses with store_missing
             log.debug("semkv: background verification of %s: %s", span.donor_id, exc)
-
-    def _abandoned(self, result: Any) -> None:
-        if isinstance(result, _Promise):
-            self.ledger.release_lease(result.lease.lease_id, "lookup_timeout")
-            self.metrics.leases_released.labels(reason="lookup_timeout").inc()
 
     # -- background telemetry --------------------------------------------------------------------
     def _explain(self, ns: Namespace, keys: list[bytes], start_block: int, probe: str | None) -> None:
@@ -400,7 +458,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             request_id=rid, donor_id=p.span.donor_id, provider_generation=p.span.provider_generation,
             namespace=ns.digest, mode="exact_equivalent", target_block_ids=targets, donor_block_start=p.start_block,
             num_blocks=p.num_blocks, token_count=p.num_blocks * self.tokens_per_block, score_bucket="exact",
-            lease_id=p.lease.lease_id, store_ref=p.span.store_ref or "", checksum=p.span.checksum or "",
+            lease_id=p.lease_id, store_ref=p.span.store_ref or "", checksum=p.span.checksum or "",
             donor_engine_id=p.span.engine_id, donor_generation=p.span.generation,
             layout=self.namespace.layout.describe() if self.namespace.layout else "",
             freshness_policy=str(self.policy), failed=failed)
@@ -439,6 +497,11 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         assert plan is not None
         if plan.failed:
             return plan
+        broken = self._lease_outcome(state)
+        if broken is not None:
+            self.metrics.promises_broken.labels(reason=broken[0]).inc()
+            self._release(state, "lease_" + broken[0])
+            return dataclasses.replace(plan, failed=broken[1])
         start = int(data.computed_position) // tpb
         reported = tuple(int(b) for b in data.new_block_ids[start : start + plan.num_blocks])
         if start != plan.donor_block_start or reported != plan.target_block_ids:
@@ -446,6 +509,28 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             return dataclasses.replace(plan, failed=f"scheduler report disagrees with the promise (computed_position="
                                        f"{data.computed_position}, blocks {reported} vs {plan.target_block_ids})")
         return plan
+
+    def _lease_outcome(self, state: _RequestState) -> tuple[str, str] | None:
+        """None when the promise's ledger lease is held for every promised block, else
+        ``(reason, message)``: refused (the donor went stale between the lookup's read and the
+        lease's write), shorter than promised, expired, failed, or not committed in time."""
+        promise = state.promise
+        if promise is None:  # released meanwhile (cannot happen between alloc and ship)
+            return "released", "the promise's lease was released before its plan shipped"
+        try:
+            lease = promise.lease.result(timeout=self.settings.lease_confirm_timeout_s)
+        except FutureTimeout:
+            return "late", f"ledger lease not committed within {self.settings.lease_confirm_timeout_s} s"
+        except Exception as exc:  # noqa: BLE001 - a ledger error: the plan fails closed
+            return "error", f"ledger lease failed: {exc}"
+        if isinstance(lease, StaleReason):
+            return stale_reason_name(lease), f"donor {promise.span.donor_id} went stale before its lease: {lease}"
+        if lease.num_blocks < promise.span.num_blocks:
+            return "donor_blocks_removed", (f"lease covers {lease.num_blocks} of the {promise.span.num_blocks} "
+                                            "donor blocks promised")
+        if lease.expires_at <= time.time():
+            return "lease_expired", "the lease expired before its plan shipped"
+        return None
 
     # ============================================================ 4. finish, cancel
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
@@ -471,7 +556,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             return
         self.metrics.leases_held.dec()
         self.metrics.leases_released.labels(reason=reason).inc()
-        self._background.submit(lambda: self.ledger.release_lease(promise.lease.lease_id, reason), must=True)
+        self.store.release(promise.span.donor_id)
+        self._background.submit(lambda: self.ledger.release_lease(promise.lease_id, reason), must=True)
 
     def _reset(self, request: Any, reason: str) -> None:
         state = self._requests.get(request.request_id)
@@ -480,6 +566,12 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             state.plan, state.shipped = None, False
 
     # ============================================================ lifecycle
+    def sync_view(self) -> None:
+        """Catch the donor view up with the ledger now, instead of at the next tick (tests that
+        need the view to reflect a change they just made; no-op without a view)."""
+        if self._view is not None:
+            self.ledger.refresh_view(self._view)
+
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait for background work (lease releases, telemetry, discovery lookups and indexing)
         queued so far; tests and shutdown."""
@@ -492,8 +584,11 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         service this scheduler built; an injected one is its owner's to close)."""
         for state in list(self._requests.values()):
             self._release(state, "shutdown")
+        if self._view_tick is not None:
+            self._view_tick.close()
         self._background.close()
-        self._hot.close()
+        if self._hot is not None:
+            self._hot.close()
         self.ledger.close()
         if self._discovery is not None:
             self._discovery.close()

@@ -109,6 +109,16 @@ class ConnectorSettings(BaseSettings):
     """Hard deadline of the ledger/store part of ``get_num_new_matched_tokens`` (seconds)."""
     lease_ttl_s: float = Field(60.0, gt=0, le=86_400)
     """A lease (pin on a donor) expires after this long even if never released (seconds)."""
+    lease_confirm_timeout_s: float = Field(0.5, gt=0, le=60)
+    """A promise's ledger lease is written off the engine's path; ``build_connector_meta`` waits this long
+    for it before shipping the plan (seconds). A lease refused or not committed by then ships the plan
+    failed: the request fails closed (counted in ``semkv_promises_broken_total``)."""
+    donor_view_refresh_s: float = Field(0.005, ge=0)
+    """The scheduler answers lookups from an in-memory view of the ledger's fresh donors (those whose bytes
+    this host's store holds, with their block liveness), caught up from the ledger this often (seconds).
+    0: no view, every lookup reads the ledger (slower: DESIGN §7's budget needs the view)."""
+    donor_view_max_blocks: int = Field(131_072, ge=1)
+    """Donor blocks the view holds at most (~300 bytes each); beyond it the oldest donors leave the view."""
     donor_ttl_s: float | None = Field(3600.0, gt=0)
     """Registered donors expire after this long (seconds); None: never."""
     min_match_blocks: int = Field(1, ge=1)

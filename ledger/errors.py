@@ -11,6 +11,10 @@ class PersistenceError(LedgerError):
     """A database error (connection, lock timeout, constraint) translated from the driver."""
 
 
+class DeadlineExceeded(PersistenceError):
+    """A read was interrupted because the caller's deadline passed (see ``LedgerClient.deadline``)."""
+
+
 class SchemaOutOfDate(LedgerError):
     """The ledger database is not at the schema head; run ``semkv-ledger migrate``."""
 

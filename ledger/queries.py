@@ -24,11 +24,12 @@ transaction on the same connection (``BEGIN IMMEDIATE`` on SQLite).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import bindparam, exists, func, or_, select
@@ -37,7 +38,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from ledger import events as ev
 from ledger.db import Prepared, Sql
 from ledger.decide import Decider
-from ledger.errors import EventRejected, PersistenceError
+from ledger.errors import DeadlineExceeded, EventRejected, PersistenceError
+from ledger.donor_view import DonorView
+from ledger.liveness import LIVENESS_KINDS
 from ledger.migrate import check_schema
 from ledger.recorder import persistence_error, transact
 from ledger.schema import BlockRow, DonorBlockRow, DonorRow, EngineRow, LeaseRow, LogRow
@@ -144,6 +147,36 @@ _CHECK = Prepared(
     .where(_DONORS.c.donor_id == bindparam("donor_id")))
 """Everything freshness needs but block liveness, in one statement (donor ⟕ engine ⟕ lease)."""
 
+_MAX_SEQ = Prepared(select(func.max(_LOG.c.seq)))
+_BLOCK_ROWS = Prepared(
+    select(_LOG.c.seq, _LOG.c.kind, _LOG.c.engine_id, _LOG.c.attention_dp_rank, _LOG.c.window_size, _LOG.c.body)
+    .where(_LOG.c.kind.in_([bindparam(f"kind{i}") for i in range(len(LIVENESS_KINDS))]),
+           _LOG.c.seq > bindparam("after"), _LOG.c.seq <= bindparam("upto"), _LOG.c.applied.is_(True))
+    .order_by(_LOG.c.seq))
+"""Applied block rows in a seq range (one range of ``ix_log_kind_seq`` per kind)."""
+
+_BLOCK_ROW_PARAMS = {f"kind{i}": kind for i, kind in enumerate(LIVENESS_KINDS)}
+
+_ENGINE_GENERATIONS = Prepared(select(_ENGINES.c.engine_id, _ENGINES.c.generation))
+_DONORS_CHANGED = Prepared(
+    select(_DONORS.c.donor_id, _DONORS.c.namespace, _DONORS.c.engine_id, _DONORS.c.attention_dp_rank,
+           _DONORS.c.window_size, _DONORS.c.generation, _DONORS.c.tokens_per_block, _DONORS.c.provider_generation,
+           _DONORS.c.expires_at, _DONORS.c.state, _DONORS.c.store_ref, _DONORS.c.checksum, _DONORS.c.registered_seq)
+    .where(_DONORS.c.updated_seq > bindparam("after"), _DONORS.c.updated_seq <= bindparam("upto"))
+    .order_by(_DONORS.c.updated_seq))
+"""Donor rows changed in a seq range (``ix_donors_updated_seq``), in the layout DonorView.changed takes."""
+_DONOR_BLOCKS_LIVE = Prepared(
+    select(_DBLOCKS.c.content_key, _DBLOCKS.c.block_hash, _DBLOCKS.c.block_hash_ext,
+           exists().where(_BLOCKS.c.engine_id == bindparam("engine_id"),
+                          _BLOCKS.c.attention_dp_rank == bindparam("attention_dp_rank"),
+                          _BLOCKS.c.window_size == bindparam("window_size"),
+                          _BLOCKS.c.block_hash == _DBLOCKS.c.block_hash,
+                          _BLOCKS.c.block_hash_ext == _DBLOCKS.c.block_hash_ext,
+                          _BLOCKS.c.state == str(BlockState.LIVE),
+                          _BLOCKS.c.generation == bindparam("generation")).label("live"))
+    .where(_DBLOCKS.c.donor_id == bindparam("donor_id")).order_by(_DBLOCKS.c.position))
+"""A donor's blocks in position order: content key, engine hash, live in the donor's generation."""
+
 _ENGINE_INFO = Prepared(
     select(_ENGINES.c.generation, _ENGINES.c.status, _LOG.c.kind, _LOG.c.body)
     .select_from(_ENGINES.outerjoin(_LOG, _LOG.c.seq == _ENGINES.c.generation_seq))
@@ -187,6 +220,11 @@ class LedgerClient:
         if check:
             with self._engine.connect() as conn:
                 check_schema(conn, db)
+
+    @property
+    def interruptible(self) -> bool:
+        """True when :meth:`deadline` can interrupt this ledger's reads (SQLite)."""
+        return self._engine.dialect.name == "sqlite"
 
     def close(self) -> None:
         with self._open_lock:
@@ -239,6 +277,53 @@ class LedgerClient:
         blocks = check_blocks and policy == FreshnessPolicy.ENGINE
         return self._read(lambda sql: _find_span(sql, namespace, content_keys, blocks, now, min_blocks),
                           snapshot=True)
+
+    def refresh_view(self, view: DonorView) -> int:
+        """Catch ``view`` up with what changed in the ledger since its cursor (one read
+        transaction on SQLite): engines' generations, donors whose ``updated_seq`` moved (a new
+        saved donor's content keys, block hashes and block liveness are read here) and the log's
+        block rows. Returns the log seq the view now reflects. Cost when nothing changed: one
+        statement (the log's max seq)."""
+        def run(sql: Sql) -> int:
+            upto = sql.one(_MAX_SEQ, {})[0] or 0
+            if upto == view.cursor:
+                view.caught_up()
+                return upto
+            after = view.cursor
+            blocks = sql.all(_BLOCK_ROWS, {"after": after, "upto": upto, **_BLOCK_ROW_PARAMS}) if after >= 0 else []
+            view.changed(upto, sql.all(_ENGINE_GENERATIONS, {}),
+                         sql.all(_DONORS_CHANGED, {"after": after, "upto": upto}), blocks,
+                         lambda row: _view_donor(sql, row))
+            return upto
+
+        return self._read(run, snapshot=True)
+
+    @contextlib.contextmanager
+    def deadline(self, seconds: float) -> Iterator[None]:
+        """Interrupt this thread's SQLite statements once ``seconds`` have passed: they raise
+        :class:`~ledger.errors.DeadlineExceeded`. Lets the scheduler read on the engine's own
+        thread under a hard deadline (SQLite checks every 64 virtual-machine steps). A no-op on
+        PostgreSQL, whose caller keeps its deadline thread."""
+        sql = self._sql()
+        if not sql.is_sqlite:
+            yield
+            return
+        limit = time.perf_counter() + seconds
+        clock = time.perf_counter
+        local = self._local
+
+        def past_deadline() -> bool:
+            if clock() > limit:
+                local.interrupted = True
+                return True
+            return False
+
+        local.interrupted = False
+        sql.connection.set_progress_handler(past_deadline, 64)
+        try:
+            yield
+        finally:
+            sql.connection.set_progress_handler(None, 0)
 
     def donor_freshness(self, donor_id: str, *, namespace: str, num_blocks: int | None = None,
                         policy: FreshnessPolicy = FreshnessPolicy.ENGINE, lease_id: str | None = None,
@@ -340,7 +425,7 @@ class LedgerClient:
 
     def take_lease(self, donor_id: str, *, request_id: str, holder: str, namespace: str, num_blocks: int,
                    ttl_s: float, policy: FreshnessPolicy = FreshnessPolicy.ENGINE, now: float | None = None,
-                   up_to_blocks: int | None = None) -> Lease | StaleReason:
+                   up_to_blocks: int | None = None, lease_id: str | None = None) -> Lease | StaleReason:
         """Pin a donor for a load: revalidate and append ``lease_taken`` in ONE write transaction,
         so no generation bump can slip between the check and the pin.
 
@@ -349,6 +434,8 @@ class LedgerClient:
             up_to_blocks: lease the donor's longest live prefix up to this many blocks instead of
                 exactly ``num_blocks``: a donor whose tail blocks were evicted since the lookup
                 still serves its live head (``Lease.num_blocks`` says how many).
+            lease_id: the id to record (a caller that hands the id out before the write commits,
+                as the scheduler does); a fresh one by default.
 
         Returns:
             the lease, or why the donor is no longer fresh (nothing is written then).
@@ -369,7 +456,7 @@ class LedgerClient:
                     usable = _live_prefix(sql, donor_id, donor, usable)
                     if usable < min(num_blocks, donor.num_blocks):
                         return StaleReason.BLOCKS_NOT_LIVE
-                lease = Lease(lease_id=uuid.uuid4().hex, donor_id=donor_id, expires_at=now + ttl_s,
+                lease = Lease(lease_id=lease_id or uuid.uuid4().hex, donor_id=donor_id, expires_at=now + ttl_s,
                               num_blocks=usable)
                 decider.emit(ev.LeaseTaken(lease_id=lease.lease_id, donor_id=donor_id, request_id=request_id,
                                            holder=holder, expires_at=lease.expires_at))
@@ -446,6 +533,8 @@ class LedgerClient:
                 self._drop()
             elif snapshot:
                 self._rollback(sql)
+            if getattr(self._local, "interrupted", False):
+                raise DeadlineExceeded(f"ledger read interrupted at its deadline: {exc}") from wrapped
             raise persistence_error(wrapped) from wrapped
         except BaseException:
             if snapshot:
@@ -519,6 +608,13 @@ def _check(sql: Sql, donor_id: str, namespace: str, lease_id: str | None, now: f
     return _Checked(engine_id, dp_rank, window, generation, num_blocks)
 
 
+def _view_donor(sql: Sql, row: Any) -> tuple[list[bytes], list[tuple[int, bytes]], list[bool]]:
+    """A ``_DONORS_CHANGED`` row's content keys, block hashes and which blocks are live (DonorView)."""
+    blocks = sql.all(_DONOR_BLOCKS_LIVE, {"donor_id": row[0], "engine_id": row[2], "attention_dp_rank": row[3],
+                                          "window_size": row[4], "generation": row[5]})
+    return [bytes(b[0]) for b in blocks], [(b[1], bytes(b[2])) for b in blocks], [bool(b[3]) for b in blocks]
+
+
 def _live_prefix(sql: Sql, donor_id: str, donor: Any, num_blocks: int) -> int:
     """How many leading blocks of the donor are live in its generation (at most ``num_blocks``).
 
@@ -534,15 +630,20 @@ def _holding(sql: Sql, namespace: str, key: bytes, now: float, limit: int) -> li
     return sql.all(_HOLDING, {"content_key": key, "namespace": namespace, "now": now, "limit": limit})
 
 
-def _find_span(sql: Sql, namespace: str, keys: Sequence[bytes], check_blocks: bool, now: float,
-               min_blocks: int) -> DonorSpan | None:
+def _longest_held(sql: Sql, namespace: str, keys: Sequence[bytes], now: float, min_blocks: int) -> tuple[int, list]:
+    """``(n, rows)``: the most leading keys any state-fresh donor holds (0 if fewer than
+    ``min_blocks``) and the newest such donor (a one-row ``_HOLDING`` result). Tries the last key
+    first (a whole-prompt hit costs one query), then binary search."""
     if not keys or len(keys) < max(min_blocks, 1):
-        return None
+        return 0, []
+    found = _holding(sql, namespace, keys[-1], now, 1)
+    if found:
+        return len(keys), found
     first = max(min_blocks, 1)
-    found = _holding(sql, namespace, keys[first - 1], now, 1)
+    found = _holding(sql, namespace, keys[first - 1], now, 1) if first < len(keys) else []
     if not found:
-        return None
-    lo, hi = first, len(keys)  # invariant: a fresh donor holds keys[:lo]; none holds keys[:hi+1]
+        return 0, []
+    lo, hi = first, len(keys) - 1  # invariant: a fresh donor holds keys[:lo]; none holds keys[:hi+1]
     while lo < hi:
         mid = (lo + hi + 1) // 2
         rows = _holding(sql, namespace, keys[mid - 1], now, 1)
@@ -550,6 +651,18 @@ def _find_span(sql: Sql, namespace: str, keys: Sequence[bytes], check_blocks: bo
             lo, found = mid, rows
         else:
             hi = mid - 1
+    return lo, found
+
+
+def _span(row: Any, num_blocks: int) -> DonorSpan:
+    return DonorSpan(row[0], row[1], row[2], num_blocks, row[3], row[4], row[5], row[6])
+
+
+def _find_span(sql: Sql, namespace: str, keys: Sequence[bytes], check_blocks: bool, now: float,
+               min_blocks: int) -> DonorSpan | None:
+    lo, found = _longest_held(sql, namespace, keys, now, min_blocks)
+    if not lo:
+        return None
     # ``found`` is the newest donor holding keys[lo - 1]; with block checks, up to 4 candidates
     candidates = _holding(sql, namespace, keys[lo - 1], now, 4) if check_blocks else found
     best: DonorSpan | None = None
@@ -559,7 +672,7 @@ def _find_span(sql: Sql, namespace: str, keys: Sequence[bytes], check_blocks: bo
             where = _Checked(donor[1], donor[7], donor[8], donor[2], lo)
             usable = _live_prefix(sql, donor[0], where, lo)
         if usable >= min_blocks and (best is None or usable > best.num_blocks):
-            best = DonorSpan(donor[0], donor[1], donor[2], usable, donor[3], donor[4], donor[5], donor[6])
+            best = _span(donor, usable)
         if best is not None and best.num_blocks == lo:
             break
     return best

@@ -78,7 +78,7 @@ class LogRow(Base):
         # Idempotency (DESIGN §5): a replayed or duplicated batch can never enter twice.
         UniqueConstraint("source_id", "source_epoch", "zmq_seq", "batch_index"),
         Index("ix_log_engine_seq", "engine_id", "seq"),
-        Index("ix_log_kind", "kind"),
+        Index("ix_log_kind_seq", "kind", "seq"),  # removal rows since a seq (the connector's donor view)
     )
 
 
@@ -167,7 +167,8 @@ class DonorRow(Base):
     registered_seq: Mapped[int]
     updated_seq: Mapped[int]
 
-    __table_args__ = (Index("ix_donors_engine_state", "engine_id", "state"),)
+    __table_args__ = (Index("ix_donors_engine_state", "engine_id", "state"),
+                      Index("ix_donors_updated_seq", "updated_seq"))  # what changed since a seq
 
 
 class DonorBlockRow(Base):

@@ -114,6 +114,8 @@ class Fleet:
     _stop: asyncio.Event | None = None
     _thread: threading.Thread | None = None
     _error: BaseException | None = None
+    connector_defaults: dict[str, Any] = field(default_factory=dict)
+    """Connector settings every engine gets unless a test overrides them."""
 
     def start(self) -> Fleet:
         self.db = f"sqlite:///{self.root / 'ledger.db'}"
@@ -155,7 +157,8 @@ class Fleet:
 
     def connector_settings(self, engine_id: str, **overrides: Any) -> ConnectorSettings:
         values = {"db": self.db, "mode": "exact_equivalent", "engine_id": engine_id, "store_dir": self.store_dir,
-                  "lookup_timeout_s": 1.0, "lease_ttl_s": 60.0, "store_capacity_bytes": 2**30, **overrides}
+                  "lookup_timeout_s": 1.0, "lease_ttl_s": 60.0, "store_capacity_bytes": 2**30,
+                  **self.connector_defaults, **overrides}
         return load_connector_settings(values, environ={})
 
     def engine(self, engine_id: str, *, connector: bool = True, model: ModelConfig = MODEL,
@@ -203,6 +206,9 @@ class Fleet:
                 if time.monotonic() > deadline:
                     raise AssertionError(f"ledger did not reach seq {engine.last_seq} of {source_id}")
                 time.sleep(0.002)
+        for engine in self.engines.values():  # and every scheduler's donor view shows it
+            if engine.llm.connector is not None:
+                engine.scheduler.sync_view()
 
     def _ledger_seq(self, source_id: str) -> int:
         t = SourceRow.__table__

@@ -1,21 +1,33 @@
 """Negative controls: B is never promised a token of A's donor when it must not be, and each miss
 is counted under its own reason (DESIGN §2 rules 4 and 9, §8). Each control also checks B's answer
-is still right (its prefill matches a cold pass)."""
+is still right (its prefill matches a cold pass). The last tests cover the donor view's lag: a
+donor that goes stale after the view's last catch-up is promised, and its plan ships failed."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from connector.harness import KvCacheConfig, ModelConfig
+from connector.harness.connector_driver import ConnectorWorkerError
 from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model, doc_tokens
 
 TPB = MODEL.tokens_per_block
 DOC = doc_tokens(12 * TPB, seed=11)
 QUESTION = doc_tokens(24, seed=12)
+
+
+@pytest.fixture(autouse=True, params=["donor_view", "ledger_reads"])
+def lookup_path(request, fleet: Fleet) -> str:
+    """Every control runs twice: lookups answered from the scheduler's donor view (the default) and
+    from ledger reads (``donor_view_refresh_s = 0``: the path before the view is loaded)."""
+    if request.param == "ledger_reads":
+        fleet.connector_defaults["donor_view_refresh_s"] = 0
+    return request.param
 
 
 def donor_on_a(fleet: Fleet, **generate_kw) -> Engine:
@@ -111,5 +123,53 @@ def test_lease_expired_before_the_answer(fleet: Fleet) -> None:
     donor_on_a(fleet)
     b = fleet.engine("B", lease_ttl_s=1e-9)
     assert_missed(b, b.generate(DOC + QUESTION), "lease_expired")
+    b.scheduler.flush()
+    assert fleet.held_leases() == 0
+
+
+def _stale_after_the_view(fleet: Fleet, **b_kw) -> Engine:
+    """B's view shows A's fresh donor; then A restarts and the ledger learns it, but B's view has
+    not caught up yet (its tick is an hour): B promises, and the lease must refuse."""
+    donor_on_a(fleet)
+    b = fleet.engine("B", donor_view_refresh_s=3600, **b_kw)
+    assert b.scheduler._view.ready and b.scheduler._view.stats()["donors"] == 1
+    fleet.restart("A")
+    for engine in fleet.engines.values():
+        fleet.pump(engine)
+    engine = fleet.ledger()
+    try:
+        deadline = time.monotonic() + 20
+        while engine.engine("A").generation < 2:  # the ledger knows; B's view does not
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    finally:
+        engine.close()
+    return b
+
+
+def test_a_promise_the_ledger_refuses_ships_failed_and_the_engine_recomputes(fleet: Fleet, lookup_path: str) -> None:
+    if lookup_path == "ledger_reads":
+        pytest.skip("a lag of the donor view")
+    b = _stale_after_the_view(fleet, reset_hooks=True)
+    result = b.generate(DOC + QUESTION)
+    assert b.metrics.value("semkv_promises_total") == 1  # promised from the view ...
+    assert b.metrics.value("semkv_promises_broken_total", reason="donor_quarantined") == 1  # ... refused by the lease
+    assert result.recomputed_after_load_failure and result.num_connector_tokens == 0
+    assert b.metrics.value("semkv_exact_materialized_total") == 0
+    cold = _shared_model(b.llm.model_config).forward_dense(DOC + QUESTION)
+    assert torch.allclose(result.prefill_logits, cold[result.prefill_start:], rtol=1e-4, atol=1e-4)
+    b.scheduler.flush()
+    assert fleet.held_leases() == 0
+    b.scheduler.sync_view()  # caught up: the next lookup misses
+    assert b.generate(DOC + QUESTION[:5]).num_connector_tokens == 0
+
+
+def test_a_promise_the_ledger_refuses_fails_the_request_on_trtllm_1_2(fleet: Fleet, lookup_path: str) -> None:
+    if lookup_path == "ledger_reads":
+        pytest.skip("a lag of the donor view")
+    b = _stale_after_the_view(fleet)
+    with pytest.raises(ConnectorWorkerError, match="went stale before its lease"):
+        b.generate(DOC + QUESTION)
+    assert b.metrics.value("semkv_load_failures_total", reason="plan_failed") == 1
     b.scheduler.flush()
     assert fleet.held_leases() == 0

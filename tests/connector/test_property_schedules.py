@@ -156,6 +156,7 @@ class World:
     def lookup(self, prompt: list[int], salt: str | None, lora: int | None) -> int:
         self.rid += 1
         request = LlmRequest(self.rid, prompt, 1, lora, salt)
+        self.b_sched.sync_view()  # the view's catch-up tick, made deterministic (its lag has its own test)
         n, load_async = self.b_sched.get_num_new_matched_tokens(request, 0)
         assert not load_async and n % TPB == 0 and n < len(prompt)
         blocks = n // TPB

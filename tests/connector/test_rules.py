@@ -58,25 +58,48 @@ def test_rule_4_errors_timeouts_and_unknown_fields_are_counted_misses(fleet: Fle
     a = fleet.engine("A")
     a.generate(DOC)
     fleet.sync()
-    b = fleet.engine("B", lookup_timeout_s=1e-6)  # the deadline expires before the ledger answers
+    # without the donor view every lookup reads the ledger, under the deadline
+    b = fleet.engine("B", lookup_timeout_s=0.01, donor_view_refresh_s=0)
     ledger = b.scheduler.ledger
     answer = ledger.find_donor_span
 
+    calls = []
+
     def slow_ledger(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        time.sleep(0.05)  # the ledger answers in ~0.1 ms now: make "slower than the deadline" certain
+        # the lookup's read never ends on its own: only the deadline can stop it (on SQLite the
+        # lookup runs on the engine's thread and the ledger interrupts its statements); later
+        # calls (the finished request's donor registration) answer normally
+        calls.append(1)
+        if len(calls) == 1:
+            ledger._read(lambda sql: sql.driver(
+                "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"))
         return answer(*args, **kwargs)
 
     ledger.find_donor_span = slow_ledger  # type: ignore[method-assign]
+    started = time.perf_counter()
     assert b.generate(DOC + QUESTION).num_connector_tokens == 0
+    assert time.perf_counter() - started < 5
     assert b.misses() == {"timeout": 1}
     assert b.metrics.value("semkv_provider_timeout_total") == 1
-
-    b = fleet.engine("B")
+    assert ledger.engine("A") is not None  # the interrupted connection still serves reads on this thread
 
     def unreachable(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise PersistenceError("connection refused")
 
+    # with the donor view, a ledger that stops answering takes the view out of use after
+    # max_staleness_s; lookups then read the ledger and miss with its error
+    b = fleet.engine("B")
+    b.scheduler.flush()
+    view = b.scheduler._view
+    deadline = time.monotonic() + 10
+    while not view.ready:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    b.scheduler.ledger.refresh_view = unreachable  # type: ignore[method-assign]
     b.scheduler.ledger.find_donor_span = unreachable  # type: ignore[method-assign]
+    view.max_staleness_s = 0.05
+    time.sleep(0.1)
+    assert not view.ready
     assert b.generate(DOC + QUESTION).num_connector_tokens == 0
     assert b.misses() == {"error": 1}
 
@@ -124,18 +147,18 @@ def test_rule_7_no_lease_survives_finish_failure_cancel_or_timeout(fleet: Fleet)
 
     def slow_take(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         lease = original(*args, **kwargs)
-        time.sleep(0.3)  # the lease exists, but the engine stopped waiting long ago
+        time.sleep(0.3)  # the lease is written, but the plan stopped waiting for it long ago
         return lease
 
-    slow = fleet.engine("B", lookup_timeout_s=0.05)
+    # the lease is written after the answer; a plan whose lease is not confirmed in time ships
+    # failed, and the late lease is released behind it (the release queues after the take)
+    slow = fleet.engine("B", lease_confirm_timeout_s=0.05, reset_hooks=True)
     slow.scheduler.ledger.take_lease = slow_take  # type: ignore[method-assign]
-    assert slow.generate(DOC + QUESTION).num_connector_tokens == 0
-    deadline = time.monotonic() + 10
-    while slow.metrics.value("semkv_leases_released_total", reason="lookup_timeout") < 1:  # the late job's cleanup
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    result = slow.generate(DOC + QUESTION)
+    assert result.recomputed_after_load_failure and result.num_connector_tokens == 0
+    assert slow.metrics.value("semkv_promises_broken_total", reason="late") == 1
     slow.scheduler.flush()
-    assert slow.metrics.value("semkv_leases_released_total", reason="lookup_timeout") == 1
+    assert slow.metrics.value("semkv_leases_released_total", reason="lease_late") == 1
     recompute = fleet.engine("B", reset_hooks=True)
     recompute.worker._begin = lambda plan: (_ for _ in ()).throw(RuntimeError("injected"))  # fails the load
     assert recompute.generate(DOC + QUESTION).recomputed_after_load_failure

@@ -15,6 +15,7 @@ from sqlalchemy import select, text
 from ledger import events as ev
 from ledger.db import sync_engine
 from ledger.errors import EventRejected
+from ledger.donor_view import DonorView
 from ledger.queries import LedgerClient
 from ledger.replay import replay
 from ledger.schema import BlockRow, CounterRow, EngineRow, LogRow
@@ -354,6 +355,71 @@ class RecorderContract:
             assert lease.num_blocks == 1
             assert client.find_donor_span("ns", keys, min_blocks=2) is None
             assert client.find_donor_span("ns", keys, min_blocks=5, check_blocks=False) is None
+        finally:
+            client.close()
+
+    def _view_span(self, client, view, keys, **kw):
+        client.refresh_view(view)
+        found = view.longest_span("ns", keys, now=time.time(), **kw)
+        return None if found is None else (found[0].donor_id, found[1])
+
+    def test_donor_view_follows_the_ledger(self, db):
+        """The scheduler's in-memory view agrees with the projection read (``find_donor_span``)
+        after every change it has caught up with: removals, a clear, an eviction."""
+        append(db, batch(0, stored(1, 2, 3, 4)))
+        self._donor(db, hashes=(1, 2, 3, 4))
+        keys = [f"ns-k{i}".encode() for i in range(4)]
+        client, view = LedgerClient(db), DonorView()
+        try:
+            assert not view.ready
+            assert self._view_span(client, view, keys) == ("d1", 4)
+            assert view.ready and view.stats()["donors"] == 1 and view.stats()["blocks"] == 4
+            assert self._view_span(client, view, keys[:2]) == ("d1", 2)
+            assert self._view_span(client, view, [*keys[:2], b"other"]) == ("d1", 2)  # binary search
+            assert view.longest_span("other-ns", keys, now=time.time()) is None
+            append(db, batch(1, removed(3)))  # position 2
+            assert self._view_span(client, view, keys) == ("d1", 2) == ("d1", client.find_donor_span("ns", keys).num_blocks)
+            assert self._view_span(client, view, keys, min_blocks=3) is None
+            assert self._view_span(client, view, keys, check_blocks=False) == ("d1", 4)  # policy store
+            append(db, batch(2, removed(1)))
+            assert self._view_span(client, view, keys) is None is client.find_donor_span("ns", keys)
+            client.evict_donor("d1", "capacity")
+            client.refresh_view(view)
+            assert view.stats()["donors"] == 0 and view.liveness.stats() == {"donors": 0, "blocks": 0}
+        finally:
+            client.close()
+
+    def test_donor_view_sees_generations_expiry_and_wanted(self, db):
+        append(db, batch(0, stored(1, 2, 3), stored(11, 12, 13)))
+        self._donor(db, "old", hashes=(1, 2, 3))
+        self._donor(db, "new", hashes=(11, 12, 13))
+        self._donor(db, "elsewhere", hashes=(1, 2, 3))
+        self._donor(db, "expiring", hashes=(1, 2, 3), expires_at=time.time() + 0.2)
+        keys = [f"ns-k{i}".encode() for i in range(3)]
+        client = LedgerClient(db)
+        view = DonorView(wanted=lambda donor_id, store_ref: donor_id != "elsewhere")
+        try:
+            assert self._view_span(client, view, keys) == ("expiring", 3)  # the newest
+            assert view.stats()["donors"] == 3  # "elsewhere" is not in this host's store
+            time.sleep(0.25)
+            assert self._view_span(client, view, keys) == ("new", 3)
+            append(db, batch(1, removed(12)))
+            assert self._view_span(client, view, keys) == ("old", 3)  # a live older donor beats a dead newer
+            append(db, batch(2, cleared()))  # generation bump: every donor of the engine is stale
+            assert self._view_span(client, view, keys) is None
+            assert view.stats()["donors"] == 0  # quarantined donors left the view
+        finally:
+            client.close()
+
+    def test_donor_view_size_bound(self, db):
+        append(db, batch(0, stored(1, 2, 3), stored(11, 12, 13)))
+        self._donor(db, "old", hashes=(1, 2, 3))
+        self._donor(db, "new", hashes=(11, 12, 13))
+        keys = [f"ns-k{i}".encode() for i in range(3)]
+        client, view = LedgerClient(db), DonorView(max_blocks=4)
+        try:
+            assert self._view_span(client, view, keys) == ("new", 3)
+            assert view.stats()["dropped"] == 1 and view.stats()["blocks"] == 3  # the oldest left
         finally:
             client.close()
 

@@ -1,0 +1,204 @@
+"""An in-memory view of the ledger's fresh donors, for the scheduler's lookup (DESIGN §4, §7).
+
+``get_num_new_matched_tokens`` runs under TensorRT-LLM's block-manager lock with a budget of 250 µs
+at 2K tokens (DESIGN §7). A SQLite read costs ~100 µs there by itself: every commit of another
+connection (the consumer, the lease writer) makes a reader drop its page cache, so the first
+statements after it read their pages again (tools/results/connector-*.md). :class:`DonorView`
+answers the lookup from memory instead. It is a read model of the ledger's own projections, caught
+up by :meth:`ledger.queries.LedgerClient.refresh_view` (a background tick, every few ms) from what
+changed since the log seq it reflects (:attr:`DonorView.cursor`):
+
+* donors whose ``updated_seq`` moved: a saved (``live``) donor the caller wants (its bytes are in
+  this host's donor store) enters with its content keys and block hashes and the liveness of its
+  blocks (one read of the ``blocks`` projection); any other state leaves;
+* engines' current generations (a donor of an older one is stale);
+* the log's ``block_stored`` / ``block_removed`` / ``all_blocks_cleared`` rows, which make donor
+  blocks live or not (:class:`~ledger.liveness.LivenessCache`; policy ``engine``).
+
+What the view says is at most one tick old. That is safe because it is not the last word: the
+scheduler's ledger lease re-checks the donor and every promised block in its write transaction and
+the plan ships only once that lease is held, and the worker re-reads the ledger before every layer
+(DESIGN §2 rules 3 and 6).
+
+Thread-safe (one lock). No database access here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from ledger.liveness import LivenessCache
+from ledger.types import DonorState
+
+__all__ = ["DonorView", "ViewDonor"]
+
+_LIVE = str(DonorState.LIVE)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ViewDonor:
+    """A saved donor as the view holds it (the ``donors`` projection row's fields it needs)."""
+
+    donor_id: str
+    namespace: str
+    engine_id: str
+    attention_dp_rank: int
+    window_size: int
+    generation: int
+    tokens_per_block: int
+    provider_generation: int
+    expires_at: float | None
+    store_ref: str
+    checksum: str
+    registered_seq: int
+    content_keys: tuple[bytes, ...]
+
+
+class DonorView:
+    """Fresh, wanted donors by content key, with their block liveness.
+
+    Args:
+        wanted: ``(donor_id, store_ref) -> bool``: keep this saved donor (default: all). The
+            scheduler keeps those whose bytes its host's donor store holds: no other can be loaded.
+        max_blocks: donor blocks held at most; beyond it the oldest donors leave the view (a
+            lookup then misses them; counted in :attr:`dropped`).
+        max_staleness_s: the view is not :attr:`ready` when its last catch-up is older (seconds):
+            a ledger that cannot be read must not leave lookups on an old picture.
+    """
+
+    def __init__(self, wanted: Callable[[str, str], bool] | None = None, max_blocks: int = 131_072,
+                 max_staleness_s: float = 1.0) -> None:
+        self.wanted = wanted or (lambda donor_id, store_ref: True)
+        self.max_blocks, self.max_staleness_s = max_blocks, max_staleness_s
+        self._caught_up_at = float("-inf")
+        self.cursor = -1
+        """Log seq the view reflects; -1 until the first refresh."""
+        self.dropped = 0
+        self.liveness = LivenessCache()
+        self._donors: dict[str, ViewDonor] = {}
+        self._by_key: dict[bytes, list[str]] = {}
+        self._engines: dict[str, int] = {}
+        self._blocks = 0
+        self._lock = threading.Lock()
+
+    @property
+    def ready(self) -> bool:
+        """True when the view has been caught up with the ledger within ``max_staleness_s``
+        (seconds): loaded, and its refresh not failing. Otherwise read the ledger itself."""
+        return self.cursor >= 0 and time.monotonic() - self._caught_up_at < self.max_staleness_s
+
+    def caught_up(self) -> None:
+        """The ledger was read and nothing changed since :attr:`cursor`."""
+        self._caught_up_at = time.monotonic()
+
+    # -- lookup (memory only) ----------------------------------------------------------------
+
+    def longest_span(self, namespace: str, content_keys: Sequence[bytes], *, now: float, min_blocks: int = 1,
+                     check_blocks: bool = True) -> tuple[ViewDonor, int] | None:
+        """``(donor, n)``: the donor with the longest fresh live prefix ``content_keys[:n]``
+        (n ≥ ``min_blocks``), newest first among equals; None if there is none. Fresh: same
+        namespace, its engine's current generation, not expired, and (``check_blocks``, policy
+        ``engine``) its first n blocks live.
+        The last key is tried first (a whole-prompt hit is one dict probe), then binary search."""
+        with self._lock:
+            if not content_keys or len(content_keys) < max(min_blocks, 1):
+                return None
+            lo = len(content_keys) if self._holders(namespace, content_keys[-1], now) else 0
+            if not lo:
+                first = max(min_blocks, 1)
+                if not self._holders(namespace, content_keys[first - 1], now):
+                    return None
+                lo, hi = first, len(content_keys) - 1
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if self._holders(namespace, content_keys[mid - 1], now):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+            best = None
+            for donor in self._holders(namespace, content_keys[lo - 1], now):
+                live = self.liveness.live_prefix(donor.donor_id, lo) if check_blocks else lo
+                if live is not None and live >= min_blocks and (best is None or live > best[1]):
+                    best = (donor, live)
+                if best is not None and best[1] == lo:
+                    break
+            return best
+
+    def _holders(self, namespace: str, key: bytes, now: float) -> list[ViewDonor]:
+        """State-fresh donors holding ``key``, newest first."""
+        out = []
+        for donor_id in reversed(self._by_key.get(key, ())):
+            donor = self._donors[donor_id]
+            if (donor.namespace == namespace and self._engines.get(donor.engine_id) == donor.generation
+                    and (donor.expires_at is None or donor.expires_at > now)):
+                out.append(donor)
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """Donors and blocks held, donors dropped for size, the cursor (metrics, tests)."""
+        with self._lock:
+            return {"donors": len(self._donors), "blocks": self._blocks, "dropped": self.dropped,
+                    "cursor": self.cursor}
+
+    # -- catch-up (fed by LedgerClient.refresh_view) -----------------------------------------
+
+    def changed(self, upto_seq: int, engines: Iterable[tuple[str, int]], donors: Iterable[Any],
+                removals: Iterable[Any],
+                load: Callable[[Any], tuple[list[bytes], list[tuple[int, bytes]], list[bool]]]) -> None:
+        """Apply what changed in ``(cursor, upto_seq]``: every engine's ``(engine_id, generation)``,
+        the donor rows whose ``updated_seq`` moved (``donor_id, namespace, engine_id, dp_rank,
+        window_size, generation, tokens_per_block, provider_generation, expires_at, state,
+        store_ref, checksum, registered_seq``), and the log's block rows (see
+        :meth:`LivenessCache.apply`). ``load(row)`` returns a new donor's content keys, block
+        hashes and which blocks are live, read at ``upto_seq`` or later."""
+        with self._lock:
+            self._engines = dict(engines)
+        self.liveness.apply(removals, upto_seq)
+        for row in donors:
+            donor_id, state, store_ref = row[0], row[9], row[10]
+            if state != _LIVE or store_ref is None or not self.wanted(donor_id, store_ref):
+                self._remove(donor_id)
+            elif donor_id not in self._donors:
+                keys, hashes, live = load(row)
+                self._add(row, keys, hashes, live, upto_seq)
+        with self._lock:
+            self.cursor = upto_seq
+        self.caught_up()
+
+    def _add(self, row: Any, keys: list[bytes], hashes: list[tuple[int, bytes]], live: list[bool], seq: int) -> None:
+        if not keys or len(keys) > self.max_blocks:
+            self.dropped += 1
+            return
+        donor = ViewDonor(row[0], row[1], row[2], row[3], row[4], row[5], row[6], row[7], row[8], row[10],
+                          row[11] or "", row[12], tuple(keys))
+        with self._lock:
+            while self._donors and self._blocks + len(keys) > self.max_blocks:
+                self.dropped += 1
+                self._remove_locked(min(self._donors.values(), key=lambda d: d.registered_seq).donor_id)
+            self._donors[donor.donor_id] = donor
+            for key in keys:
+                self._by_key.setdefault(key, []).append(donor.donor_id)
+            self._blocks += len(keys)
+        self.liveness.put(donor.donor_id, (donor.engine_id, donor.attention_dp_rank, donor.window_size),
+                          hashes, live, seq)
+
+    def _remove(self, donor_id: str) -> None:
+        with self._lock:
+            self._remove_locked(donor_id)
+
+    def _remove_locked(self, donor_id: str) -> None:
+        donor = self._donors.pop(donor_id, None)
+        if donor is None:
+            return
+        for key in donor.content_keys:
+            holders = self._by_key.get(key)
+            if holders is not None:
+                holders.remove(donor_id)
+                if not holders:
+                    del self._by_key[key]
+        self._blocks -= len(donor.content_keys)
+        self.liveness.forget(donor_id)
