@@ -169,6 +169,10 @@ class DonorReader:
         self.close()
 
 
+_PINS: dict[str, dict[str, int]] = {}  # store directory -> donor id -> pins held in this process
+_PINS_LOCK = threading.Lock()
+
+
 class FileDonorStore:
     """Host-local donor store: one file per donor in ``root`` (see the module docstring).
 
@@ -185,9 +189,12 @@ class FileDonorStore:
         (self.root / "probe").mkdir(mode=0o700, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.ledger = ledger
-        self._pins: dict[str, int] = {}
+        # Pins are shared by every store on the same directory in this process: TensorRT-LLM's
+        # scheduler pins before it answers, and its worker's saves evict (another instance).
+        with _PINS_LOCK:
+            self._pins = _PINS.setdefault(str(self.root.resolve()), {})
         self._verified: dict[str, tuple[tuple[int, int, int], str]] = {}
-        self._lock = threading.Lock()
+        self._lock = _PINS_LOCK
         self.sweep_temp()
 
     # -- write ---------------------------------------------------------------------------------
@@ -314,7 +321,8 @@ class FileDonorStore:
     # -- pins and eviction ---------------------------------------------------------------------
 
     def lease(self, donor_id: str) -> None:
-        """Pin a donor in this process: capacity eviction skips it until :meth:`release`."""
+        """Pin a donor in this process (every store on this directory here sees the pin): capacity
+        eviction skips it until :meth:`release`. Other processes see only ledger leases."""
         with self._lock:
             self._pins[donor_id] = self._pins.get(donor_id, 0) + 1
 

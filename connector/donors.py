@@ -62,7 +62,7 @@ class DonorRegistrar:
         if not isinstance(ns, Namespace) or self.namespace.layout is None:
             return None
         prompt = tokens[:prompt_len]
-        keys = (keys if keys is not None and len(keys) >= n else content_keys(ns, prompt, tpb, n))[:n]
+        keys = list((keys if keys is not None and len(keys) >= n else content_keys(ns, prompt, tpb, n))[:n])
         existing = self.reader.find_span(ns.digest, keys, time.time(), min_blocks=n)
         if existing is not None and existing.num_blocks >= n and (
                 s.freshness_policy != "engine" or self.reader.live_prefix(existing, n) >= n):

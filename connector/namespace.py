@@ -21,10 +21,14 @@ namespace, naming the field: that request is never materialized (discovery may s
 Unsupported configurations (tensor/pipeline/attention-DP parallelism, sliding windows, p-tuning,
 MLA without an explicit layout) are reported the same way with ``kind="unsupported"``.
 
-**Content keys** are chained per whole block: ``key[i] = xxh3_128(ns || key[i-1] || tokens_i)``
-with ``key[-1] = b""`` and ``tokens_i`` the block's token ids as little-endian int64. ``key[i]``
-therefore covers the namespace and every token of blocks ``0..i`` — never a key that ignores the
-prefix or the salt (STYLE anti-pattern 4). :func:`probe_key` is a namespace-free digest of the
+**Content keys** are prefix digests per whole block: ``key[i] = xxh3_128(ns || tokens[0 : (i+1)·tpb])``
+with the token ids as little-endian int64. ``key[i]`` therefore covers the namespace and every token
+of blocks ``0..i`` — never a key that ignores the prefix or the salt (STYLE anti-pattern 4) — and
+any one key costs one C call over the prefix's bytes, so the lookup computes only the keys it
+probes (:class:`PrefixKeys`; a whole-prompt hit needs one) instead of looping over every block in
+Python (1,024 digests for a 32K-token prompt were ~1 ms of DESIGN §7's 2 ms on the reference
+machine). Connector version 1 chained keys block by block; the version is part of the namespace, so
+keys of the two schemes never meet. :func:`probe_key` is a namespace-free digest of the
 first :data:`PROBE_TOKENS` tokens, used only to explain misses (telemetry), never to find KV.
 """
 
@@ -46,9 +50,9 @@ from blake3 import blake3
 from connector.settings import NamespaceOverrides
 
 __all__ = ["CONNECTOR_VERSION", "PROBE_TOKENS", "DeploymentNamespace", "KvLayout", "Namespace", "NamespaceUnknown",
-           "content_keys", "probe_key", "salt_id"]
+           "PrefixKeys", "content_keys", "prefix_keys", "probe_key", "salt_id"]
 
-CONNECTOR_VERSION = "semkv-connector/1"
+CONNECTOR_VERSION = "semkv-connector/2"
 PROBE_TOKENS = 16
 _HARNESS_ENGINE_VERSION = "semkv-reference-harness/1"
 _NEEDS_BYTESWAP = sys.byteorder != "little"
@@ -277,43 +281,73 @@ def _layout(llm_args: Any, harness: Any, tpb: int, dtype: str, o: NamespaceOverr
         return NamespaceUnknown("kv_layout", "model config.json lacks head counts; set [namespace] kv_layout")
 
 
-def content_keys(namespace: Namespace, token_ids: Sequence[int], tokens_per_block: int,
-                 num_blocks: int | None = None) -> list[bytes]:
-    """Chained 16-byte content keys of the first ``num_blocks`` whole blocks of ``token_ids``.
+class PrefixKeys(Sequence[bytes]):
+    """The content keys of a prompt's first ``n`` whole blocks, each computed when first asked for.
 
-    Args:
-        namespace: the request's namespace.
-        token_ids: the prompt (a list of ints).
-        tokens_per_block: block size (tokens).
-        num_blocks: blocks to key (default: every whole block).
+    ``keys[i]`` is one ``xxh3_128`` over the namespace seed and the packed tokens of blocks ``0..i``
+    (a memoryview slice: no copy); iteration streams them all in one pass. A prefix slice
+    ``keys[:m]`` shares the packed tokens and the computed keys.
+    """
 
-    Returns:
-        ``num_blocks`` keys; ``key[i]`` covers the namespace and all tokens of blocks ``0..i``.
+    __slots__ = ("_seed", "_packed", "_stride", "_n", "_known")
 
-    Speed (runs on the engine thread before the lookup deadline; DESIGN §7): the token list goes
-    to little-endian int64 bytes in ONE ``struct.pack`` call, and each key is one one-shot
-    ``xxh3_128_digest(seed || parent || block)`` call (the same bytes the streaming hasher saw, so
-    keys are bit-identical; tests/connector/test_settings_namespace.py checks it on random
-    prompts). Measured on the 2-core reference machine for 32K tokens (tools/bench_connector.py):
-    ``array('q', list)`` 0.65 ms and ``np.array`` 0.66 ms vs ``struct.pack`` 0.45 ms for the
-    conversion (unboxing 32K Python ints dominates all three), 0.60 ms vs 0.37 ms for hashing.
+    def __init__(self, seed: bytes, packed: memoryview, stride: int, n: int, known: dict[int, bytes] | None = None):
+        self._seed, self._packed, self._stride, self._n = seed, packed, stride, n
+        self._known = {} if known is None else known
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):  # noqa: ANN001, ANN204 - int -> bytes, slice -> PrefixKeys | list
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._n)
+            if start == 0 and step == 1:
+                return PrefixKeys(self._seed, self._packed, self._stride, stop, self._known)
+            return [self[i] for i in range(start, stop, step)]
+        i = index + self._n if index < 0 else index
+        if not 0 <= i < self._n:
+            raise IndexError(index)
+        key = self._known.get(i)
+        if key is None:
+            hasher = xxhash.xxh3_128(self._seed)
+            hasher.update(self._packed[: (i + 1) * self._stride])
+            key = self._known[i] = hasher.digest()
+        return key
+
+    def __iter__(self):  # noqa: ANN204
+        hasher, stride = xxhash.xxh3_128(self._seed), self._stride
+        for start in range(0, self._n * stride, stride):
+            hasher.update(self._packed[start : start + stride])
+            yield hasher.digest()
+
+
+def prefix_keys(namespace: Namespace, token_ids: Sequence[int], tokens_per_block: int,
+                num_blocks: int | None = None) -> PrefixKeys:
+    """Content keys of the first ``num_blocks`` whole blocks of ``token_ids`` (default: every whole
+    block), computed on demand (:class:`PrefixKeys`).
+
+    Speed: the token list goes to little-endian int64 bytes in ONE ``struct.pack`` call (0.45 ms for
+    32K tokens on the reference machine, vs 0.65 ms for ``array('q', list)``: unboxing the Python
+    ints dominates); a numpy array (discovery) is converted without unboxing. Then each key asked for
+    is one hash over its prefix (xxh3 runs at memory speed).
     """
     whole = len(token_ids) // tokens_per_block
-    n = whole if num_blocks is None else min(num_blocks, whole)
-    if n <= 0:
-        return []
+    n = max(0, whole if num_blocks is None else min(num_blocks, whole))
     count = n * tokens_per_block
-    if hasattr(token_ids, "dtype"):  # a numpy array (discovery): no per-int unboxing at all
+    if hasattr(token_ids, "dtype"):
         packed = np.asarray(token_ids[:count], dtype="<i8").tobytes()
-    else:
+    elif n:
         packed = struct.pack(f"<{count}q", *(token_ids[:count] if len(token_ids) > count else token_ids))
-    seed, stride = namespace.key_seed, tokens_per_block * 8
-    digest = xxhash.xxh3_128_digest
-    keys, parent = [], b""
-    for start in range(0, count * 8, stride):
-        parent = digest(seed + parent + packed[start : start + stride])
-        keys.append(parent)
-    return keys
+    else:
+        packed = b""
+    return PrefixKeys(namespace.key_seed, memoryview(packed), tokens_per_block * 8, n)
+
+
+def content_keys(namespace: Namespace, token_ids: Sequence[int], tokens_per_block: int,
+                 num_blocks: int | None = None) -> list[bytes]:
+    """Every content key of the first ``num_blocks`` whole blocks (default: all), as a list:
+    ``key[i]`` covers the namespace and all tokens of blocks ``0..i`` (one streaming pass)."""
+    return list(prefix_keys(namespace, token_ids, tokens_per_block, num_blocks))
 
 
 def probe_key(token_ids: Sequence[int]) -> str | None:

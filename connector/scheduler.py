@@ -53,6 +53,7 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections import deque
@@ -67,7 +68,15 @@ from connector.donors import DonorRegistrar
 from connector.donor_store import ChecksumMismatch, DonorStoreError, EntryMissing, FileDonorStore
 from connector.lookup import BackgroundRunner, DeadlineRunner, MissDiagnosis, Ticker, stale_reason_name
 from connector.metrics import ConnectorMetrics, process_metrics, serve_metrics
-from connector.namespace import DeploymentNamespace, Namespace, NamespaceUnknown, content_keys, probe_key
+from connector.namespace import (
+    DeploymentNamespace,
+    Namespace,
+    NamespaceUnknown,
+    PrefixKeys,
+    content_keys,
+    prefix_keys,
+    probe_key,
+)
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
 from connector.settings import ConnectorSettings, load_connector_settings
 from ledger.donor_view import DonorView, ViewDonor
@@ -102,7 +111,7 @@ class _Promise:
 @dataclasses.dataclass(slots=True)
 class _RequestState:
     namespace: Namespace | NamespaceUnknown | None = None
-    keys: list[bytes] | None = None
+    keys: PrefixKeys | None = None
     probe: str | None = None
     promise: _Promise | None = None
     plan: LoadPlan | None = None
@@ -203,8 +212,14 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self._view: DonorView | None = None
         self._view_tick: Ticker | None = None
         if s.materializes and s.donor_view_refresh_s > 0:
-            self._view = DonorView(self._in_store, s.donor_view_max_blocks)
+            # a view whose catch-up has failed for 20 ticks is not used (lookups read the ledger)
+            self._view = DonorView(self._in_store, s.donor_view_max_blocks, max(0.1, 20 * s.donor_view_refresh_s))
         self._background = BackgroundRunner("semkv-background", on_drop=self.metrics.telemetry_dropped.inc)
+        # leases only, in order (a release never overtakes its take), never behind telemetry or a
+        # background checksum of a big entry
+        self._leases = BackgroundRunner("semkv-leases")
+        self._verifying: set[str] = set()
+        self._verifying_lock = threading.Lock()
         self._requests: dict[int, _RequestState] = {}
         self._saves: deque[SaveInstruction] = deque()
         self._iteration = 0
@@ -284,19 +299,22 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         if not self.settings.materializes:  # telemetry only: hash and look up off the engine's path
             self._background.submit(lambda: self._discover(ns, tokens, start_block, max_blocks))
             raise _Miss("")  # counted by the background job (hit or miss)
-        state.keys = keys = content_keys(ns, tokens, tpb, prompt_len // tpb)
+        state.keys = keys = prefix_keys(ns, tokens, tpb, prompt_len // tpb)  # each computed when probed
         state.probe = probe = probe_key(tokens)
         lookup_keys = keys[:max_blocks]
         if sum(1 for st in self._requests.values()
                if st.promise is not None and not st.shipped) >= self.settings.max_plans_per_iteration:
             raise _Miss("plan_limit")
-        result = self._find_under_deadline(ns, lookup_keys, start_block)
+        if self.settings.lease_before_answer:
+            result = self._find_and_lease(rid, ns, lookup_keys, start_block)
+        else:
+            result = self._find_under_deadline(ns, lookup_keys, start_block)
         if isinstance(result, _Miss):
             if result.reason == "no_donor":
                 self._background.submit(lambda: self._explain(ns, keys, start_block, probe))
                 raise _Miss("")
             raise result
-        state.promise = self._promise(rid, ns, result, start_block)
+        state.promise = result if isinstance(result, _Promise) else self._promise(rid, ns, result, start_block)
         self.metrics.promises.inc()
         self.metrics.promised_tokens.inc(state.promise.num_blocks * tpb)
         self.metrics.leases_held.inc()
@@ -345,6 +363,44 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         except DonorStoreError:
             return False
 
+    def _find_and_lease(self, rid: int, ns: Namespace, keys: list[bytes], start_block: int) -> _Promise | _Miss:
+        """``lease_before_answer``: find the span AND write its ledger lease before answering, on the
+        lookup thread under the deadline (a write can wait for the ledger's write lock, which no
+        progress handler interrupts). A lease the ledger refuses is a miss, never a broken promise;
+        a lease finished after the engine stopped waiting is released."""
+        if self._hot is None:
+            self._hot = DeadlineRunner("semkv-lookup")
+        view = self._view if self._view is not None and self._view.ready else None
+
+        def find_and_lease(job: Any) -> _Promise | _Miss:
+            span = self._find(ns, keys, start_block, view)
+            if isinstance(span, _Miss) or job.abandoned:
+                return span if isinstance(span, _Miss) else _Miss("timeout")
+            lease_id, min_blocks = uuid.uuid4().hex, start_block + self.settings.min_match_blocks
+            lease = self.ledger.take_lease(span.donor_id, request_id=str(rid), holder=self.holder,
+                                           namespace=ns.digest, num_blocks=min_blocks, up_to_blocks=span.num_blocks,
+                                           ttl_s=self.settings.lease_ttl_s, policy=self.policy, lease_id=lease_id)
+            if isinstance(lease, StaleReason):
+                return _Miss(stale_reason_name(lease))
+            if lease.expires_at <= time.time():
+                self._leases.submit(lambda: self.ledger.release_lease(lease_id, "expired_at_take"), must=True)
+                return _Miss("lease_expired")
+            span = dataclasses.replace(span, num_blocks=min(span.num_blocks, lease.num_blocks))
+            self.store.lease(span.donor_id)
+            taken: Future[Lease | StaleReason] = Future()
+            taken.set_result(lease)
+            return _Promise(span, lease_id, taken, start_block, span.num_blocks - start_block)
+
+        finished, result = self._hot.run(find_and_lease, self.settings.lookup_timeout_s, on_abandon=self._abandoned)
+        return result if finished else _Miss("timeout")
+
+    def _abandoned(self, result: Any) -> None:
+        """A lease taken after the engine stopped waiting for the answer: release it."""
+        if isinstance(result, _Promise):
+            self.store.release(result.span.donor_id)
+            self.ledger.release_lease(result.lease_id, "lookup_timeout")
+            self.metrics.leases_released.labels(reason="lookup_timeout").inc()
+
     def _promise(self, rid: int, ns: Namespace, span: DonorSpan, start_block: int) -> _Promise:
         """Pin the donor in the store now; write its ledger lease in the background (FIFO with the
         release, so a release never overtakes its lease). ``build_connector_meta`` waits for the
@@ -367,7 +423,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             except BaseException as exc:  # noqa: BLE001 - handed to build_connector_meta, which fails the plan
                 outcome.set_exception(exc)
 
-        self._background.submit(take, must=True)
+        self._leases.submit(take, must=True)
         return _Promise(span, lease_id, outcome, start_block, span.num_blocks - start_block)
 
     def _check_bytes(self, span: Any) -> _Miss | None:
@@ -376,7 +432,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             if self.store.verified(ref, checksum):
                 return None
             if self.store.size_of(ref) > self.settings.store_inline_verify_max_bytes:
-                self._background.submit(lambda: self._verify_in_background(span))
+                self._verify_once(span)
                 return _Miss("store_unverified")
             self.store.verify(ref, checksum)
             return None
@@ -388,6 +444,17 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                                     must=True)
             return _Miss("checksum_mismatch")
 
+    def _verify_once(self, span: Any) -> None:
+        """Queue a background checksum of the entry unless one is queued or running."""
+        ref = span.store_ref
+        with self._verifying_lock:
+            if ref in self._verifying:
+                return
+            self._verifying.add(ref)
+        if not self._background.submit(lambda: self._verify_in_background(span)):
+            with self._verifying_lock:
+                self._verifying.discard(ref)
+
     def _verify_in_background(self, span: Any) -> None:
         try:
             self.store.verify(span.store_ref, span.checksum)
@@ -395,6 +462,9 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             self.store.evict(span.donor_id, "checksum_mismatch", force=True)
         except DonorStoreError as exc:  # vanished meanwhile: the next lookup misses with store_missing
             log.debug("semkv: background verification of %s: %s", span.donor_id, exc)
+        finally:
+            with self._verifying_lock:
+                self._verifying.discard(span.store_ref)
 
     # -- background telemetry --------------------------------------------------------------------
     def _explain(self, ns: Namespace, keys: list[bytes], start_block: int, probe: str | None) -> None:
@@ -467,6 +537,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
         """This iteration's plans and save instructions (picklable, bounded). Never raises."""
         started = time.perf_counter()
+        wait_until = time.monotonic() + self.settings.lease_confirm_timeout_s  # one wait for all plans
         self._iteration += 1
         loads: list[LoadPlan] = []
         try:
@@ -480,7 +551,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                 if hashes and len(hashes) >= len(state.block_hashes):
                     state.block_hashes = [int(h) for h in hashes]
                 if state.plan is not None and not state.shipped and data.request_id in new_ids:
-                    loads.append(self._checked(data, state))
+                    loads.append(self._checked(data, state, wait_until))
                     state.shipped = True
         except Exception:  # boundary: an unshipped plan would break a promise; fail its request instead
             log.exception("semkv: build_connector_meta failed")
@@ -492,12 +563,12 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.metrics.metadata_build_seconds.observe(time.perf_counter() - started)
         return ConnectorMetadata(tuple(loads), saves, self._iteration)
 
-    def _checked(self, data: Any, state: _RequestState) -> LoadPlan:
+    def _checked(self, data: Any, state: _RequestState, wait_until: float) -> LoadPlan:
         plan, tpb = state.plan, self.tokens_per_block
         assert plan is not None
         if plan.failed:
             return plan
-        broken = self._lease_outcome(state)
+        broken = self._lease_outcome(state, wait_until)
         if broken is not None:
             self.metrics.promises_broken.labels(reason=broken[0]).inc()
             self._release(state, "lease_" + broken[0])
@@ -510,7 +581,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                                        f"{data.computed_position}, blocks {reported} vs {plan.target_block_ids})")
         return plan
 
-    def _lease_outcome(self, state: _RequestState) -> tuple[str, str] | None:
+    def _lease_outcome(self, state: _RequestState, wait_until: float) -> tuple[str, str] | None:
         """None when the promise's ledger lease is held for every promised block, else
         ``(reason, message)``: refused (the donor went stale between the lookup's read and the
         lease's write), shorter than promised, expired, failed, or not committed in time."""
@@ -518,7 +589,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         if promise is None:  # released meanwhile (cannot happen between alloc and ship)
             return "released", "the promise's lease was released before its plan shipped"
         try:
-            lease = promise.lease.result(timeout=self.settings.lease_confirm_timeout_s)
+            lease = promise.lease.result(timeout=max(0.0, wait_until - time.monotonic()))
         except FutureTimeout:
             return "late", f"ledger lease not committed within {self.settings.lease_confirm_timeout_s} s"
         except Exception as exc:  # noqa: BLE001 - a ledger error: the plan fails closed
@@ -557,7 +628,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.metrics.leases_held.dec()
         self.metrics.leases_released.labels(reason=reason).inc()
         self.store.release(promise.span.donor_id)
-        self._background.submit(lambda: self.ledger.release_lease(promise.lease_id, reason), must=True)
+        self._leases.submit(lambda: self.ledger.release_lease(promise.lease_id, reason), must=True)
 
     def _reset(self, request: Any, reason: str) -> None:
         state = self._requests.get(request.request_id)
@@ -575,6 +646,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait for background work (lease releases, telemetry, discovery lookups and indexing)
         queued so far; tests and shutdown."""
+        self._leases.flush(timeout_s)
         self._background.flush(timeout_s)
         if self._discovery is not None:
             self._discovery.flush(timeout_s)
@@ -586,6 +658,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             self._release(state, "shutdown")
         if self._view_tick is not None:
             self._view_tick.close()
+        self._leases.close()
         self._background.close()
         if self._hot is not None:
             self._hot.close()

@@ -109,6 +109,12 @@ class ConnectorSettings(BaseSettings):
     """Hard deadline of the ledger/store part of ``get_num_new_matched_tokens`` (seconds)."""
     lease_ttl_s: float = Field(60.0, gt=0, le=86_400)
     """A lease (pin on a donor) expires after this long even if never released (seconds)."""
+    lease_before_answer: bool = False
+    """Write the ledger lease BEFORE answering the engine (on the lookup thread, under the deadline), so a
+    donor that went stale since the donor view's last catch-up is a miss instead of a promise whose plan
+    then ships failed. Costs a ledger write transaction in every hit (~0.3-1 ms on SQLite, more while the
+    consumer holds the write lock), which DESIGN §7's lookup budget does not allow; consider it on engines
+    that cannot recompute a failed load (TensorRT-LLM 1.2 fails the request)."""
     lease_confirm_timeout_s: float = Field(0.5, gt=0, le=60)
     """A promise's ledger lease is written off the engine's path; ``build_connector_meta`` waits this long
     for it before shipping the plan (seconds). A lease refused or not committed by then ships the plan

@@ -84,6 +84,8 @@ class DonorView:
         self._engines: dict[str, int] = {}
         self._blocks = 0
         self._lock = threading.Lock()
+        self.catching_up = threading.Lock()
+        """Held for a whole catch-up (the tick and an explicit refresh must not interleave)."""
 
     @property
     def ready(self) -> bool:
@@ -160,9 +162,11 @@ class DonorView:
         self.liveness.apply(removals, upto_seq)
         for row in donors:
             donor_id, state, store_ref = row[0], row[9], row[10]
+            held = self._donors.get(donor_id)
             if state != _LIVE or store_ref is None or not self.wanted(donor_id, store_ref):
                 self._remove(donor_id)
-            elif donor_id not in self._donors:
+            elif held is None or (held.store_ref, held.checksum, held.expires_at) != (store_ref, row[11], row[8]):
+                self._remove(donor_id)  # new, or saved again (new bytes) / its expiry moved
                 keys, hashes, live = load(row)
                 self._add(row, keys, hashes, live, upto_seq)
         with self._lock:
@@ -183,8 +187,9 @@ class DonorView:
             for key in keys:
                 self._by_key.setdefault(key, []).append(donor.donor_id)
             self._blocks += len(keys)
-        self.liveness.put(donor.donor_id, (donor.engine_id, donor.attention_dp_rank, donor.window_size),
-                          hashes, live, seq)
+        if not self.liveness.put(donor.donor_id, (donor.engine_id, donor.attention_dp_rank, donor.window_size),
+                                 hashes, live, seq):
+            self._remove(donor.donor_id)  # its liveness could not be followed: never serve it
 
     def _remove(self, donor_id: str) -> None:
         with self._lock:

@@ -296,7 +296,8 @@ class LedgerClient:
                          lambda row: _view_donor(sql, row))
             return upto
 
-        return self._read(run, snapshot=True)
+        with view.catching_up:
+            return self._read(run, snapshot=True)
 
     @contextlib.contextmanager
     def deadline(self, seconds: float) -> Iterator[None]:
@@ -324,6 +325,7 @@ class LedgerClient:
             yield
         finally:
             sql.connection.set_progress_handler(None, 0)
+            local.interrupted = False
 
     def donor_freshness(self, donor_id: str, *, namespace: str, num_blocks: int | None = None,
                         policy: FreshnessPolicy = FreshnessPolicy.ENGINE, lease_id: str | None = None,

@@ -173,3 +173,15 @@ def test_a_promise_the_ledger_refuses_fails_the_request_on_trtllm_1_2(fleet: Fle
     assert b.metrics.value("semkv_load_failures_total", reason="plan_failed") == 1
     b.scheduler.flush()
     assert fleet.held_leases() == 0
+
+
+def test_lease_before_answer_turns_that_stale_donor_into_a_miss(fleet: Fleet, lookup_path: str) -> None:
+    """``lease_before_answer``: the lease is written before the answer, so the same stale view gives
+    a counted miss, no promise, and the request computes normally."""
+    if lookup_path == "ledger_reads":
+        pytest.skip("a lag of the donor view")
+    b = _stale_after_the_view(fleet, lease_before_answer=True)
+    assert_missed(b, b.generate(DOC + QUESTION), "donor_quarantined")
+    assert b.metrics.value("semkv_promises_broken_total", reason="donor_quarantined") == 0
+    b.scheduler.flush()
+    assert fleet.held_leases() == 0

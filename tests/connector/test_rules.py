@@ -159,6 +159,15 @@ def test_rule_7_no_lease_survives_finish_failure_cancel_or_timeout(fleet: Fleet)
     assert slow.metrics.value("semkv_promises_broken_total", reason="late") == 1
     slow.scheduler.flush()
     assert slow.metrics.value("semkv_leases_released_total", reason="lease_late") == 1
+    # lease_before_answer: the engine stops waiting at the deadline; the late lease is released
+    sync = fleet.engine("B", lookup_timeout_s=0.05, lease_before_answer=True)
+    sync.scheduler.ledger.take_lease = slow_take  # type: ignore[method-assign]
+    assert sync.generate(DOC + QUESTION).num_connector_tokens == 0
+    deadline = time.monotonic() + 10
+    while sync.metrics.value("semkv_leases_released_total", reason="lookup_timeout") < 1:  # the late job's cleanup
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert sync.misses() == {"timeout": 1}
     recompute = fleet.engine("B", reset_hooks=True)
     recompute.worker._begin = lambda plan: (_ for _ in ()).throw(RuntimeError("injected"))  # fails the load
     assert recompute.generate(DOC + QUESTION).recomputed_after_load_failure
@@ -169,5 +178,5 @@ def test_rule_7_no_lease_survives_finish_failure_cancel_or_timeout(fleet: Fleet)
         states = dict(conn.execute(select(LeaseRow.__table__.c.state, func.count())
                                    .group_by(LeaseRow.__table__.c.state)).all())
     engine.dispose()
-    assert states == {"released": 3}
+    assert states == {"released": 4}
     assert fleet.held_leases() == 0

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from connector.harness import HarnessLlmArgs, KvCacheConfig, LlmRequest, ModelConfig
-from connector.namespace import DeploymentNamespace, NamespaceUnknown, content_keys, probe_key, salt_id
+from connector.namespace import DeploymentNamespace, NamespaceUnknown, content_keys, prefix_keys, probe_key, salt_id
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
 from connector.settings import ConnectorConfigError, NamespaceOverrides, load_connector_settings
 
@@ -122,8 +122,9 @@ def test_content_keys_are_chained_over_namespace_and_every_earlier_token() -> No
 
 
 def _reference_content_keys(namespace, token_ids, tokens_per_block, num_blocks=None):  # noqa: ANN001, ANN202
-    """The original implementation (array('q') + streaming xxh3_128), kept as the oracle for the
-    faster one: keys are stored in the ledger, so they must never change bit for bit."""
+    """The definition, written independently of the implementation: key i is ONE xxh3_128 over the
+    namespace seed and the little-endian int64 bytes of every token of blocks 0..i. Keys are stored
+    in the ledger, so they must never change bit for bit within a connector version."""
     import array
     import sys
 
@@ -131,21 +132,12 @@ def _reference_content_keys(namespace, token_ids, tokens_per_block, num_blocks=N
 
     whole = len(token_ids) // tokens_per_block
     n = whole if num_blocks is None else min(num_blocks, whole)
-    if n <= 0:
-        return []
-    packed = array.array("q", token_ids[: n * tokens_per_block])
+    packed = array.array("q", token_ids[: max(n, 0) * tokens_per_block])
     if sys.byteorder != "little":
         packed.byteswap()
-    view = memoryview(packed).cast("B")
-    seed, stride = namespace.key_seed, tokens_per_block * 8
-    keys, parent = [], b""
-    for start in range(0, n * stride, stride):
-        hasher = xxhash.xxh3_128(seed)
-        hasher.update(parent)
-        hasher.update(view[start : start + stride])
-        parent = hasher.digest()
-        keys.append(parent)
-    return keys
+    data = packed.tobytes()
+    stride = tokens_per_block * 8
+    return [xxhash.xxh3_128_digest(namespace.key_seed + data[: (i + 1) * stride]) for i in range(max(n, 0))]
 
 
 def test_content_keys_are_bit_identical_to_the_reference_implementation() -> None:
@@ -165,6 +157,13 @@ def test_content_keys_are_bit_identical_to_the_reference_implementation() -> Non
         expected = _reference_content_keys(ns, tokens, tpb, limit)
         assert content_keys(ns, tokens, tpb, limit) == expected, (tpb, length, limit)
         assert content_keys(ns, np.array(tokens, dtype=np.int64), tpb, limit) == expected
+        lazy = prefix_keys(ns, tokens, tpb, limit)  # what the lookup probes, one key at a time
+        assert len(lazy) == len(expected)
+        for i in rng.sample(range(-len(expected), len(expected)), min(4, 2 * len(expected))):
+            assert lazy[i] == expected[i]
+        assert list(lazy[: len(expected) // 2]) == expected[: len(expected) // 2] and list(lazy) == expected
+        with pytest.raises(IndexError):
+            lazy[len(expected)]
 
 
 def test_metadata_is_picklable_and_small() -> None:

@@ -179,7 +179,11 @@ def test_failing_or_hung_discovery_never_changes_the_answer(fleet4: Fleet) -> No
             hooked.scheduler.flush(5)
         assert fleet4.held_leases() == 0
         im = inline.metrics
-        assert im.value("semkv_discovery_outcomes_total", provider="broken", outcome="error") == 4
+        # the raising provider is counted every time: as an error, or as a timeout when a loaded
+        # machine let the 2 ms inline deadline pass before it ran
+        broken_errors = im.value("semkv_discovery_outcomes_total", provider="broken", outcome="error")
+        assert broken_errors >= 1
+        assert broken_errors + im.value("semkv_discovery_outcomes_total", provider="broken", outcome="timeout") == 4
         assert im.value("semkv_discovery_outcomes_total", provider="sleepy", outcome="timeout") == 4
         assert queued.metrics.value("semkv_discovery_lookups_dropped_total") >= 1  # bounded queue, not blocking
         assert texting.metrics.value("semkv_discovery_lookups_total", path="inline") == 0  # failed before it
