@@ -189,6 +189,9 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.metrics = metrics or process_metrics()
         if s.metrics_port is not None:
             serve_metrics(self.metrics, s.metrics_port + process_rank())
+        # the hot path's labelled children, looked up once (labels() costs a few µs per call)
+        self._lookups_counted = self.metrics.lookups.labels(mode=s.mode)
+        self._lookup_timed = self.metrics.lookup_seconds.labels(mode=s.mode)
         self.namespace = DeploymentNamespace(llm_args, s.namespace)
         if self.namespace.unknown is not None:
             u = self.namespace.unknown
@@ -260,7 +263,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         on, runs after ``n`` is fixed and cannot change it.
         """
         started = time.perf_counter()
-        self.metrics.lookups.labels(mode=self.settings.mode).inc()
+        self._lookups_counted.inc()
         try:
             try:
                 n = self._lookup(request, int(num_computed_tokens))
@@ -276,7 +279,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                 self._discovery.observe(request, self._namespace_of)
             return n, False
         finally:
-            self.metrics.lookup_seconds.labels(mode=self.settings.mode).observe(time.perf_counter() - started)
+            self._lookup_timed.observe(time.perf_counter() - started)
 
     def _lookup(self, request: Any, num_computed: int) -> int:
         rid = request.request_id

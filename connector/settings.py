@@ -124,7 +124,7 @@ class ConnectorSettings(BaseSettings):
     this host's store holds, with their block liveness), caught up from the ledger this often (seconds).
     0: no view, every lookup reads the ledger (slower: DESIGN §7's budget needs the view)."""
     donor_view_max_blocks: int = Field(131_072, ge=1)
-    """Donor blocks the view holds at most (~300 bytes each); beyond it the oldest donors leave the view."""
+    """Donor blocks the view holds at most (~570 bytes each: 75 MiB at the default); beyond it the oldest donors leave."""
     donor_ttl_s: float | None = Field(3600.0, gt=0)
     """Registered donors expire after this long (seconds); None: never."""
     min_match_blocks: int = Field(1, ge=1)
