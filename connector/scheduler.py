@@ -358,10 +358,13 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             return _Miss("donor_not_saved")
         return self._check_bytes(span) or span
 
-    def _in_store(self, donor_id: str, store_ref: str) -> bool:
-        """Does this host's donor store hold the entry? (the donor view keeps only those)"""
+    def _in_store(self, donor_id: str, store_ref: str, checksum: str) -> bool:
+        """Does this host's donor store hold the entry? (the donor view keeps only those) A kept
+        entry this process has not verified is checksummed in the background now, so its first
+        lookup need not read it on the engine's path."""
         try:
-            self.store.size_of(store_ref)
+            if not self.store.verified(store_ref, checksum):
+                self._verify_once(donor_id, store_ref, checksum)
             return True
         except DonorStoreError:
             return False
@@ -435,7 +438,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             if self.store.verified(ref, checksum):
                 return None
             if self.store.size_of(ref) > self.settings.store_inline_verify_max_bytes:
-                self._verify_once(span)
+                self._verify_once(span.donor_id, ref, checksum)
                 return _Miss("store_unverified")
             self.store.verify(ref, checksum)
             return None
@@ -447,27 +450,26 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                                     must=True)
             return _Miss("checksum_mismatch")
 
-    def _verify_once(self, span: Any) -> None:
+    def _verify_once(self, donor_id: str, ref: str, checksum: str) -> None:
         """Queue a background checksum of the entry unless one is queued or running."""
-        ref = span.store_ref
         with self._verifying_lock:
             if ref in self._verifying:
                 return
             self._verifying.add(ref)
-        if not self._background.submit(lambda: self._verify_in_background(span)):
+        if not self._background.submit(lambda: self._verify_in_background(donor_id, ref, checksum)):
             with self._verifying_lock:
                 self._verifying.discard(ref)
 
-    def _verify_in_background(self, span: Any) -> None:
+    def _verify_in_background(self, donor_id: str, ref: str, checksum: str) -> None:
         try:
-            self.store.verify(span.store_ref, span.checksum)
+            self.store.verify(ref, checksum)
         except ChecksumMismatch:
-            self.store.evict(span.donor_id, "checksum_mismatch", force=True)
+            self.store.evict(donor_id, "checksum_mismatch", force=True)
         except DonorStoreError as exc:  # vanished meanwhile: the next lookup misses with store_missing
-            log.debug("semkv: background verification of %s: %s", span.donor_id, exc)
+            log.debug("semkv: background verification of %s: %s", donor_id, exc)
         finally:
             with self._verifying_lock:
-                self._verifying.discard(span.store_ref)
+                self._verifying.discard(ref)
 
     # -- background telemetry --------------------------------------------------------------------
     def _explain(self, ns: Namespace, keys: list[bytes], start_block: int, probe: str | None) -> None:

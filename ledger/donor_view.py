@@ -62,17 +62,18 @@ class DonorView:
     """Fresh, wanted donors by content key, with their block liveness.
 
     Args:
-        wanted: ``(donor_id, store_ref) -> bool``: keep this saved donor (default: all). The
-            scheduler keeps those whose bytes its host's donor store holds: no other can be loaded.
+        wanted: ``(donor_id, store_ref, checksum) -> bool``: keep this saved donor (default: all).
+            The scheduler keeps those whose bytes its host's donor store holds (no other can be
+            loaded), and starts checksumming them off the engine's path.
         max_blocks: donor blocks held at most; beyond it the oldest donors leave the view (a
             lookup then misses them; counted in :attr:`dropped`).
         max_staleness_s: the view is not :attr:`ready` when its last catch-up is older (seconds):
             a ledger that cannot be read must not leave lookups on an old picture.
     """
 
-    def __init__(self, wanted: Callable[[str, str], bool] | None = None, max_blocks: int = 131_072,
+    def __init__(self, wanted: Callable[[str, str, str], bool] | None = None, max_blocks: int = 131_072,
                  max_staleness_s: float = 1.0) -> None:
-        self.wanted = wanted or (lambda donor_id, store_ref: True)
+        self.wanted = wanted or (lambda donor_id, store_ref, checksum: True)
         self.max_blocks, self.max_staleness_s = max_blocks, max_staleness_s
         self._caught_up_at = float("-inf")
         self.cursor = -1
@@ -163,7 +164,7 @@ class DonorView:
         for row in donors:
             donor_id, state, store_ref = row[0], row[9], row[10]
             held = self._donors.get(donor_id)
-            if state != _LIVE or store_ref is None or not self.wanted(donor_id, store_ref):
+            if state != _LIVE or store_ref is None or not self.wanted(donor_id, store_ref, row[11] or ""):
                 self._remove(donor_id)
             elif held is None or (held.store_ref, held.checksum, held.expires_at) != (store_ref, row[11], row[8]):
                 self._remove(donor_id)  # new, or saved again (new bytes) / its expiry moved

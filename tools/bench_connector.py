@@ -205,7 +205,7 @@ def bench_lookups(db: str, store_dir: Path, sizes: list[int], repeats: int, poli
     view_note = ""
     if whole_view:
         rss_before = _rss_mib()
-        sched._view.wanted = lambda donor_id, store_ref: True
+        sched._view.wanted = lambda donor_id, store_ref, checksum: True
         sched._view.cursor = -1  # reload everything with the new filter
         started = time.perf_counter()
         sched.sync_view()

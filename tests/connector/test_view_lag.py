@@ -68,3 +68,14 @@ def test_lease_before_answer_turns_that_stale_donor_into_a_miss(fleet: Fleet) ->
     assert b.metrics.value("semkv_promises_broken_total", reason="donor_quarantined") == 0
     b.scheduler.flush()
     assert fleet.held_leases() == 0
+
+
+def test_the_view_checksums_new_donors_off_the_engines_path(fleet: Fleet) -> None:
+    """A donor entering the view is verified in the background, so its first lookup does not read
+    and checksum the entry on the engine's thread; a corrupt entry found that way is evicted."""
+    donor_on_a(fleet)
+    b = fleet.engine("B")
+    b.scheduler.flush()
+    [donor] = b.scheduler._view._donors.values()
+    assert b.scheduler.store.verified(donor.store_ref, donor.checksum)  # before any lookup
+    assert b.generate(DOC + QUESTION).num_connector_tokens == len(DOC)

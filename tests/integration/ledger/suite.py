@@ -397,7 +397,7 @@ class RecorderContract:
         self._donor(db, "expiring", hashes=(1, 2, 3), expires_at=time.time() + 0.2)
         keys = [f"ns-k{i}".encode() for i in range(3)]
         client = LedgerClient(db)
-        view = DonorView(wanted=lambda donor_id, store_ref: donor_id != "elsewhere")
+        view = DonorView(wanted=lambda donor_id, store_ref, checksum: donor_id != "elsewhere")
         try:
             assert self._view_span(client, view, keys) == ("expiring", 3)  # the newest
             assert view.stats()["donors"] == 3  # "elsewhere" is not in this host's store
