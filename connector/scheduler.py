@@ -110,6 +110,7 @@ class _Promise:
 
 @dataclasses.dataclass(slots=True)
 class _RequestState:
+    request_id: int | None = None
     namespace: Namespace | NamespaceUnknown | None = None
     keys: PrefixKeys | None = None
     probe: str | None = None
@@ -224,6 +225,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self._verifying: set[str] = set()
         self._verifying_lock = threading.Lock()
         self._requests: dict[int, _RequestState] = {}
+        self._unshipped: set[int] = set()  # requests holding a promise whose plan has not shipped
         self._saves: deque[SaveInstruction] = deque()
         self._iteration = 0
         registrar_ledger = self._discovery.registrar_ledger if self._discovery is not None else self.ledger
@@ -283,7 +285,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
 
     def _lookup(self, request: Any, num_computed: int) -> int:
         rid = request.request_id
-        state = self._requests.setdefault(rid, _RequestState())
+        state = self._requests.setdefault(rid, _RequestState(rid))
         if state.promise is not None:  # asked again (re-allocation): the old promise is void
             self._release(state, "relookup")
         state.plan, state.shipped = None, False
@@ -305,8 +307,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         state.keys = keys = prefix_keys(ns, tokens, tpb, prompt_len // tpb)  # each computed when probed
         state.probe = probe = probe_key(tokens)
         lookup_keys = keys[:max_blocks]
-        if sum(1 for st in self._requests.values()
-               if st.promise is not None and not st.shipped) >= self.settings.max_plans_per_iteration:
+        if len(self._unshipped) >= self.settings.max_plans_per_iteration:
             raise _Miss("plan_limit")
         if self.settings.lease_before_answer:
             result = self._find_and_lease(rid, ns, lookup_keys, start_block)
@@ -318,6 +319,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                 raise _Miss("")
             raise result
         state.promise = result if isinstance(result, _Promise) else self._promise(rid, ns, result, start_block)
+        self._unshipped.add(rid)
         self.metrics.promises.inc()
         self.metrics.promised_tokens.inc(state.promise.num_blocks * tpb)
         self.metrics.leases_held.inc()
@@ -557,13 +559,13 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                     state.block_hashes = [int(h) for h in hashes]
                 if state.plan is not None and not state.shipped and data.request_id in new_ids:
                     loads.append(self._checked(data, state, wait_until))
-                    state.shipped = True
+                    self._shipped(state)
         except Exception:  # boundary: an unshipped plan would break a promise; fail its request instead
             log.exception("semkv: build_connector_meta failed")
             for state in self._requests.values():
                 if state.plan is not None and not state.shipped:
                     loads.append(dataclasses.replace(state.plan, failed="connector metadata error"))
-                    state.shipped = True
+                    self._shipped(state)
         saves = tuple(self._saves.popleft() for _ in range(min(len(self._saves), self.settings.max_plans_per_iteration)))
         self.metrics.metadata_build_seconds.observe(time.perf_counter() - started)
         return ConnectorMetadata(tuple(loads), saves, self._iteration)
@@ -626,7 +628,12 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             log.exception("semkv: request_finished failed for request %s", request.request_id)
             return False
 
+    def _shipped(self, state: _RequestState) -> None:
+        state.shipped = True
+        self._unshipped.discard(state.request_id)
+
     def _release(self, state: _RequestState, reason: str) -> None:
+        self._unshipped.discard(state.request_id)
         promise, state.promise = state.promise, None
         if promise is None:
             return

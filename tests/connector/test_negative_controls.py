@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector.harness import KvCacheConfig, ModelConfig
+from connector.harness import KvCacheConfig, LlmRequest, ModelConfig
 from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model, doc_tokens
 
 TPB = MODEL.tokens_per_block
@@ -131,3 +131,18 @@ def test_lease_expired_before_the_answer(fleet: Fleet) -> None:
     b.scheduler.flush()
     assert fleet.held_leases() == 0
 
+
+
+def test_plans_past_max_plans_per_iteration_are_a_counted_miss(fleet: Fleet) -> None:
+    donor_on_a(fleet)
+    b = fleet.engine("B", max_plans_per_iteration=1)
+    first, second, third = (LlmRequest(rid, DOC + QUESTION, 1) for rid in (101, 102, 103))
+    assert b.scheduler.get_num_new_matched_tokens(first, 0) == (len(DOC), False)
+    assert b.scheduler.get_num_new_matched_tokens(second, 0) == (0, False)  # first's plan has not shipped
+    assert b.misses() == {"plan_limit": 1}
+    b.scheduler.request_finished(first, [])  # released before shipping: room again
+    assert b.scheduler.get_num_new_matched_tokens(third, 0) == (len(DOC), False)
+    for request in (second, third):
+        b.scheduler.request_finished(request, [])
+    b.scheduler.flush()
+    assert fleet.held_leases() == 0
