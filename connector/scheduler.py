@@ -72,6 +72,7 @@ from connector.namespace import (
     DeploymentNamespace,
     Namespace,
     NamespaceUnknown,
+    PROBE_TOKENS,
     PrefixKeys,
     content_keys,
     prefix_keys,
@@ -297,15 +298,16 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             log.debug("semkv: request %s: namespace field %s %s", rid, ns.field, ns.kind)
             raise _Miss("unknown_namespace_field" if ns.kind == "unknown" else "unsupported", ns.field)
         prompt_len = int(request.prompt_len)
-        tokens = request.get_tokens(0)[:prompt_len]
+        tokens = request.get_tokens(0)  # the prompt is its first prompt_len tokens: sliced where needed, once
         start_block, max_blocks = num_computed // tpb, (prompt_len - 1) // tpb
         if max_blocks - start_block < self.settings.min_match_blocks:
             raise _Miss("too_short")
         if not self.settings.materializes:  # telemetry only: hash and look up off the engine's path
-            self._background.submit(lambda: self._discover(ns, tokens, start_block, max_blocks))
+            prompt = tokens[:prompt_len]
+            self._background.submit(lambda: self._discover(ns, prompt, start_block, max_blocks))
             raise _Miss("")  # counted by the background job (hit or miss)
         state.keys = keys = prefix_keys(ns, tokens, tpb, prompt_len // tpb)  # each computed when probed
-        state.probe = probe = probe_key(tokens)
+        state.probe = probe = probe_key(tokens[: min(prompt_len, PROBE_TOKENS)])
         lookup_keys = keys[:max_blocks]
         if len(self._unshipped) >= self.settings.max_plans_per_iteration:
             raise _Miss("plan_limit")
@@ -333,8 +335,9 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         (the ledger interrupts its statements at the deadline: no thread hand-off, ~30 µs here), on
         PostgreSQL, whose socket reads cannot be interrupted that way, on the lookup thread,
         abandoned at the deadline."""
-        if self._view is not None and self._view.ready:
-            return self._find(ns, keys, start_block, self._view)
+        view = self._ready_view()
+        if view is not None:
+            return self._find(ns, keys, start_block, view)
         timeout = self.settings.lookup_timeout_s
         if self._hot is None:
             try:
@@ -360,6 +363,10 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             return _Miss("donor_not_saved")
         return self._check_bytes(span) or span
 
+    def _ready_view(self) -> DonorView | None:
+        """The donor view when lookups may use it (loaded and caught up lately), else None."""
+        return self._view if self._view is not None and self._view.ready else None
+
     def _in_store(self, donor_id: str, store_ref: str, checksum: str) -> bool:
         """Does this host's donor store hold the entry? (the donor view keeps only those) A kept
         entry this process has not verified is checksummed in the background now, so its first
@@ -378,7 +385,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         a lease finished after the engine stopped waiting is released."""
         if self._hot is None:
             self._hot = DeadlineRunner("semkv-lookup")
-        view = self._view if self._view is not None and self._view.ready else None
+        view = self._ready_view()
 
         def find_and_lease(job: Any) -> _Promise | _Miss:
             span = self._find(ns, keys, start_block, view)
@@ -511,7 +518,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             state = self._requests.get(request.request_id)
             if state is None or state.promise is None:
                 return
-            p, tpb = state.promise, self.tokens_per_block
+            p = state.promise
             targets = tuple(int(b) for b in block_ids[p.start_block : p.start_block + p.num_blocks])
             failed = None
             if len(targets) != p.num_blocks:
