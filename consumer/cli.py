@@ -344,6 +344,9 @@ def consume_command(
                                                          "(default 1024).")] = None,
     batch_max_delay_ms: Annotated[float | None, typer.Option(help="Wait at most this long for more "
                                                              "messages before committing (default 20).")] = None,
+    writer_process: Annotated[bool | None, typer.Option("--writer-process/--writer-thread", help="SQLite: "
+                                                        "run the ledger writer in a child process (default) "
+                                                        "or a thread of the daemon.")] = None,
     queue_max_batches: Annotated[int | None, typer.Option(help="Messages queued for the writer before the "
                                                           "sources stop reading (back-pressure; default 1024).")] = None,
     replay_timeout_s: Annotated[float | None, typer.Option(help="Replay fails after this many seconds "
@@ -372,7 +375,8 @@ def consume_command(
 
     overrides = {"db": db, "metrics_port": metrics_port, "metrics_host": metrics_host, "record": record,
                  "batch_max_events": batch_max_events, "batch_max_delay_ms": batch_max_delay_ms,
-                 "queue_max_batches": queue_max_batches, "replay_timeout_s": replay_timeout_s,
+                 "queue_max_batches": queue_max_batches, "writer_process": writer_process,
+                 "replay_timeout_s": replay_timeout_s,
                  "idle_replay_s": idle_replay_s, "max_frame_bytes": max_frame_bytes, "log_level": log_level,
                  "curve_secret_key": curve_secret_key}
     flag_source = {"engine_id": engine_id, "endpoint": endpoint, "replay_endpoint": replay_endpoint,

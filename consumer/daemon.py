@@ -51,15 +51,14 @@ from typing import Any
 
 import structlog
 import zmq.asyncio
-from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.capture import CaptureWriter
 from consumer.curve import CurveError, CurveKeys, ZapAuthorizer, exposure_warning
 from consumer.metrics import ConsumerMetrics, MetricsServer
 from consumer.settings import ConsumerSettings, SourceSettings
 from consumer.source import Item, Source
-from ledger.errors import LedgerError, PersistenceError, SchemaOutOfDate, url_for_humans
+from ledger.errors import LedgerError, PersistenceError, SchemaOutOfDate, is_transient, url_for_humans
 from ledger.events import GapReport, ReceivedBatch
 from ledger.writer import LedgerWriter, SourcePosition
 
@@ -138,7 +137,7 @@ class Daemon:
             zmq.ZMQError: an endpoint cannot be bound or connected.
         """
         curve = self._load_curve()
-        self._writer = await LedgerWriter.open(self.settings.db)
+        self._writer = await LedgerWriter.open(self.settings.db, process=self.settings.writer_process)
         ctx = zmq.asyncio.Context()
         records: list[CaptureWriter] = []
         server: MetricsServer | None = None
@@ -423,14 +422,6 @@ class Daemon:
         healthy = db["ok"] and writer_alive and all(s.alive for s in self.sources)
         return healthy, {"db": db, "writer_alive": writer_alive, "queue_depth": self._queue.qsize(),
                          "sources": sources}
-
-
-def is_transient(exc: PersistenceError) -> bool:
-    """A database error worth retrying: lock/busy, lost connection, pool timeout."""
-    cause = exc.__cause__
-    if isinstance(cause, (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)):
-        return True
-    return bool(getattr(cause, "connection_invalidated", False))
 
 
 def _leaf(group: BaseExceptionGroup) -> BaseException:

@@ -137,6 +137,10 @@ class ConsumerSettings(BaseSettings):
     """Engine events per ledger transaction, at most (a single larger message still goes alone)."""
     batch_max_delay_ms: float = Field(20.0, ge=0)
     """How long the writer waits for more messages before committing a partial transaction."""
+    writer_process: bool = True
+    """SQLite: run the ledger writer in a child process (``ledger/writer_process.py``), so the
+    recorder and the receive/decode of the sources do not share one GIL (+~0.5 s at start-up, a
+    second process in ``ps``); false: a thread of the daemon. PostgreSQL ignores it."""
     queue_max_batches: int = Field(1024, ge=1)
     """Messages waiting between the sources and the writer; a full queue stops the sources reading."""
     replay_timeout_s: float = Field(2.0, gt=0)

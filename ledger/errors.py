@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
 
 class LedgerError(Exception):
     """Root of every error the ledger raises on purpose."""
 
 
 class PersistenceError(LedgerError):
-    """A database error (connection, lock timeout, constraint) translated from the driver."""
+    """A database error (connection, lock timeout, constraint) translated from the driver.
+
+    ``transient``: whether retrying may succeed, when the error was classified where it happened
+    (the SQLite writer process, whose SQLAlchemy exception cannot cross to the daemon); ``None``
+    means "classify ``__cause__``" (:func:`is_transient`).
+    """
+
+    def __init__(self, message: str, *, transient: bool | None = None) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class DeadlineExceeded(PersistenceError):
@@ -32,6 +44,17 @@ class EventRejected(LedgerError):
     def __init__(self, reason: str, detail: str = "") -> None:
         self.reason = reason
         super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+def is_transient(exc: PersistenceError) -> bool:
+    """A database error worth retrying: lock/busy, lost connection, pool timeout, a writer process
+    that exited."""
+    if exc.transient is not None:
+        return exc.transient
+    cause = exc.__cause__
+    if isinstance(cause, (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)):
+        return True
+    return bool(getattr(cause, "connection_invalidated", False))
 
 
 def url_for_humans(url: str) -> str:

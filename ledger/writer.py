@@ -6,16 +6,26 @@ the recorder's table lock. Each :meth:`LedgerWriter.append` is one transaction (
 
 Backends:
 
-* SQLite: ONE dedicated thread (a single-worker executor) owns ONE pysqlite connection from
-  :func:`ledger.db.sync_engine` (``writer=True``: WAL, ``BEGIN IMMEDIATE``, 64 MiB page cache) and
-  runs each whole transaction (:func:`ledger.recorder.append`) there: one thread hop per
-  transaction. aiosqlite, used before, hops to its own thread once per statement (~12 per
-  transaction) and was 1.2–2.8x slower at 1–1024 events per transaction
-  (tools/results/ledger-2026-11-29.md). Calls run in submission order; a transaction whose
-  awaiting task is cancelled still commits or rolls back as a whole on the thread, and
-  :meth:`close` waits for it. :meth:`source_positions` (the daemon's health read) runs on a
-  second, reading connection in a worker thread, so it is not queued behind a transaction that
-  waits for the write lock (WAL: readers never wait for the writer), as with aiosqlite's pool.
+* SQLite: ONE pysqlite connection from :func:`ledger.db.sync_engine` (``writer=True``: WAL,
+  ``BEGIN IMMEDIATE``, 64 MiB page cache) runs each whole transaction
+  (:func:`ledger.recorder.append`), with WAL checkpoints on a thread of their own
+  (:class:`ledger.sqlite_writer.SQLiteWriterConnection`). Where it runs:
+
+  - ``process=True`` (the consumer daemon's default, ``writer_process``): in a child process
+    (:mod:`ledger.writer_process`), fed by one dedicated thread here that sends a transaction and
+    waits for its reply. The recorder and the daemon's receive/decode then run on two cores
+    instead of taking turns on one GIL: 256,000 block events end to end in 2.1–2.7 s instead of
+    2.9–3.3 s (tools/results/consume-2026-11-30.md).
+  - ``process=False``: on ONE dedicated thread of this process (a single-worker executor): one
+    thread hop per transaction. aiosqlite, used before, hops to its own thread once per statement
+    (~12 per transaction) and was 1.2–2.8x slower at 1–1024 events per transaction
+    (tools/results/ledger-2026-11-29.md).
+
+  Either way calls run in submission order; a transaction whose awaiting task is cancelled still
+  commits or rolls back as a whole, and :meth:`close` waits for it. :meth:`source_positions` (the
+  daemon's health read) runs on a second, reading connection in a worker thread, so it is not
+  queued behind a transaction that waits for the write lock (WAL: readers never wait for the
+  writer), as with aiosqlite's pool.
 * PostgreSQL: SQLAlchemy's AsyncEngine on asyncpg, the recorder under ``run_sync``.
 """
 
@@ -27,15 +37,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, TypeVar
 
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Engine, select
 from sqlalchemy.exc import SQLAlchemyError
 
-from ledger import recorder
+from ledger import recorder, writer_process
 from ledger.db import async_engine, is_sqlite, normalize_url, sync_engine
 from ledger.decide import AppendResult
 from ledger.errors import PersistenceError
 from ledger.migrate import check_schema
 from ledger.schema import SourceRow
+from ledger.sqlite_writer import SQLiteWriterConnection
 
 T = TypeVar("T")
 _SOURCES = SourceRow.__table__
@@ -57,28 +68,33 @@ def _persistence_error(exc: SQLAlchemyError) -> PersistenceError:
 class LedgerWriter:
     """Appends consumer inputs (received batches, dead letters, gap reports) to the ledger."""
 
-    def __init__(self, db: str) -> None:
+    def __init__(self, db: str, *, process: bool = False) -> None:
         self.db = db
         self._closed = False
         if is_sqlite(normalize_url(db)):
-            self._sqlite: _SQLiteThread | None = _SQLiteThread(db)
+            self._sqlite: _SQLiteThread | _SQLiteProcess | None = _SQLiteProcess(db) if process else _SQLiteThread(db)
             self._engine = None
         else:
             self._sqlite = None
             self._engine = async_engine(db)
 
     @classmethod
-    async def open(cls, db: str) -> LedgerWriter:
+    async def open(cls, db: str, *, process: bool = False) -> LedgerWriter:
         """Open and check the schema.
+
+        Args:
+            process: on SQLite, run the writer connection in a child process (a second core for
+                the recorder; see :class:`_SQLiteProcess`); ignored on PostgreSQL, whose server
+                already does the database work in other processes.
 
         Raises:
             SchemaOutOfDate: the database is not migrated (run ``semkv-ledger migrate``).
             PersistenceError: the database cannot be reached.
         """
-        writer = cls(db)
+        writer = cls(db, process=process)
         try:
             if writer._sqlite is not None:
-                await writer._sqlite.call(writer._sqlite.check_schema)
+                await writer._sqlite.check_schema()
             else:
                 async with writer._engine.connect() as conn:
                     await conn.run_sync(check_schema, db)
@@ -98,7 +114,7 @@ class LedgerWriter:
         """
         try:
             if self._sqlite is not None:
-                return await self._sqlite.call(self._sqlite.append, items, now)
+                return await self._sqlite.append(items, now)
             async with self._engine.begin() as conn:
                 return await conn.run_sync(lambda sync_conn: recorder.append(sync_conn, items, now=now))
         except SQLAlchemyError as exc:
@@ -107,7 +123,7 @@ class LedgerWriter:
     async def source_positions(self) -> dict[str, SourcePosition]:
         """Every known source's position (the consumer resumes from these after a restart)."""
         if self._sqlite is not None:
-            rows = await asyncio.to_thread(self._sqlite.read, _POSITIONS)
+            rows = await asyncio.to_thread(self._sqlite.reader.read, _POSITIONS)
         else:
             async with self._engine.connect() as conn:
                 rows = (await conn.execute(_POSITIONS)).all()
@@ -124,77 +140,121 @@ class LedgerWriter:
             await self._engine.dispose()
 
 
-class _SQLiteThread:
-    """One pysqlite writer connection, used only on one dedicated thread.
-
-    ``conn`` is touched only on the executor's thread; a connection SQLAlchemy invalidated (a
-    disconnect error) is replaced before the next transaction.
-    """
+class _Reader:
+    """Reads (the daemon's health check) on their own connection, from any thread. WAL: never
+    queued behind a transaction that waits for the write lock."""
 
     def __init__(self, db: str) -> None:
         self.db = db
-        self.engine: Engine = sync_engine(db, writer=True, pool_size=1)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semkv-ledger-writer")
-        self.conn: Connection | None = None
-        self._reader: Engine | None = None
-        self._reader_lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._lock = threading.Lock()
         self._closed = False
+
+    def read(self, query) -> list:  # noqa: ANN001 - a Core select
+        with self._lock:
+            if self._closed:
+                raise PersistenceError("the ledger writer is closed")
+            if self._engine is None:
+                self._engine = sync_engine(self.db, pool_size=1)
+            engine = self._engine
+        with engine.connect() as conn:
+            return conn.execute(query).all()
+
+    def close(self) -> None:
+        with self._lock:
+            engine, self._engine, self._closed = self._engine, None, True
+        if engine is not None:
+            engine.dispose()
+
+
+class _SQLiteThread:
+    """The writer connection on one dedicated thread of this process (a single-worker executor)."""
+
+    def __init__(self, db: str) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semkv-ledger-writer")
+        self.writer = SQLiteWriterConnection(db)
+        self.reader = _Reader(db)
 
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    # -- on the writer thread ---------------------------------------------------------------
+    async def check_schema(self) -> None:
+        await self.call(self.writer.check_schema)
 
-    def _connection(self) -> Connection:
-        conn = self.conn
-        if conn is None or conn.invalidated or conn.closed:
-            if conn is not None:
-                conn.close()
-            conn = self.conn = self.engine.connect()
-        return conn
-
-    def check_schema(self) -> None:
-        conn = self._connection()
-        try:
-            check_schema(conn, self.db)
-        finally:
-            conn.rollback()  # end Alembic's read; the writer's transactions begin on their own
-
-    def append(self, items: Sequence[recorder.Input], now: float | None) -> AppendResult:
-        conn = self._connection()
-        with conn.begin():  # BEGIN IMMEDIATE (ledger.db); COMMIT, or ROLLBACK on any error
-            return recorder.append(conn, items, now=now)
-
-    def _close_connection(self) -> None:
-        conn, self.conn = self.conn, None
-        try:
-            if conn is not None:
-                conn.close()
-        finally:
-            self.engine.dispose()
-
-    # -- reads (any thread) ------------------------------------------------------------------
-
-    def read(self, query) -> list:  # noqa: ANN001 - a Core select
-        with self._reader_lock:
-            if self._closed:
-                raise PersistenceError("the ledger writer is closed")
-            if self._reader is None:
-                self._reader = sync_engine(self.db, pool_size=1)
-            reader = self._reader
-        with reader.connect() as conn:
-            return conn.execute(query).all()
+    async def append(self, items: Sequence[recorder.Input], now: float | None) -> AppendResult:
+        return await self.call(self.writer.append, items, now)
 
     async def close(self) -> None:
         try:
-            await self.call(self._close_connection)  # queued after the transaction in flight
+            await self.call(self.writer.close)  # queued after the transaction in flight
         except BaseException:
             self.executor.shutdown(wait=False)  # cancelled while a transaction runs: don't block the loop
             raise
         else:
             self.executor.shutdown(wait=True)  # idle: the thread exits at once
         finally:
-            with self._reader_lock:
-                reader, self._reader, self._closed = self._reader, None, True
-            if reader is not None:
-                reader.dispose()
+            self.reader.close()
+
+
+class _SQLiteProcess:
+    """The writer connection in a child process (:mod:`ledger.writer_process`), driven from one
+    dedicated thread of this process that sends each transaction and waits for its reply.
+
+    Why: the recorder's Python work and the daemon's receive/decode otherwise share one GIL; the
+    writer thread ran ~25 % slower beside a busy event loop than alone (tools/results/consume-2026-11-30.md).
+    A child that exits (killed, crashed) fails the transaction in flight with a transient
+    :class:`PersistenceError` and is started again by the next call; whether that transaction
+    committed or not, the retry is exact (the log's idempotency key, DESIGN §5).
+    """
+
+    def __init__(self, db: str) -> None:
+        self.db = db
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semkv-ledger-writer")
+        self.reader = _Reader(db)
+        self.child: writer_process.Child | None = None
+        self.starts = 0
+
+    async def call(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def check_schema(self) -> None:
+        def check() -> None:
+            engine = sync_engine(self.db, create=True)  # as the thread's writer engine does
+            try:
+                with engine.connect() as conn:
+                    check_schema(conn, self.db)
+            finally:
+                engine.dispose()
+            self._child()  # start the child now: a daemon pays its start-up before the first message
+
+        await self.call(check)
+
+    def _child(self) -> writer_process.Child:
+        if self.child is None or not self.child.alive:
+            if self.child is not None:
+                self.child.close()
+            self.child = writer_process.Child.start(self.db)
+            self.starts += 1
+        return self.child
+
+    def _append(self, items: Sequence[recorder.Input], now: float | None) -> AppendResult:
+        return self._child().append(items, now)
+
+    async def append(self, items: Sequence[recorder.Input], now: float | None) -> AppendResult:
+        return await self.call(self._append, items, now)
+
+    def _close_child(self) -> None:
+        child, self.child = self.child, None
+        if child is not None:
+            child.close()
+
+    async def close(self) -> None:
+        try:
+            await self.call(self._close_child)  # queued after the transaction in flight
+        except BaseException:
+            self.executor.shutdown(wait=False)
+            raise
+        else:
+            self.executor.shutdown(wait=True)
+        finally:
+            self.reader.close()

@@ -5,9 +5,11 @@ Runs, each against the same pre-encoded vLLM-dialect stream (``--events-per-mess
 
 * ``discard``     a SUB that receives and drops every message (the transport's ceiling);
 * ``decode``      a SUB that also runs ``consumer.wire.decode_message``;
-* ``sqlite``      ``semkv-ledger consume`` (a subprocess) into a fresh SQLite file;
+* ``sqlite``      ``semkv-ledger consume`` (a subprocess) into a fresh SQLite file, with its default
+                  ledger writer process and again with ``--writer-thread`` (side by side);
 * ``postgresql``  the same into a scratch database created on ``--pg-url`` and dropped afterwards;
-* ``append-only`` in-process ``LedgerWriter.append`` of pre-decoded batches (no ZMQ, no daemon);
+* ``append-only`` in-process ``LedgerWriter.append`` of pre-decoded batches (no ZMQ, no daemon; the
+                  writer thread, whose process has no GC tuning: see ledger/writer_process.py);
 
 then a soak: the consumer against a publisher paced at ``--soak-rate`` block events/s (default 50 %
 of the SQLite burst rate: the sustained rate on a growing ledger is lower than a burst into a fresh
@@ -192,11 +194,26 @@ def scrape(port: int, name: str) -> float:
     return -1.0
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the consumer and its ledger writer process)."""
+    tree, i = [pid], 0
+    while i < len(tree):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{tree[i]}/task").iterdir():
+                tree += [int(c) for c in (task / "children").read_text().split()]
+        i += 1
+    return tree
+
+
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    """Resident memory of ``pid`` and its descendants."""
+    total = 0.0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{member}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+    return total
 
 
 CLI = "import sys; sys.argv[0] = 'semkv-ledger'; from ledger.cli import main; main()"
@@ -210,13 +227,14 @@ def tree_env(tree: Path) -> dict[str, str]:
 class Consumer:
     """``semkv-ledger consume`` as a subprocess, importing the code of ``tree`` (default: this one)."""
 
-    def __init__(self, db: str, pub: Publisher, args: argparse.Namespace, tree: Path = REPO) -> None:
+    def __init__(self, db: str, pub: Publisher, args: argparse.Namespace, tree: Path = REPO,
+                 extra: tuple[str, ...] = ()) -> None:
         self.metrics_port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-c", CLI, "consume", "--db", db, "--engine-id", "bench",
                                       "--endpoint", f"tcp://127.0.0.1:{pub.port}", "--replay-endpoint",
                                       f"tcp://127.0.0.1:{pub.replay_port}", "--metrics-port", str(self.metrics_port),
                                       "--metrics-host", "127.0.0.1", "--batch-max-events", str(args.batch_max_events),
-                                      "--log-level", "warning"], stderr=subprocess.DEVNULL, cwd=tree,
+                                      "--log-level", "warning", *extra], stderr=subprocess.DEVNULL, cwd=tree,
                                      env=tree_env(tree))
         self.rss: list[float] = []
 
@@ -236,20 +254,20 @@ class Consumer:
 
 
 def run_consumer(db: str, args: argparse.Namespace, profile_to: Path | None = None,
-                 tree: Path = REPO) -> tuple[float, float]:
-    """(seconds from first send to last commit, peak RSS MiB)."""
+                 tree: Path = REPO, extra: tuple[str, ...] = ()) -> tuple[float, float]:
+    """(seconds from first send to last commit, peak RSS MiB); ``extra``: more ``consume`` flags."""
     from ledger.migrate import upgrade
 
     upgrade(db)
     pub = Publisher(args)
-    consumer = Consumer(db, pub, args, tree)
+    consumer = Consumer(db, pub, args, tree, extra)
     spy = None
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if profile_to is not None and Path(py_spy).exists():
         while scrape(consumer.metrics_port, "semkv_consumer_transactions_total") < 0:  # imports done
             time.sleep(0.02)
         spy = subprocess.Popen([py_spy, "record", "--pid", str(consumer.proc.pid), "--format", "raw", "-r", "200",
-                                "-o", str(profile_to), "--nonblocking"], stdout=subprocess.DEVNULL,
+                                "-o", str(profile_to), "--nonblocking", "--subprocesses"], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     try:
         t_first, _, _ = pub.finish()
@@ -329,9 +347,13 @@ def compare_trees(work: Path, args: argparse.Namespace) -> list[tuple]:
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process and its descendants, all their threads."""
+    total = 0.0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def compare_paced(work: Path, args: argparse.Namespace, rate: float) -> list[tuple[str, dict]]:
@@ -423,11 +445,13 @@ def postgres_scratch(admin_url: str):
 
 
 PROFILE_PARTS = [  # (label, path fragments): a sample counts for a part if any frame of its stack matches
-    ("ledger transaction, all of it (ledger/writer.py)", ("ledger/writer.py",)),
+    ("ledger transaction, all of it (ledger/sqlite_writer.py, writer process or thread)",
+     ("ledger/sqlite_writer.py",)),
+    ("  request decode in the writer process (ledger/writer_process.py)", ("decode_append",)),
+    ("  parent: request encode and send (ledger/writer_process.py)", ("Child.append",)),
     ("  decide + apply (ledger/decide.py, apply.py)", ("ledger/decide.py", "ledger/apply.py")),
     ("  SQLAlchemy (compile, params, results)", ("sqlalchemy/",)),
     ("  driver calls: SQLite + binding (ledger/db.py Sql)", ("ledger/db.py",)),
-    ("aiosqlite worker thread (the previous writer)", ("aiosqlite/core.py",)),
     ("consumer: receive, track, decode (consumer/source.py)", ("consumer/source.py",)),
     ("  wire decode (consumer/wire.py)", ("consumer/wire.py",)),
     ("consumer: writer task, metrics (consumer/daemon.py)", ("consumer/daemon.py",)),
@@ -485,7 +509,7 @@ def report(rows: list[tuple], soak_row: dict | None, profile: list[tuple[str, fl
                   f"{r['cpu_percent']:.1f} | {r['cpu_us_per_block_event']:.2f} |" for name, r in paced]
     if soak_row:
         lines += ["", f"Soak ({args.soak_s:.0f} s, SQLite, publisher paced at {soak_row['target']:,.0f} block "
-                  "events/s; RSS of the consumer process sampled every second from the moment it serves /metrics; "
+                  "events/s; RSS of the consumer and its ledger writer process sampled every second from the moment it serves /metrics; "
                   "slope: least squares over the second half (whole run in brackets)):", "",
                   "| published | committed /s | backlog at end (max) msgs | events/txn | consumer CPU % | "
                   "RSS at start MiB | RSS at half MiB | RSS at end MiB | RSS max MiB | RSS slope MiB/min | gaps |",
@@ -545,7 +569,10 @@ def main() -> None:
     else:
         sqlite_s, rss = run_consumer(f"sqlite:///{work}/bench.db", args, profile_file)
         rows.append(("sqlite (consume)", sqlite_s, f"{rss:.1f}"))
-        rows.append(("sqlite append-only", run_append_only(f"sqlite:///{work}/append.db", args), None))
+        thread_s, rss = run_consumer(f"sqlite:///{work}/bench-thread.db", args, extra=("--writer-thread",))
+        rows.append(("sqlite (consume, --writer-thread)", thread_s, f"{rss:.1f}"))
+        rows.append(("sqlite append-only (writer thread)", run_append_only(f"sqlite:///{work}/append.db", args),
+                     None))
     if args.only_sqlite:
         pass
     elif args.no_postgres:

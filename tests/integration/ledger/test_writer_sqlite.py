@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+import time
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
 
 import ledger.db
 from ledger import recorder
+from ledger.checkpoint import BACKSTOP_PAGES
 from ledger.db import sync_engine
 from ledger.errors import PersistenceError
 from ledger.schema import LogRow
@@ -169,3 +172,25 @@ async def test_a_cancelled_append_still_commits_or_rolls_back_as_a_whole(sqlite_
         assert (await reopened.append([item])).duplicate_batches == 1  # recorded whole, exactly once
     finally:
         await reopened.close()
+
+
+async def test_wal_checkpoints_run_on_their_own_thread_while_the_writer_stays_open(sqlite_db):
+    """ledger/checkpoint.py: the WAL is copied into the database file by the checkpointer, not by a
+    COMMIT of the writer (whose own autocheckpoint is only a backstop far above these transactions)."""
+    path = Path(sqlite_db.removeprefix("sqlite:///"))
+    size_before = path.stat().st_size
+    writer = await LedgerWriter.open(sqlite_db)
+    try:
+        for seq in range(20):
+            await writer.append([batch(seq, stored(*range(seq * 64 + 1, seq * 64 + 65)))])
+        sqlite_writer = writer._sqlite.writer  # type: ignore[union-attr]
+        backstop = await writer._sqlite.call(  # type: ignore[union-attr]
+            lambda: sqlite_writer.conn.connection.driver_connection.execute("PRAGMA wal_autocheckpoint").fetchone())
+        assert backstop == (BACKSTOP_PAGES,)
+        deadline = time.monotonic() + 10
+        while path.stat().st_size <= size_before or sqlite_writer.checkpointer.checkpoints == 0:
+            assert time.monotonic() < deadline, "no checkpoint copied the WAL into the database file"
+            await asyncio.sleep(0.05)
+    finally:
+        await writer.close()
+    assert not [t for t in threading.enumerate() if t.name == "semkv-ledger-checkpoint"]
