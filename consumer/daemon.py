@@ -6,7 +6,9 @@ Tasks, supervised by one ``asyncio.TaskGroup`` (hypercorn ``asyncio/run.py``, ST
   crashes; ``/healthz`` reports it down meanwhile);
 * ONE writer task for the database, fed by a bounded ``asyncio.Queue`` of decoded messages. It
   commits up to ``batch_max_events`` events, or what arrived within ``batch_max_delay_ms`` of the
-  first waiting message, in one ledger transaction (:meth:`ledger.writer.LedgerWriter.append`);
+  first waiting message, in one ledger transaction (:meth:`ledger.writer.LedgerWriter.append`),
+  run on SQLite by a child process (``writer_process``, the default; :mod:`ledger.writer_process`)
+  so that recording and receiving use two cores;
 * the metrics/health HTTP server (``metrics_port``) and the shutdown watcher.
 
 Back-pressure policy (memory stays bounded whatever the publishers do): when the queue holds
@@ -18,7 +20,8 @@ when it still holds it, otherwise recorded by the ledger as a gap with a generat
 quarantine. Nothing unbounded is ever held by the daemon.
 
 Database errors: a transient :class:`~ledger.errors.PersistenceError` (SQLite locked, connection
-lost) leaves nothing recorded, so the writer keeps the same items and retries with exponential
+lost, the writer process died) leaves nothing recorded (a writer process that died after its
+COMMIT is the exception: see :mod:`ledger.writer_process`), so the writer keeps the same items and retries with exponential
 back-off (``db_retry_initial_s`` … ``db_retry_max_s``; ``semkv_consumer_db_retries_total``) while the
 queue fills and back-pressure engages: nothing accepted is lost. A permanent one (a constraint
 violation) stops the daemon with an error; the items were not recorded, so a restart replays them.

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
-
 
 class LedgerError(Exception):
     """Root of every error the ledger raises on purpose."""
@@ -51,6 +48,9 @@ def is_transient(exc: PersistenceError) -> bool:
     that exited."""
     if exc.transient is not None:
         return exc.transient
+    from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
+    from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
     cause = exc.__cause__
     if isinstance(cause, (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)):
         return True

@@ -4,6 +4,7 @@ consumer's process, or by :mod:`ledger.writer_process` in a child process."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Sequence
 
 from sqlalchemy import Connection, Engine
@@ -13,6 +14,7 @@ from ledger import recorder
 from ledger.checkpoint import BACKSTOP_PAGES, WalCheckpointer
 from ledger.db import normalize_url, sync_engine
 from ledger.decide import AppendResult
+from ledger.errors import PersistenceError
 from ledger.migrate import check_schema
 from ledger.recorder import persistence_error
 
@@ -29,6 +31,17 @@ class SQLiteWriterConnection:
         self.engine: Engine = sync_engine(db, writer=True, pool_size=1)
         self.conn: Connection | None = None
         self.checkpointer = WalCheckpointer(normalize_url(db).database or "")
+
+    def connect(self) -> None:
+        """Open the connection now (the writer process does, to report a bad database at start).
+
+        Raises:
+            PersistenceError: the database cannot be opened.
+        """
+        try:
+            self._connection()
+        except (SQLAlchemyError, sqlite3.Error) as exc:
+            raise _error(exc) from exc
 
     def _connection(self) -> Connection:
         conn = self.conn
@@ -58,8 +71,8 @@ class SQLiteWriterConnection:
             conn = self._connection()
             with conn.begin():  # BEGIN IMMEDIATE (ledger.db); COMMIT, or ROLLBACK on any error
                 result = recorder.append(conn, items, now=now)
-        except SQLAlchemyError as exc:  # BEGIN/COMMIT themselves (the recorder translates its own)
-            raise persistence_error(exc) from exc
+        except (SQLAlchemyError, sqlite3.Error) as exc:  # connect, BEGIN, COMMIT (the recorder translates its own)
+            raise _error(exc) from exc
         self.checkpointer.committed()
         return result
 
@@ -71,3 +84,10 @@ class SQLiteWriterConnection:
         finally:
             self.engine.dispose()
             self.checkpointer.close()
+
+
+def _error(exc: SQLAlchemyError | sqlite3.Error) -> PersistenceError:
+    if isinstance(exc, SQLAlchemyError):
+        return persistence_error(exc)
+    # the PRAGMA on the raw connection: no SQLAlchemy error to classify, so say it here
+    return PersistenceError(f"{type(exc).__name__}: {exc}", transient=isinstance(exc, sqlite3.OperationalError))

@@ -14,8 +14,8 @@ Backends:
   - ``process=True`` (the consumer daemon's default, ``writer_process``): in a child process
     (:mod:`ledger.writer_process`), fed by one dedicated thread here that sends a transaction and
     waits for its reply. The recorder and the daemon's receive/decode then run on two cores
-    instead of taking turns on one GIL: 256,000 block events end to end in 2.1–2.7 s instead of
-    2.9–3.3 s (tools/results/consume-2026-11-30.md).
+    instead of taking turns on one GIL: 256,000 block events end to end in 2.15–2.24 s instead of
+    2.88–3.02 s (4 interleaved rounds; tools/results/consume-2026-11-30.md).
   - ``process=False``: on ONE dedicated thread of this process (a single-worker executor): one
     thread hop per transaction. aiosqlite, used before, hops to its own thread once per statement
     (~12 per transaction) and was 1.2–2.8x slower at 1–1024 events per transaction
@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, TypeVar
 
+import structlog
 from sqlalchemy import Engine, select
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -49,6 +50,7 @@ from ledger.schema import SourceRow
 from ledger.sqlite_writer import SQLiteWriterConnection
 
 T = TypeVar("T")
+_log = structlog.get_logger("ledger.writer")
 _SOURCES = SourceRow.__table__
 _POSITIONS = select(_SOURCES.c.source_id, _SOURCES.c.engine_id, _SOURCES.c.epoch, _SOURCES.c.last_seq)
 
@@ -59,10 +61,6 @@ class SourcePosition(NamedTuple):
     engine_id: str
     epoch: int
     last_seq: int
-
-
-def _persistence_error(exc: SQLAlchemyError) -> PersistenceError:
-    return PersistenceError(str(getattr(exc, "orig", exc)))
 
 
 class LedgerWriter:
@@ -100,7 +98,7 @@ class LedgerWriter:
                     await conn.run_sync(check_schema, db)
         except SQLAlchemyError as exc:
             await writer.close()
-            raise _persistence_error(exc) from exc
+            raise recorder.persistence_error(exc) from exc
         except Exception:
             await writer.close()
             raise
@@ -118,7 +116,7 @@ class LedgerWriter:
             async with self._engine.begin() as conn:
                 return await conn.run_sync(lambda sync_conn: recorder.append(sync_conn, items, now=now))
         except SQLAlchemyError as exc:
-            raise _persistence_error(exc) from exc
+            raise recorder.persistence_error(exc) from exc
 
     async def source_positions(self) -> dict[str, SourcePosition]:
         """Every known source's position (the consumer resumes from these after a restart)."""
@@ -167,26 +165,20 @@ class _Reader:
             engine.dispose()
 
 
-class _SQLiteThread:
-    """The writer connection on one dedicated thread of this process (a single-worker executor)."""
+class _OneThread:
+    """A single-worker executor that runs the writer's blocking calls in submission order, and the
+    health-read connection beside it."""
 
     def __init__(self, db: str) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semkv-ledger-writer")
-        self.writer = SQLiteWriterConnection(db)
         self.reader = _Reader(db)
 
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def check_schema(self) -> None:
-        await self.call(self.writer.check_schema)
-
-    async def append(self, items: Sequence[recorder.Input], now: float | None) -> AppendResult:
-        return await self.call(self.writer.append, items, now)
-
-    async def close(self) -> None:
+    async def _close_with(self, fn: Callable[[], None]) -> None:
         try:
-            await self.call(self.writer.close)  # queued after the transaction in flight
+            await self.call(fn)  # queued after the transaction in flight
         except BaseException:
             self.executor.shutdown(wait=False)  # cancelled while a transaction runs: don't block the loop
             raise
@@ -196,26 +188,42 @@ class _SQLiteThread:
             self.reader.close()
 
 
-class _SQLiteProcess:
-    """The writer connection in a child process (:mod:`ledger.writer_process`), driven from one
-    dedicated thread of this process that sends each transaction and waits for its reply.
+class _SQLiteThread(_OneThread):
+    """The writer connection on the dedicated thread of this process."""
 
-    Why: the recorder's Python work and the daemon's receive/decode otherwise share one GIL; the
-    writer thread ran ~25 % slower beside a busy event loop than alone (tools/results/consume-2026-11-30.md).
-    A child that exits (killed, crashed) fails the transaction in flight with a transient
-    :class:`PersistenceError` and is started again by the next call; whether that transaction
-    committed or not, the retry is exact (the log's idempotency key, DESIGN §5).
+    def __init__(self, db: str) -> None:
+        super().__init__(db)
+        self.writer = SQLiteWriterConnection(db)
+
+    async def check_schema(self) -> None:
+        await self.call(self.writer.check_schema)
+
+    async def append(self, items: Sequence[recorder.Input], now: float | None) -> AppendResult:
+        return await self.call(self.writer.append, items, now)
+
+    async def close(self) -> None:
+        await self._close_with(self.writer.close)
+
+
+class _SQLiteProcess(_OneThread):
+    """The writer connection in a child process (:mod:`ledger.writer_process`), driven from the
+    dedicated thread of this process, which sends each transaction and waits for its reply.
+
+    Why: the recorder's Python work and the daemon's receive/decode otherwise share one GIL (see
+    the module docstring for the figures). A child that dies fails the transaction in flight with
+    a transient :class:`PersistenceError` and the next call starts a new one, unless
+    :data:`~ledger.writer_process.MAX_CONSECUTIVE_DEATHS` children died in a row without a commit
+    (then the error is permanent: a batch that crashes the writer must stop the daemon, not spin
+    it). What a retry after a death records: :mod:`ledger.writer_process`.
     """
 
     def __init__(self, db: str) -> None:
+        super().__init__(db)
         self.db = db
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semkv-ledger-writer")
-        self.reader = _Reader(db)
         self.child: writer_process.Child | None = None
         self.starts = 0
-
-    async def call(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        self.deaths_in_a_row = 0
+        self.closed = False
 
     async def check_schema(self) -> None:
         def check() -> None:
@@ -230,31 +238,33 @@ class _SQLiteProcess:
         await self.call(check)
 
     def _child(self) -> writer_process.Child:
+        if self.closed:
+            raise PersistenceError("the ledger writer is closed")
         if self.child is None or not self.child.alive:
             if self.child is not None:
                 self.child.close()
+                self.deaths_in_a_row += 1
+                if self.deaths_in_a_row >= writer_process.MAX_CONSECUTIVE_DEATHS:
+                    raise PersistenceError(f"the ledger writer process died {self.deaths_in_a_row} times in a row "
+                                           "without a commit", transient=False)
+                _log.warning("ledger.writer_process_restarted", deaths_in_a_row=self.deaths_in_a_row)
             self.child = writer_process.Child.start(self.db)
             self.starts += 1
         return self.child
 
     def _append(self, items: Sequence[recorder.Input], now: float | None) -> AppendResult:
-        return self._child().append(items, now)
+        result = self._child().append(items, now)
+        self.deaths_in_a_row = 0
+        return result
 
     async def append(self, items: Sequence[recorder.Input], now: float | None) -> AppendResult:
         return await self.call(self._append, items, now)
 
     def _close_child(self) -> None:
+        self.closed = True
         child, self.child = self.child, None
         if child is not None:
             child.close()
 
     async def close(self) -> None:
-        try:
-            await self.call(self._close_child)  # queued after the transaction in flight
-        except BaseException:
-            self.executor.shutdown(wait=False)
-            raise
-        else:
-            self.executor.shutdown(wait=True)
-        finally:
-            self.reader.close()
+        await self._close_with(self._close_child)

@@ -2,26 +2,36 @@
 
 Why a process (DESIGN §7, ≥ 100k block events/s into SQLite on 2 cores): the recorder is Python
 and the consumer's receive/decode is Python; in one process they take turns on one GIL, and the
-writer thread ran ~25 % slower beside a busy event loop than alone (tools/results/consume-2026-11-30.md).
+writer thread's transactions took 25–30 % longer beside a busy event loop than alone
+(tools/results/consume-2026-11-30.md).
 
 Protocol: one Unix socket pair framed by :class:`multiprocessing.connection.Connection`; the
 parent sends one :class:`_Append` (msgspec msgpack: the same typed structs the consumer decoded,
 validated again on decode) and waits for its :class:`_Reply` before sending the next, so
-transactions commit in submission order. The child is ``python -m ledger.writer_process`` with
+transactions commit in submission order. The child is ``python -P -m ledger.writer_process`` with
 the parent's ``sys.path`` (a plain subprocess: no ``multiprocessing`` start method or exit hooks
 to reason about).
 
-Lifetime: the child ignores SIGINT and SIGTERM (a Ctrl-C or a service stop reaches the whole
-process group; the parent owns shutdown and closes the child after its last commit). When the
+Lifetime: the parent owns shutdown and closes the child after its last commit. The child runs
+in its own process group (a terminal's Ctrl-C never reaches it, even while it starts) and
+ignores SIGINT and SIGTERM (systemd signals every process of the service's cgroup). When the
 socket closes (the parent closed it, exited, or was killed with SIGKILL) the child finishes the
-transaction in flight, which commits or rolls back as a whole, and exits. A child that dies
-fails the transaction in flight with a transient :class:`~ledger.errors.PersistenceError`; the
-caller retries, and the log's idempotency key (DESIGN §5) makes the retry exact whether or not
-the lost transaction committed.
+transaction in flight, which commits or rolls back as a whole, and exits. A child that stops
+answering is killed after :func:`reply_timeout_s`.
+
+A child that dies fails the transaction in flight with a transient
+:class:`~ledger.errors.PersistenceError` and the next call starts a new one; after
+:data:`MAX_CONSECUTIVE_DEATHS` deaths without a committed transaction between them (a batch that
+crashes the writer every time) the error is permanent. A child that dies after its COMMIT and
+before its reply leaves the outcome unknown: the retry of a received batch is then exact (the
+log's idempotency key, DESIGN §5), but a gap report or a dead letter sent on its own has no such
+key and is recorded twice (a second generation bump: a needless quarantine, never a stale
+promise). PostgreSQL has the same window when a connection drops during COMMIT.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -38,12 +48,15 @@ import ledger.db
 from ledger import events as ev
 from ledger.decide import AppendResult
 from ledger.errors import PersistenceError, is_transient
+from ledger.recorder import Input
 from ledger.sqlite_writer import SQLiteWriterConnection
 
-Input = ev.ReceivedBatch | ev.DeadLetter | ev.GapReport
 _KINDS = (ev.ReceivedBatch, ev.DeadLetter, ev.GapReport)
 _CLOSE_TIMEOUT_S = 30.0
-
+START_TIMEOUT_S = 60.0
+"""The child must be ready (imports done, connection open) within this long."""
+MAX_CONSECUTIVE_DEATHS = 3
+"""Children that may die in a row, with no commit between them, before the error is permanent."""
 
 
 class _Append(msgspec.Struct, array_like=True, gc=False):
@@ -84,6 +97,12 @@ def decode_append(data: bytes) -> tuple[list[Input], float | None]:
     return [next(sources[kind]) for kind in request.order], request.now
 
 
+def reply_timeout_s() -> float:
+    """How long the parent waits for one transaction's reply before it kills the child: far above
+    any transaction, which waits at most the busy timeout for the lock."""
+    return max(120.0, 4 * ledger.db.SQLITE_BUSY_TIMEOUT_MS / 1000)
+
+
 class Child:
     """The parent's handle on one writer process. Used from one thread at a time."""
 
@@ -93,35 +112,36 @@ class Child:
 
     @classmethod
     def start(cls, db: str) -> Child:
+        """Start a child and wait until it is ready.
+
+        Raises:
+            PersistenceError: (transient) the child could not be started, exited, or did not
+                become ready within :data:`START_TIMEOUT_S`; or its connection could not be opened.
+        """
         parent_end, child_end = socket.socketpair()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        # -P: no working directory in front of sys.path; the parent's path, its "" made explicit
+        path = os.pathsep.join(p or os.getcwd() for p in sys.path)
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", "ledger.writer_process", str(child_end.fileno()), db,
+                [sys.executable, "-P", "-m", "ledger.writer_process", str(child_end.fileno()), db,
                  str(ledger.db.SQLITE_BUSY_TIMEOUT_MS)],
-                pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                pass_fds=(child_end.fileno(),), env={**os.environ, "PYTHONPATH": path},
+                stdin=subprocess.DEVNULL, process_group=0)
+        except OSError as exc:
+            parent_end.close()
+            raise PersistenceError(f"cannot start the ledger writer process: {exc}", transient=True) from exc
         finally:
             child_end.close()
         child = cls(process, Connection(parent_end.detach()))
-        child._wait_ready()
-        return child
-
-    def _wait_ready(self) -> None:
-        """The child says it is ready once its imports are done and its connection is open, so
-        that start-up is paid here (the daemon's start), not by the first transaction.
-
-        Raises:
-            PersistenceError: the child exited, or its connection could not be opened.
-        """
         try:
-            reply = _REPLY.decode(self._conn.recv_bytes())  # type: ignore[union-attr]
-        except (EOFError, OSError) as exc:
-            self.close()
-            raise PersistenceError(f"the ledger writer process exited at start (exit code {self.process.returncode})",
-                                   transient=True) from exc
+            reply = child._reply(START_TIMEOUT_S)
+        except PersistenceError:
+            child.close(timeout_s=1.0)
+            raise
         if reply.error is not None:
-            self.close()
+            child.close()
             raise PersistenceError(reply.error, transient=reply.transient)
+        return child
 
     @property
     def alive(self) -> bool:
@@ -132,22 +152,42 @@ class Child:
 
         Raises:
             PersistenceError: the transaction failed (``transient`` as classified in the child),
-                or the child exited (transient: a new child serves the retry).
+                or the child exited or stopped answering (transient: a new child serves the retry).
         """
         if self._conn is None:
             raise PersistenceError("the ledger writer process is closed", transient=True)
         try:
             self._conn.send_bytes(encode_append(items, now))
-            reply = _REPLY.decode(self._conn.recv_bytes())
-        except (EOFError, OSError) as exc:
-            self._drop_conn()
-            code = self.process.poll()
-            raise PersistenceError(f"the ledger writer process exited (exit code {code}) during a transaction",
+        except OSError as exc:
+            self._lost()
+            raise PersistenceError(f"the ledger writer process exited (exit code {self.process.poll()})",
                                    transient=True) from exc
+        reply = self._reply(reply_timeout_s())
         if reply.error is not None:
             raise PersistenceError(reply.error, transient=reply.transient)
         assert reply.result is not None
         return reply.result
+
+    def _reply(self, timeout_s: float) -> _Reply:
+        conn = self._conn
+        assert conn is not None
+        try:
+            if not conn.poll(timeout_s):
+                self._lost(kill=True)
+                raise PersistenceError(f"the ledger writer process did not answer within {timeout_s:.0f} s: killed",
+                                       transient=True)
+            return _REPLY.decode(conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            self._lost()
+            raise PersistenceError(f"the ledger writer process exited (exit code {self.process.poll()})",
+                                   transient=True) from exc
+
+    def _lost(self, *, kill: bool = False) -> None:
+        self._drop_conn()
+        if kill:
+            self.process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(1.0)  # reap it: the exit code goes into the error
 
     def close(self, timeout_s: float = _CLOSE_TIMEOUT_S) -> None:
         """Close the socket (the child exits after its transaction in flight) and wait for it."""
@@ -168,20 +208,33 @@ def serve(conn: Connection, db: str) -> None:
     """The child's loop: one transaction per request until the socket closes."""
     try:
         writer = SQLiteWriterConnection(db)
+        writer.connect()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the start
-        conn.send_bytes(_ENCODER.encode(_Reply(error=f"{type(exc).__name__}: {exc}")))
+        transient = is_transient(exc) if isinstance(exc, PersistenceError) else False
+        _send(conn, _Reply(error=f"{type(exc).__name__}: {exc}", transient=transient))
         return
     _tune_gc()
     try:
-        conn.send_bytes(_ENCODER.encode(_Reply()))  # ready
+        if not _send(conn, _Reply()):  # ready
+            return
         while True:
             try:
                 data = conn.recv_bytes()
             except (EOFError, OSError):
                 return
-            conn.send_bytes(_ENCODER.encode(_run(writer, data)))
+            if not _send(conn, _run(writer, data)):
+                return
     finally:
         writer.close()
+
+
+def _send(conn: Connection, reply: _Reply) -> bool:
+    """False when the parent is gone (the transaction, if any, is committed or rolled back)."""
+    try:
+        conn.send_bytes(_ENCODER.encode(reply))
+        return True
+    except OSError:
+        return False
 
 
 GC_GEN0_THRESHOLD = 10_000
@@ -192,8 +245,8 @@ def _tune_gc() -> None:
 
     A transaction of 1024 engine events allocates ~16k row dicts and keys that refcounting frees;
     at CPython's default gen-0 threshold (700) the collector ran ~25 times per transaction and
-    walked everything imported (SQLAlchemy's metadata, the compiled statements). ``gc.freeze()``
-    moves what exists after start-up out of every collection (docs.python.org/3/library/gc.html
+    walked everything start-up created (the modules, SQLAlchemy's metadata and the schema).
+    ``gc.freeze()`` moves what exists after start-up out of every collection (docs.python.org/3/library/gc.html
     #gc.freeze) and a gen-0 threshold of 10,000 collects ~14x less often; cycles are still
     collected. Append-only, 256,000 block events, 4 interleaved rounds: median 2.30 s default,
     1.95 s tuned (tools/results/consume-2026-11-30.md).

@@ -25,7 +25,8 @@ from ledger import events as ev
 from ledger.errors import PersistenceError, is_transient
 from ledger.types import DeadLetterReason, GenerationReason
 from ledger.writer import LedgerWriter
-from ledger.writer_process import decode_append, encode_append
+from ledger.sqlite_writer import SQLiteWriterConnection
+from ledger.writer_process import MAX_CONSECUTIVE_DEATHS, _run, decode_append, encode_append
 from tests.builders import batch, stored
 from tests.integration.ledger.test_writer_sqlite import lock_holder, log_rows  # noqa: F401 - a fixture
 
@@ -111,6 +112,42 @@ async def test_a_child_killed_mid_transaction_fails_it_transiently_and_the_next_
         await writer.close()
 
 
+async def test_a_child_that_dies_on_every_try_makes_the_error_permanent(sqlite_db, lock_holder):  # noqa: F811
+    """A batch that kills the writer each time must stop the daemon, not restart children forever."""
+    writer = await LedgerWriter.open(sqlite_db, process=True)
+    try:
+        lock_holder.hold()  # every child's transaction waits for the lock: then it is killed
+        item = batch(0, stored(1))
+        killed: set[int] = set()
+        for _ in range(MAX_CONSECUTIVE_DEATHS):
+            pending = asyncio.create_task(writer.append([item]))
+            deadline = time.monotonic() + 20
+            while writer._sqlite.child is None or child_of(writer).pid in killed:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "no new writer process"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            killed.add(child_of(writer).pid)
+            child_of(writer).send_signal(signal.SIGKILL)
+            with pytest.raises(PersistenceError, match="exited") as caught:
+                await pending
+            assert is_transient(caught.value)
+        with pytest.raises(PersistenceError, match="died 3 times in a row") as caught:
+            await writer.append([item])
+        assert not is_transient(caught.value)
+    finally:
+        lock_holder.release()
+        await writer.close()
+
+
+def test_a_request_the_child_cannot_run_is_a_permanent_error(sqlite_db):
+    writer = SQLiteWriterConnection(sqlite_db)
+    try:
+        reply = _run(writer, b"not a request")
+    finally:
+        writer.close()
+    assert reply.result is None and reply.error.startswith("ValidationError") and not reply.transient
+
+
 async def test_sigint_and_sigterm_to_the_process_group_do_not_stop_the_child(sqlite_db):
     writer = await LedgerWriter.open(sqlite_db, process=True)
     try:
@@ -172,6 +209,6 @@ def test_the_child_exits_when_its_parent_is_killed_with_sigkill(sqlite_db, tmp_p
 
 async def test_a_child_that_cannot_start_fails_open_with_a_persistence_error(sqlite_db, monkeypatch):
     monkeypatch.setattr(sys, "executable", "/bin/false")  # the child exits at once
-    with pytest.raises(PersistenceError, match="exited at start"):
+    with pytest.raises(PersistenceError, match="exited"):
         await LedgerWriter.open(sqlite_db, process=True)
     assert not [t for t in threading.enumerate() if t.name.startswith("semkv-ledger-writer")]
