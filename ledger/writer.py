@@ -221,7 +221,6 @@ class _SQLiteProcess(_OneThread):
         super().__init__(db)
         self.db = db
         self.child: writer_process.Child | None = None
-        self.starts = 0
         self.deaths_in_a_row = 0
         self.closed = False
 
@@ -249,7 +248,6 @@ class _SQLiteProcess(_OneThread):
                                            "without a commit", transient=False)
                 _log.warning("ledger.writer_process_restarted", deaths_in_a_row=self.deaths_in_a_row)
             self.child = writer_process.Child.start(self.db)
-            self.starts += 1
         return self.child
 
     def _append(self, items: Sequence[recorder.Input], now: float | None) -> AppendResult:

@@ -82,6 +82,7 @@ _REPLY = msgspec.msgpack.Decoder(_Reply)
 
 
 def encode_append(items: Sequence[Input], now: float | None) -> bytes:
+    """One transaction's request (msgpack; the inverse of :func:`decode_append`)."""
     lists: tuple[list, list, list] = ([], [], [])
     order = bytearray()
     for item in items:
@@ -92,6 +93,11 @@ def encode_append(items: Sequence[Input], now: float | None) -> bytes:
 
 
 def decode_append(data: bytes) -> tuple[list[Input], float | None]:
+    """``(items, now)`` in their original order.
+
+    Raises:
+        msgspec.ValidationError, msgspec.DecodeError: not a request of this protocol.
+    """
     request = _APPEND.decode(data)
     sources = [iter(request.batches), iter(request.dead_letters), iter(request.gaps)]
     return [next(sources[kind]) for kind in request.order], request.now
