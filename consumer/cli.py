@@ -173,6 +173,9 @@ def publish_command(
     except (OSError, zmq.ZMQError, CurveError) as exc:
         typer.echo(f"error: cannot start publishing: {exc}", err=True)
         raise typer.Exit(2) from exc
+    from consumer.daemon import configure_logging
+
+    configure_logging("info")  # log lines as JSON on stderr: stdout holds only the two JSON results
     with publisher:
         ready = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
         typer.echo(json.dumps({"event": "publish.ready", **ready}))

@@ -236,7 +236,7 @@ class Daemon:
                      for s in self.sources]
             group.create_task(self._shutdown_when_asked(tasks), name="semkv-shutdown")
             self.log.info("daemon.started", db=url_for_humans(self.settings.db), sources=len(tasks),
-                          metrics_port=self.metrics_port)
+                          metrics_port=self.metrics_port, writer=self._writer.mode if self._writer else None)
             self.ready.set()
 
     async def _supervise(self, source: Source) -> None:
@@ -489,4 +489,7 @@ def serve(settings: ConsumerSettings, *, migrate: bool = False, exit_when_idle_s
         log.error("daemon.database_error", error=str(exc))
         print(f"error: ledger database: {exc}", file=sys.stderr)
         return 1 if daemon.ready.is_set() else 2
+    except LedgerError as exc:  # e.g. a SQLite path in a missing directory, an unsupported URL
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0 if stats.clean_exit else 1

@@ -43,18 +43,34 @@ class EventRejected(LedgerError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
+_SQLITE_TRANSIENT = {5, 6, 10, 13, 15}
+"""Primary SQLite result codes worth a retry: BUSY, LOCKED, IOERR, FULL, PROTOCOL
+(sqlite.org/rescode.html). Not READONLY (8), ERROR (1: "no such table", SQL errors), CORRUPT (11),
+CONSTRAINT (19), NOTADB (26): a retry meets them again."""
+
+
 def is_transient(exc: PersistenceError) -> bool:
     """A database error worth retrying: lock/busy, lost connection, pool timeout, a writer process
-    that exited."""
+    that exited. A SQLite error is judged by its result code (SQLite reports "database is locked"
+    and "attempt to write a readonly database" with the same exception type)."""
     if exc.transient is not None:
         return exc.transient
     from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
     from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
     cause = exc.__cause__
+    code = sqlite_result_code(getattr(cause, "orig", None) or cause)
+    if code is not None:
+        return code in _SQLITE_TRANSIENT
     if isinstance(cause, (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)):
         return True
     return bool(getattr(cause, "connection_invalidated", False))
+
+
+def sqlite_result_code(exc: BaseException | None) -> int | None:
+    """The primary result code of an error raised by Python's sqlite3 (3.11+), else None."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return None if code is None else code & 0xFF
 
 
 def url_for_humans(url: str) -> str:

@@ -4,8 +4,10 @@ consumer's process, or by :mod:`ledger.writer_process` in a child process."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Sequence
+from pathlib import Path
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -17,6 +19,21 @@ from ledger.decide import AppendResult
 from ledger.errors import PersistenceError
 from ledger.migrate import check_schema
 from ledger.recorder import persistence_error
+
+
+def check_writable(db: str) -> None:
+    """Refuse a ledger this user cannot write at start-up, not at its first transaction (SQLite
+    opens a read-only file and fails only when it writes).
+
+    Raises:
+        PersistenceError: (permanent) the file, or its directory (WAL and shm files live beside
+            it), is not writable.
+    """
+    path = Path(normalize_url(db).database or "")
+    for target in (path, path.parent):
+        if target.exists() and not os.access(target, os.W_OK):
+            raise PersistenceError(f"the ledger {path} is not writable by this user ({target} is read-only)",
+                                   transient=False)
 
 
 class SQLiteWriterConnection:
@@ -36,8 +53,9 @@ class SQLiteWriterConnection:
         """Open the connection now (the writer process does, to report a bad database at start).
 
         Raises:
-            PersistenceError: the database cannot be opened.
+            PersistenceError: the database cannot be opened or written.
         """
+        check_writable(self.db)
         try:
             self._connection()
         except (SQLAlchemyError, sqlite3.Error) as exc:
@@ -54,6 +72,7 @@ class SQLiteWriterConnection:
         return conn
 
     def check_schema(self) -> None:
+        check_writable(self.db)
         conn = self._connection()
         try:
             check_schema(conn, self.db)
@@ -89,5 +108,5 @@ class SQLiteWriterConnection:
 def _error(exc: SQLAlchemyError | sqlite3.Error) -> PersistenceError:
     if isinstance(exc, SQLAlchemyError):
         return persistence_error(exc)
-    # the PRAGMA on the raw connection: no SQLAlchemy error to classify, so say it here
-    return PersistenceError(f"{type(exc).__name__}: {exc}", transient=isinstance(exc, sqlite3.OperationalError))
+    # the PRAGMA on the raw connection: raised ``from exc``, is_transient reads its result code
+    return PersistenceError(f"{type(exc).__name__}: {exc}")

@@ -47,7 +47,7 @@ from ledger.decide import AppendResult
 from ledger.errors import PersistenceError
 from ledger.migrate import check_schema
 from ledger.schema import SourceRow
-from ledger.sqlite_writer import SQLiteWriterConnection
+from ledger.sqlite_writer import SQLiteWriterConnection, check_writable
 
 T = TypeVar("T")
 _log = structlog.get_logger("ledger.writer")
@@ -117,6 +117,13 @@ class LedgerWriter:
                 return await conn.run_sync(lambda sync_conn: recorder.append(sync_conn, items, now=now))
         except SQLAlchemyError as exc:
             raise recorder.persistence_error(exc) from exc
+
+    @property
+    def mode(self) -> str:
+        """Where transactions run: ``process`` or ``thread`` (SQLite), ``postgresql``."""
+        if self._sqlite is None:
+            return "postgresql"
+        return "process" if isinstance(self._sqlite, _SQLiteProcess) else "thread"
 
     async def source_positions(self) -> dict[str, SourcePosition]:
         """Every known source's position (the consumer resumes from these after a restart)."""
@@ -226,6 +233,7 @@ class _SQLiteProcess(_OneThread):
 
     async def check_schema(self) -> None:
         def check() -> None:
+            check_writable(self.db)
             engine = sync_engine(self.db, create=True)  # as the thread's writer engine does
             try:
                 with engine.connect() as conn:
@@ -265,4 +273,13 @@ class _SQLiteProcess(_OneThread):
             child.close()
 
     async def close(self) -> None:
-        await self._close_with(self._close_child)
+        try:
+            await self._close_with(self._close_child)
+        except BaseException:
+            # Cancelled (the daemon's shutdown timed out): a transaction still in flight would keep
+            # this process alive until the reply deadline; killing the child rolls it back and
+            # ends the wait now. What it held was not committed; the engine's replay resends it.
+            child = self.child
+            if child is not None:
+                child.process.kill()
+            raise

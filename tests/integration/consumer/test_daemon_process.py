@@ -97,6 +97,27 @@ def metric(port: int, name: str) -> float:
     return 0.0
 
 
+def test_a_ledger_in_a_missing_directory_is_one_line_and_exit_2(tmp_path):
+    refused = Consumer("--db", str(tmp_path / "no-such-dir" / "ledger.db"), "--engine-id", ENGINE)
+    assert refused.finish() == 2
+    assert "directory" in "".join(refused.lines) and "Traceback" not in "".join(refused.lines)
+
+
+@pytest.mark.parametrize("writer", ["--writer-process", "--writer-thread"])
+def test_a_ledger_this_user_cannot_write_is_refused_at_start(tmp_path, writer):
+    """SQLite opens a read-only file and fails only at its first write: the daemon must not start,
+    then retry that write forever. ``chattr +i`` makes the file unwritable even for root."""
+    db, path = migrated_db(tmp_path)
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        refused = Consumer("--db", db, "--engine-id", ENGINE, writer)
+        assert refused.finish() == 2
+        assert "not writable" in "".join(refused.lines)
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
 def test_unmigrated_ledger_is_refused_unless_migrate(tmp_path):
     db = str(tmp_path / "fresh.db")
     refused = Consumer("--db", db, "--engine-id", ENGINE)

@@ -174,6 +174,28 @@ async def test_close_waits_for_the_childs_transaction_in_flight(sqlite_db, lock_
     timer.join()
 
 
+async def test_a_cancelled_close_kills_the_child_so_the_daemon_can_exit(sqlite_db, lock_holder):  # noqa: F811
+    """The daemon's shutdown timeout cancels close while a transaction waits: the child is killed
+    (its transaction rolls back) instead of holding the process until the reply deadline."""
+    writer = await LedgerWriter.open(sqlite_db, process=True)
+    child = child_of(writer)
+    lock_holder.hold()
+    try:
+        pending = asyncio.create_task(writer.append([batch(0, stored(1))]))
+        await asyncio.sleep(0.2)
+        closing = asyncio.create_task(writer.close())
+        await asyncio.sleep(0.1)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert child.wait(5) == -signal.SIGKILL
+        with pytest.raises(PersistenceError, match="exited"):
+            await asyncio.wait_for(pending, 5)
+    finally:
+        lock_holder.release()
+    assert log_rows(sqlite_db) == 0  # the killed transaction left nothing
+
+
 PARENT = textwrap.dedent("""
     import asyncio, sys, time
     from ledger.writer import LedgerWriter
