@@ -28,7 +28,7 @@ from ledger.writer import LedgerWriter
 from ledger.sqlite_writer import SQLiteWriterConnection
 from ledger.writer_process import MAX_CONSECUTIVE_DEATHS, _run, decode_append, encode_append
 from tests.builders import batch, stored
-from tests.integration.ledger.test_writer_sqlite import lock_holder, log_rows  # noqa: F401 - a fixture
+from tests.integration.ledger.conftest import log_rows
 
 
 def child_of(writer: LedgerWriter) -> subprocess.Popen:
@@ -75,7 +75,7 @@ async def test_transactions_commit_in_a_child_process_that_close_ends(sqlite_db)
 
 
 async def test_a_locked_database_crosses_as_a_transient_error_and_the_same_child_commits_after(
-        sqlite_db, monkeypatch, lock_holder):  # noqa: F811 - the fixture
+        sqlite_db, monkeypatch, lock_holder):
     monkeypatch.setattr(ledger.db, "SQLITE_BUSY_TIMEOUT_MS", 50)  # handed to the child at its start
     writer = await LedgerWriter.open(sqlite_db, process=True)
     try:
@@ -92,7 +92,7 @@ async def test_a_locked_database_crosses_as_a_transient_error_and_the_same_child
 
 
 async def test_a_child_killed_mid_transaction_fails_it_transiently_and_the_next_call_starts_another(
-        sqlite_db, lock_holder):  # noqa: F811 - the fixture
+        sqlite_db, lock_holder):
     writer = await LedgerWriter.open(sqlite_db, process=True)
     try:
         first = child_of(writer)
@@ -112,7 +112,7 @@ async def test_a_child_killed_mid_transaction_fails_it_transiently_and_the_next_
         await writer.close()
 
 
-async def test_a_child_that_dies_on_every_try_makes_the_error_permanent(sqlite_db, lock_holder):  # noqa: F811
+async def test_a_child_that_dies_on_every_try_makes_the_error_permanent(sqlite_db, lock_holder):
     """A batch that kills the writer each time must stop the daemon, not restart children forever."""
     writer = await LedgerWriter.open(sqlite_db, process=True)
     try:
@@ -161,7 +161,7 @@ async def test_sigint_and_sigterm_to_the_process_group_do_not_stop_the_child(sql
         await writer.close()
 
 
-async def test_close_waits_for_the_childs_transaction_in_flight(sqlite_db, lock_holder):  # noqa: F811
+async def test_close_waits_for_the_childs_transaction_in_flight(sqlite_db, lock_holder):
     writer = await LedgerWriter.open(sqlite_db, process=True)
     child = child_of(writer)
     lock_holder.hold()
@@ -174,7 +174,7 @@ async def test_close_waits_for_the_childs_transaction_in_flight(sqlite_db, lock_
     timer.join()
 
 
-async def test_a_cancelled_close_kills_the_child_so_the_daemon_can_exit(sqlite_db, lock_holder):  # noqa: F811
+async def test_a_cancelled_close_kills_the_child_so_the_daemon_can_exit(sqlite_db, lock_holder):
     """The daemon's shutdown timeout cancels close while a transaction waits: the child is killed
     (its transaction rolls back) instead of holding the process until the reply deadline."""
     writer = await LedgerWriter.open(sqlite_db, process=True)

@@ -14,52 +14,20 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
 
 import ledger.db
 from ledger import recorder
 from ledger.checkpoint import BACKSTOP_PAGES
-from ledger.db import sync_engine
 from ledger.errors import PersistenceError
-from ledger.schema import LogRow
 from ledger.writer import LedgerWriter
 from tests.builders import batch, stored
+from tests.integration.ledger.conftest import log_rows
 
 THREAD_PREFIX = "semkv-ledger-writer"
 
 
-def log_rows(db: str) -> int:
-    engine = sync_engine(db)
-    try:
-        with engine.connect() as conn:
-            return conn.execute(select(func.count()).select_from(LogRow.__table__)).scalar_one()
-    finally:
-        engine.dispose()
-
-
 def writer_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
-
-
-@pytest.fixture
-def lock_holder(sqlite_db: str):
-    """Another writer's connection; ``hold()`` takes the write lock, ``release_after(s)`` commits later."""
-    conn = sqlite3.connect(sqlite_db.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False)
-
-    class Holder:
-        def hold(self) -> None:
-            conn.execute("BEGIN IMMEDIATE")
-
-        def release_after(self, seconds: float) -> threading.Timer:
-            timer = threading.Timer(seconds, conn.execute, args=("COMMIT",))
-            timer.start()
-            return timer
-
-        def release(self) -> None:
-            conn.execute("COMMIT")
-
-    yield Holder()
-    conn.close()
 
 
 async def test_every_transaction_runs_on_one_dedicated_thread_which_close_ends(sqlite_db, monkeypatch):
