@@ -11,12 +11,20 @@ The live writer loads only the rows a transaction touches (``partial=True``); bu
 :attr:`Projection.bulk_ops` so the writer can run them as SQL against the rows it did not load.
 Replay loads nothing and sees everything (``partial=False``).
 
+A removed block leaves the ``blocks`` projection (its history stays in the log): the projection
+holds what the engines' caches hold now, live or quarantined blocks, so its size is bounded by the
+fleet's KV capacity instead of growing with every block ever seen, and the ledger's steady state
+(new blocks stored, evicted ones removed) is an INSERT and a DELETE per block instead of an update
+of an ever larger table (tools/results/consume-2026-11-30.md). DESIGN §3's ``removed`` state is that
+absence; ``semkv-ledger inspect block HASH`` shows the removal from the log.
+
 Duplicate stores and double removals (vLLM re-stores a recomputed block into a second physical
 block, and ``kv_cache_report_mode="full"`` re-reports cache hits; fixtures/README.md): a
 ``stored`` of a live block increments ``store_count`` and keeps it live; a ``removed`` makes the
-block non-live at once, whatever ``store_count`` says; a second ``removed`` of a non-live block is
-counted (``removed_not_live``). This errs only toward *not live* — a missed reuse, never a promise
-on evicted KV (DESIGN §2 rules 3 and 9).
+block leave the projection at once, whatever ``store_count`` says; a second ``removed`` finds no block
+and is counted (``removed_unknown``, as is the removal of a block stored before the consumer joined);
+a ``removed`` of a quarantined block removes it and is counted ``removed_not_live``. This errs only
+toward *not live* — a missed reuse, never a promise on evicted KV (DESIGN §2 rules 3 and 9).
 """
 
 from __future__ import annotations
@@ -92,6 +100,9 @@ class Projection:
     loaded_blocks: set[BlockKey] = dataclasses.field(default_factory=set)
     """Keys of the block rows read from the database. The live writer loads every block a
     transaction touches first, so a dirty key NOT in here is a new row (a plain INSERT)."""
+    removed_blocks: set[BlockKey] = dataclasses.field(default_factory=set)
+    """Keys of blocks removed since loading (no longer in :attr:`blocks`): the rows to DELETE
+    (those that are also in :attr:`loaded_blocks`; the others were never written)."""
     dirty: dict[str, set[Any]] = dataclasses.field(
         default_factory=lambda: {t: set() for t in ("engines", "streams", "sources", "blocks", "donors", "leases")}
     )
@@ -192,7 +203,7 @@ def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
     engine_id, seq = entry.engine_id, entry.seq
     dp_rank, window = entry.attention_dp_rank or 0, entry.window_size or 0
     generation = proj.engines[engine_id]["generation"]
-    blocks, dirty = proj.blocks, proj.dirty["blocks"]
+    blocks, dirty, removed = proj.blocks, proj.dirty["blocks"], proj.removed_blocks
     live = proj.live_blocks.setdefault(engine_id, set())
     p_hash, p_ext = split_hash(body.parent_hash) if body.parent_hash is not None else (None, None)
     lora_id = body.lora_id
@@ -228,6 +239,7 @@ def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
                            "tokens_digest": digest, "cache_level": block.cache_level, "priority": block.priority,
                            "cache_salt": block.cache_salt, "lora_id": lora_id, "generation": generation,
                            "state": _LIVE, "updated_seq": seq}
+            removed.discard(key)
         live.add(key)
         dirty.add(key)
         p_hash, p_ext = h, ext
@@ -238,9 +250,9 @@ def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
 
 
 def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> None:
-    engine_id, seq = entry.engine_id, entry.seq
+    engine_id = entry.engine_id
     dp_rank, window = entry.attention_dp_rank or 0, entry.window_size or 0
-    blocks, dirty = proj.blocks, proj.dirty["blocks"]
+    blocks, dirty, gone = proj.blocks, proj.dirty["blocks"], proj.removed_blocks
     live = proj.live_blocks.setdefault(engine_id, set())
     removed = unknown = not_live = 0
     for block_hash in body.block_hashes:
@@ -249,20 +261,17 @@ def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> Non
         else:
             h, ext = split_hash(block_hash)
         key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
-        row = blocks.get(key)
+        row = blocks.pop(key, None)
         if row is None:
             unknown += 1
             continue
         if row["state"] == _LIVE:
             removed += 1
+            live.discard(key)
         else:
             not_live += 1
-            if row["state"] != BlockState.QUARANTINED:
-                continue
-        row["state"] = _REMOVED
-        row["updated_seq"] = seq
-        live.discard(key)
-        dirty.add(key)
+        dirty.discard(key)
+        gone.add(key)
     counters = proj.counters
     for name, n in (("blocks_removed", removed), ("removed_unknown", unknown), ("removed_not_live", not_live)):
         if n:
@@ -384,7 +393,7 @@ def _on_lease_released(proj: Projection, entry: LogEntry, body: ev.LeaseReleased
     proj.count(GLOBAL, "leases_released")
 
 
-_LIVE, _REMOVED = BlockState.LIVE, BlockState.REMOVED
+_LIVE = BlockState.LIVE
 _LIVE_DONOR_STATES = (DonorState.REGISTERED, DonorState.LIVE)
 _ENGINE_BODIES = (ev.EngineCreated, ev.BlockStored, ev.BlockRemoved, ev.BlockUpdated, ev.AllBlocksCleared)
 _ENGINE_BODY_TYPES = frozenset(_ENGINE_BODIES)  # msgspec Structs: exact types, no subclasses

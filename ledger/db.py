@@ -263,6 +263,11 @@ class Sql:
         else:
             self.cursor.executemany(sql, list(map(bind, rows)))
 
+    def many_positional(self, prepared: Prepared, rows: Sequence[Sequence[Any]]) -> None:
+        """executemany over rows already in the statement's parameter order (SQLite's qmark)."""
+        if rows:
+            self.cursor.executemany(prepared.compiled(self.dialect)[0], rows)
+
     def driver(self, sql: str, params: Any = None) -> None:
         """Plain driver SQL without parameters (``BEGIN IMMEDIATE``, ``LOCK TABLE``)."""
         if params is None:

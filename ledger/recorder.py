@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import BigInteger, Connection, Float, Table, bindparam, func, or_, select, true, update
+from sqlalchemy import BigInteger, Connection, Float, Table, bindparam, delete, func, or_, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -291,7 +291,29 @@ class _Rows:
         sql.run(self.postgresql, arrays)
 
 
+class _DeleteByKey:
+    """Deletes rows by primary key: executemany on SQLite, one ``DELETE … USING unnest`` on PostgreSQL.
+    ``write`` takes key tuples in primary-key column order (a :class:`~ledger.types.BlockKey`)."""
+
+    def __init__(self, table: Table) -> None:
+        self.names = [c.name for c in table.primary_key.columns]
+        lite = delete(table).where(*[table.c[n] == bindparam(n) for n in self.names])
+        arrays = [bindparam(n, type_=postgresql.ARRAY(table.c[n].type)) for n in self.names]
+        keys = func.unnest(*arrays).table_valued(*self.names).render_derived()
+        pg = delete(table).where(*[table.c[n] == keys.c[n] for n in self.names])
+        self.sqlite, self.postgresql = Prepared(lite), Prepared(pg)
+
+    def write(self, sql: Sql, keys: Sequence[tuple]) -> None:
+        if not keys:
+            return
+        if sql.is_sqlite:
+            sql.many_positional(self.sqlite, keys)
+            return
+        sql.run(self.postgresql, dict(zip(self.names, map(list, zip(*keys)))))
+
+
 _UPSERT = {name: _Rows(table, "update") for name, table in _TABLES.items()}
+_DELETE_BLOCKS = _DeleteByKey(_BLOCKS)
 _INSERT_LOG = _Rows(_LOG, None)
 _INSERT_BLOCKS = _Rows(_BLOCKS, None)
 _INSERT_DONOR_BLOCKS = _Rows(DonorBlockRow.__table__, None)
@@ -310,13 +332,16 @@ _QUARANTINE = (
 
 
 def write(conn: Connection | Sql, proj: Projection, entries: Sequence[LogEntry]) -> None:
-    """Insert log rows, run bulk ops, then upsert every dirty projection row."""
+    """Insert log rows, run bulk ops, delete removed blocks, then upsert every dirty projection row.
+    (A key is never both removed and dirty: ledger.apply discards it from one when adding it to
+    the other.)"""
     sql = conn if isinstance(conn, Sql) else Sql.of(conn)
     if entries:
         _INSERT_LOG.write(sql, [log_row(e) for e in entries])
     for op in proj.bulk_ops:
         for statement in _QUARANTINE:
             sql.run(statement, {"id": op.engine_id, "seq": op.seq})
+    _DELETE_BLOCKS.write(sql, sorted(key for key in proj.removed_blocks if key in proj.loaded_blocks))
     for name, keys in proj.dirty.items():
         if not keys:
             continue
@@ -324,8 +349,9 @@ def write(conn: Connection | Sql, proj: Projection, entries: Sequence[LogEntry])
         if name == "blocks" and proj.partial:
             # New rows need no ON CONFLICT (PostgreSQL: speculative insertion costs ~25 % more).
             loaded = proj.loaded_blocks
-            _INSERT_BLOCKS.write(sql, [rows[k] for k in keys if k not in loaded])
-            _UPSERT[name].write(sql, [rows[k] for k in keys if k in loaded])
+            ordered = sorted(keys)  # B-tree order: consecutive rows share pages
+            _INSERT_BLOCKS.write(sql, [rows[k] for k in ordered if k not in loaded])
+            _UPSERT[name].write(sql, [rows[k] for k in ordered if k in loaded])
         else:
             _UPSERT[name].write(sql, [rows[k] for k in keys])
     _INSERT_DONOR_BLOCKS.write(sql, proj.donor_blocks)

@@ -143,7 +143,11 @@ class BlockRow(Base):
     stored_seq: Mapped[int]
     updated_seq: Mapped[int]
 
-    __table_args__ = (Index("ix_blocks_engine_state", "engine_id", "state"),)
+    # One B-tree per block on SQLite (the row lives in its primary key) and no secondary index: the
+    # steady state inserts and deletes a row per block event, and every reader (the recorder, the
+    # connector) finds blocks by primary key; an engine's quarantine scans its key prefix (live and
+    # quarantined rows only: removed blocks have no row). Migration 0003; tools/results/consume-2026-11-30.md.
+    __table_args__ = {"sqlite_with_rowid": False}
 
 
 class DonorRow(Base):

@@ -132,8 +132,9 @@ def parse_hash(text: str) -> BlockHash:
 
 
 class BlockState(enum.StrEnum):
+    """A block row's state. A removed block has no row (DESIGN §3's ``removed``; ledger.apply)."""
+
     LIVE = "live"
-    REMOVED = "removed"
     QUARANTINED = "quarantined"
 
 

@@ -1,7 +1,8 @@
 """Benchmark: block events/s from a local ZMQ publisher into the ledger (DESIGN §7: ≥ 100k/s, flat RSS).
 
 Runs, each against the same pre-encoded vLLM-dialect stream (``--events-per-message`` events of
-``--blocks-per-event`` blocks, half BlockStored, half BlockRemoved of blocks stored earlier):
+``--blocks-per-event`` blocks, half BlockStored of new blocks, half BlockRemoved of the blocks an
+engine whose KV cache holds ``--cache-blocks`` blocks evicts; ``make_stream``):
 
 * ``discard``     a SUB that receives and drops every message (the transport's ceiling);
 * ``decode``      a SUB that also runs ``consumer.wire.decode_message``;
@@ -10,9 +11,9 @@ Runs, each against the same pre-encoded vLLM-dialect stream (``--events-per-mess
 * ``postgresql``  the same into a scratch database created on ``--pg-url`` and dropped afterwards;
 * ``append-only`` in-process ``LedgerWriter.append`` of pre-decoded batches (no ZMQ, no daemon; the
                   writer thread, whose process has no GC tuning: see ledger/writer_process.py),
-                  then the same stream again under new seqs: every block already has a row, so
-                  stores and removals load and update rows instead of inserting them (the
-                  ledger's steady state, what the soak's repeating publisher runs into);
+                  in a child process, then the same stream again under new seqs: the cache's
+                  steady state (every removal deletes a row committed in an earlier
+                  transaction), what the soak's repeating publisher runs into;
 
 then a soak: the consumer against a publisher paced at ``--soak-rate`` block events/s (default 50 %
 of the SQLite burst rate: the sustained rate on a growing ledger is lower than a burst into a fresh
@@ -69,23 +70,40 @@ MiB = 2**20
 # ---------------------------------------------------------------------------------------------
 
 
-def make_stream(messages: int, events: int, blocks: int, block_size: int = 16) -> list[bytes]:
-    """Payloads ``[ts, events, 0]``; each removal targets blocks stored 4 messages earlier."""
-    enc, out, serial = msgspec.msgpack.Encoder(), [], 0
-    stored: list[list[int]] = []
+def make_stream(messages: int, events: int, blocks: int, block_size: int = 16,
+                cache_blocks: int = 65_536) -> list[bytes]:
+    """Payloads ``[ts, events, 0]`` of an engine whose KV cache holds ``cache_blocks`` blocks and
+    evicts in LRU order: each message stores ``events // 2`` runs of ``blocks`` new blocks and
+    removes the runs that message ``i - cache_blocks / (stored blocks per message)`` stored.
+
+    The stream is cyclic (message ``i`` evicts what message ``(i - D) mod messages`` stored), so a
+    publisher that sends it again (the soak, append-only's later passes) continues the same cache:
+    every block it stores again was evicted before. On the very first pass the first ``D`` messages
+    remove blocks not stored yet (``removed_unknown``: the cache filling up).
+
+    Raises:
+        ValueError: a cache of fewer blocks than one message stores, or of the whole stream.
+    """
+    runs = events // 2
+    per_message = runs * blocks
+    distance = cache_blocks // per_message
+    if not 1 <= distance < messages:
+        raise ValueError(f"--cache-blocks {cache_blocks} must hold 1 to {messages - 1} messages of "
+                         f"{per_message} stored blocks")
+
+    def run_hashes(message: int, run: int) -> list[int]:
+        first = message * per_message + run * blocks
+        return [(first + i) * 0x9E3779B97F4A7C15 % 2**64 for i in range(blocks)]
+
+    enc, out = msgspec.msgpack.Encoder(), []
     tokens = list(range(block_size * blocks))
-    for _ in range(messages):
+    for m in range(messages):
         evs = []
-        for e in range(events):
-            if e % 2 == 0:
-                hashes = [(serial + i) * 0x9E3779B97F4A7C15 % 2**64 for i in range(blocks)]
-                serial += blocks
-                stored.append(hashes)
-                evs.append({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
-                            "token_ids": tokens, "block_size": block_size, "lora_id": None, "medium": "GPU"})
-            else:
-                old = stored[-4 * (events // 2) - 1] if len(stored) > 4 * (events // 2) else stored[0]
-                evs.append({"type": "BlockRemoved", "block_hashes": old, "medium": "GPU"})
+        for run in range(runs):
+            evs.append({"type": "BlockStored", "block_hashes": run_hashes(m, run), "parent_block_hash": None,
+                        "token_ids": tokens, "block_size": block_size, "lora_id": None, "medium": "GPU"})
+            evs.append({"type": "BlockRemoved", "block_hashes": run_hashes((m - distance) % messages, run),
+                        "medium": "GPU"})
         out.append(enc.encode([time.time(), evs, 0]))
     return out
 
@@ -95,9 +113,10 @@ def make_stream(messages: int, events: int, blocks: int, block_size: int = 16) -
 # ---------------------------------------------------------------------------------------------
 
 
-def publisher_main(conn, messages: int, events: int, blocks: int, rate_msgs: float, repeat: bool) -> None:
+def publisher_main(conn, messages: int, events: int, blocks: int, cache_blocks: int, rate_msgs: float,
+                   repeat: bool) -> None:
     """XPUB + replay ROUTER on ephemeral ports; start once subscribed; report (t_first, t_last)."""
-    payloads = make_stream(messages, events, blocks)
+    payloads = make_stream(messages, events, blocks, cache_blocks=cache_blocks)
     ctx = zmq.Context()
     pub, router = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)
     pub.setsockopt(zmq.SNDHWM, 0)
@@ -149,7 +168,8 @@ class Publisher:
     def __init__(self, args: argparse.Namespace, rate_msgs: float = 0.0, repeat: bool = False) -> None:
         self.conn, child = mp.Pipe()
         self.proc = mp.Process(target=publisher_main, args=(child, args.messages, args.events_per_message,
-                                                            args.blocks_per_event, rate_msgs, repeat), daemon=True)
+                                                            args.blocks_per_event, args.cache_blocks, rate_msgs, repeat),
+                                daemon=True)
         self.proc.start()
         self.port, self.replay_port = self.conn.recv()
 
@@ -227,6 +247,12 @@ def tree_env(tree: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(tree)}
 
 
+def migrate_in(tree: Path, db: str) -> None:
+    """``semkv-ledger migrate`` with ``tree``'s code (a baseline's daemon refuses a newer schema)."""
+    subprocess.run([sys.executable, "-c", CLI, "migrate", "--db", db], cwd=tree, env=tree_env(tree), check=True,
+                   capture_output=True)
+
+
 class Consumer:
     """``semkv-ledger consume`` as a subprocess, importing the code of ``tree`` (default: this one)."""
 
@@ -247,6 +273,8 @@ class Consumer:
         while time.time() < deadline:
             if scrape(self.metrics_port, "semkv_consumer_batches_committed_total") >= n:
                 return time.time()
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the consumer exited with {self.proc.returncode} before committing {n} batches")
             self.rss.append(rss_mib(self.proc.pid))
             time.sleep(0.05)
         raise TimeoutError(f"consumer did not commit {n} batches in {timeout_s} s")
@@ -259,9 +287,7 @@ class Consumer:
 def run_consumer(db: str, args: argparse.Namespace, profile_to: Path | None = None,
                  tree: Path = REPO, extra: tuple[str, ...] = ()) -> tuple[float, float]:
     """(seconds from first send to last commit, peak RSS MiB); ``extra``: more ``consume`` flags."""
-    from ledger.migrate import upgrade
-
-    upgrade(db)
+    migrate_in(tree, db)
     pub = Publisher(args)
     consumer = Consumer(db, pub, args, tree, extra)
     spy = None
@@ -284,52 +310,46 @@ def run_consumer(db: str, args: argparse.Namespace, profile_to: Path | None = No
     return t_done - t_first, max(consumer.rss, default=0.0)
 
 
-def run_append_only(db: str, args: argparse.Namespace, passes: int = 1) -> float | list[float]:
-    """Seconds to append the stream with ``LedgerWriter.append``; with ``passes`` > 1, the same
-    stream again under new seqs (every block then already has a row: loads and updates instead
-    of inserts, the ledger's steady state), one time per pass."""
-    from ledger.migrate import upgrade
-    from ledger.writer import LedgerWriter
+APPEND_ONLY_CHILD = """import asyncio, sys, time
+import msgspec
+from consumer.wire import decode_message, encode_frames
+from ledger.migrate import upgrade
+from ledger.writer import LedgerWriter
 
-    upgrade(db)
-    payloads = make_stream(args.messages, args.events_per_message, args.blocks_per_event)
-    per_tx = max(1, args.batch_max_events // args.events_per_message)
+db, stream, per_tx, passes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+payloads = msgspec.msgpack.decode(open(stream, "rb").read())
+upgrade(db)
 
-    def items(first_seq: int) -> list:
-        return [decode_message(encode_frames(b"kv", first_seq + s, p), source_id="b", engine_id="bench",
-                               received_at=0.0) for s, p in enumerate(payloads)]
+async def go():
+    writer = await LedgerWriter.open(db)
+    for n in range(passes):
+        batch = [decode_message(encode_frames(b"kv", n * len(payloads) + s, p), source_id="b", engine_id="bench",
+                                received_at=0.0) for s, p in enumerate(payloads)]
+        started = time.perf_counter()
+        for i in range(0, len(batch), per_tx):
+            await writer.append(batch[i:i + per_tx])
+        print(time.perf_counter() - started, flush=True)
+    await writer.close()
 
-    async def go() -> list[float]:
-        writer = await LedgerWriter.open(db)
-        times = []
-        for n in range(passes):
-            batch = items(n * len(payloads))
-            started = time.perf_counter()
-            for i in range(0, len(batch), per_tx):
-                await writer.append(batch[i:i + per_tx])
-            times.append(time.perf_counter() - started)
-        await writer.close()
-        return times
-
-    times = asyncio.run(go())
-    return times[0] if passes == 1 else times
-
-
-APPEND_ONLY_CHILD = """import argparse, sys
-sys.path.insert(0, sys.argv[1] + "/tools")
-import bench_consume
-args = argparse.Namespace(messages=int(sys.argv[3]), events_per_message=int(sys.argv[4]),
-                          blocks_per_event=int(sys.argv[5]), batch_max_events=int(sys.argv[6]))
-print(bench_consume.run_append_only(sys.argv[2], args))
+asyncio.run(go())
 """
 
 
-def run_append_only_in(tree: Path, db: str, args: argparse.Namespace) -> float:
-    """:func:`run_append_only` in a child process importing ``tree``'s code (its own copy of this file)."""
-    out = subprocess.run([sys.executable, "-c", APPEND_ONLY_CHILD, str(tree), db, str(args.messages),
-                          str(args.events_per_message), str(args.blocks_per_event), str(args.batch_max_events)],
-                         cwd=tree, env=tree_env(tree), check=True, capture_output=True, text=True)
-    return float(out.stdout.split()[-1])
+def run_append_only(db: str, args: argparse.Namespace, passes: int = 1, tree: Path = REPO) -> list[float]:
+    """Seconds per pass to append the stream with ``LedgerWriter.append`` (writer thread; no ZMQ,
+    no daemon) in a child process importing ``tree``'s code. Pass ``n`` sends the stream again under
+    new seqs, so from the second pass on the cache is in its steady state (every stored block is new
+    to the projection or was evicted, every removal deletes a row of an earlier transaction).
+    Both trees of a before/after comparison append the same payloads (written to a file here)."""
+    payloads = make_stream(args.messages, args.events_per_message, args.blocks_per_event,
+                           cache_blocks=args.cache_blocks)
+    per_tx = max(1, args.batch_max_events // args.events_per_message)
+    with tempfile.NamedTemporaryFile(suffix=".msgpack") as stream:
+        stream.write(msgspec.msgpack.encode(payloads))
+        stream.flush()
+        out = subprocess.run([sys.executable, "-c", APPEND_ONLY_CHILD, db, stream.name, str(per_tx), str(passes)],
+                             cwd=tree, env=tree_env(tree), check=True, capture_output=True, text=True)
+    return [float(line) for line in out.stdout.split()]
 
 
 def compare_trees(work: Path, args: argparse.Namespace) -> list[tuple]:
@@ -338,23 +358,27 @@ def compare_trees(work: Path, args: argparse.Namespace) -> list[tuple]:
     trees = {"this tree": REPO, "baseline": args.baseline_tree.resolve()}
     consume: dict[str, list[tuple[float, float]]] = {name: [] for name in trees}
     append: dict[str, list[float]] = {name: [] for name in trees}
+    steady: dict[str, list[float]] = {name: [] for name in trees}
     for rnd in range(args.repeats):
         order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
         for name in order:
             tag = f"{name.replace(' ', '-')}-{rnd}"
             consume[name].append(run_consumer(f"sqlite:///{work}/consume-{tag}.db", args, tree=trees[name]))
-            append[name].append(run_append_only_in(trees[name], f"sqlite:///{work}/append-{tag}.db", args))
-            print(f"round {rnd} {name}: consume {consume[name][-1][0]:.2f} s, append-only {append[name][-1]:.2f} s",
-                  file=sys.stderr, flush=True)
+            first, again = run_append_only(f"sqlite:///{work}/append-{tag}.db", args, passes=2, tree=trees[name])
+            append[name].append(first)
+            steady[name].append(again)
+            print(f"round {rnd} {name}: consume {consume[name][-1][0]:.2f} s, append-only {first:.2f} s, "
+                  f"again {again:.2f} s", file=sys.stderr, flush=True)
     rows = []
     for name in trees:
         seconds = [s for s, _ in consume[name]]
         runs = ", ".join(f"{s:.2f}" for s in seconds)
         rows.append((f"sqlite (consume), {name}: best of {args.repeats} ({runs} s)", min(seconds),
                      f"{max(r for _, r in consume[name]):.1f}"))
-    for name in trees:
-        runs = ", ".join(f"{s:.2f}" for s in append[name])
-        rows.append((f"sqlite append-only, {name}: best of {args.repeats} ({runs} s)", min(append[name]), None))
+    for label, times in (("append-only", append), ("append-only again (steady state)", steady)):
+        for name in trees:
+            runs = ", ".join(f"{s:.2f}" for s in times[name])
+            rows.append((f"sqlite {label}, {name}: best of {args.repeats} ({runs} s)", min(times[name]), None))
     return rows
 
 
@@ -386,14 +410,14 @@ def soak(db: str, args: argparse.Namespace, rate_block_events: float, tree: Path
     """Paced publisher for ``seconds`` (default ``soak_s``) from the moment the consumer serves
     /metrics; RSS every second; CPU time of the consumer over that span; backlog (published -
     committed) at the end."""
-    from ledger.migrate import upgrade
-
     seconds = args.soak_s if seconds is None else seconds
-    upgrade(db)
+    migrate_in(tree, db)
     per_msg = args.events_per_message * args.blocks_per_event
     pub = Publisher(args, rate_msgs=rate_block_events / per_msg, repeat=True)
     consumer = Consumer(db, pub, args, tree)
     while scrape(consumer.metrics_port, "semkv_consumer_transactions_total") < 0:  # imports done, serving
+        if consumer.proc.poll() is not None:
+            raise RuntimeError(f"the consumer exited with {consumer.proc.returncode} before serving /metrics")
         time.sleep(0.05)
     samples: list[tuple[float, float]] = []
     committed_at: list[tuple[float, float]] = []  # (wall clock, batches committed) per sample
@@ -501,7 +525,8 @@ def report(rows: list[tuple], soak_row: dict | None, profile: list[tuple[str, fl
              f"{' '.join(f'{x:.1f}' for x in load_start)} at the start, "
              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. Stream: {args.messages} messages × "
              f"{args.events_per_message} events × {args.blocks_per_event} blocks = {total:,} block events "
-             f"(vLLM map dialect, half stored / half removed); batch_max_events {args.batch_max_events}.", "",
+             f"(vLLM map dialect, half stored / half removed: an engine cache of {args.cache_blocks:,} blocks evicting "
+             f"in LRU order); batch_max_events {args.batch_max_events}.", "",
              "| run | block events/s | seconds | vs discard | peak RSS MiB |", "|---|---:|---:|---:|---:|"]
     base = next((r[1] for r in rows if r[0] == "discard" and r[1]), None)
     for name, seconds, rss in rows:
@@ -544,6 +569,8 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=2000)
     parser.add_argument("--events-per-message", type=int, default=8)
     parser.add_argument("--blocks-per-event", type=int, default=16)
+    parser.add_argument("--cache-blocks", type=int, default=65_536,
+                        help="blocks the simulated engine's KV cache holds (removals evict LRU at this distance)")
     parser.add_argument("--batch-max-events", type=int, default=1024)
     parser.add_argument("--soak-s", type=float, default=60.0)
     parser.add_argument("--soak-rate", type=float, default=None, help="block events/s (default 50%% of SQLite)")
@@ -574,7 +601,7 @@ def main() -> None:
     paced: list[tuple[str, dict]] = []
     if args.baseline_tree is not None:
         rows += compare_trees(work, args)
-        sqlite_s = rows[-4][1]  # this tree's best consume run
+        sqlite_s = next(row[1] for row in rows if row[0].startswith("sqlite (consume), this tree"))
         if args.paced_s > 0:
             paced = compare_paced(work, args, args.soak_rate or 0.5 * args.messages * args.events_per_message
                                   * args.blocks_per_event / sqlite_s)
@@ -583,9 +610,9 @@ def main() -> None:
         rows.append(("sqlite (consume)", sqlite_s, f"{rss:.1f}"))
         thread_s, rss = run_consumer(f"sqlite:///{work}/bench-thread.db", args, extra=("--writer-thread",))
         rows.append(("sqlite (consume, --writer-thread)", thread_s, f"{rss:.1f}"))
-        first, again = run_append_only(f"sqlite:///{work}/append.db", args, passes=2)  # type: ignore[misc]
+        first, again = run_append_only(f"sqlite:///{work}/append.db", args, passes=2)
         rows.append(("sqlite append-only (writer thread)", first, None))
-        rows.append(("sqlite append-only, same stream again (every block already a row)", again, None))
+        rows.append(("sqlite append-only, same stream again (the cache's steady state)", again, None))
     if args.only_sqlite:
         pass
     elif args.no_postgres:
@@ -596,7 +623,7 @@ def main() -> None:
                 seconds, rss = run_consumer(pg, args)
                 rows.append(("postgresql (consume)", seconds, f"{rss:.1f}"))
             with postgres_scratch(args.pg_url) as pg:
-                rows.append(("postgresql append-only", run_append_only(pg, args), None))
+                rows.append(("postgresql append-only", run_append_only(pg, args)[0], None))
         except Exception as exc:  # noqa: BLE001 - the report says why PostgreSQL was skipped
             rows.append(("postgresql (consume)", None, type(exc).__name__))
     soak_row = None

@@ -99,7 +99,8 @@ def build(history):
 # -- the clean-room reference model ---------------------------------------------------------------
 
 def reference(arrived):
-    """hash -> state after the arrival sequence, per DESIGN §5 in the plainest terms."""
+    """hash -> state after the arrival sequence, per DESIGN §5 in the plainest terms. A removed
+    block has no row (ledger.apply's module docstring), so it is absent here too."""
     blocks: dict = {}
     last_seq = last_event_id = None
     digests: dict = {}
@@ -143,8 +144,7 @@ def reference(arrived):
                     blocks[blk.block_hash] = "live"
             elif kind == "BlockRemoved":
                 for h in e.body.block_hashes:
-                    if h in blocks:
-                        blocks[h] = "removed"
+                    blocks.pop(h, None)
     return blocks
 
 

@@ -124,7 +124,7 @@ class RecorderContract:
         append(db, batch(0, created(), stored(7, event_id=1), removed(7, event_id=2)))
         result = append(db, batch(1, stored(7, event_id=1)))
         assert result.events_stale == 1
-        assert state(db, 7) == BlockState.REMOVED
+        assert state(db, 7) is None  # removed: the block left the projection
         assert counter(db, "events_stale") == 1
         # ...and, since it may be a restart whose `created` was lost, continuity is declared lost.
         assert generation(db) == 2 and counter(db, "gaps.event_id_regression") == 1
@@ -202,13 +202,38 @@ class RecorderContract:
         assert scalar(db, _count().where(LogRow.__table__.c.kind == "block_removed")) == 1
 
     def test_duplicate_store_then_double_remove(self, db):
-        # Decided semantics (ledger.apply docstring): a removal is authoritative at once.
+        # Decided semantics (ledger.apply docstring): a removal is authoritative at once, and a
+        # removed block leaves the projection (its history stays in the log).
         append(db, batch(0, stored(5), stored(5)))
         assert blocks(db)[5]["store_count"] == 2
         append(db, batch(1, removed(5)))
-        assert state(db, 5) == BlockState.REMOVED
+        assert state(db, 5) is None
         append(db, batch(2, removed(5)))
-        assert counter(db, "removed_not_live") == 1 and counter(db, "stored_while_live") == 1
+        assert counter(db, "removed_unknown") == 1 and counter(db, "stored_while_live") == 1
+        assert counter(db, "blocks_removed") == 1
+        assert scalar(db, _count().where(LogRow.__table__.c.kind == "block_removed")) == 2
+
+    def test_removed_block_stored_again_is_a_new_row(self, db):
+        append(db, batch(0, stored(5, 6)))
+        append(db, batch(1, removed(5)))
+        append(db, batch(2, stored(5)))
+        row = blocks(db)[5]
+        assert (row["state"], row["store_count"], row["stored_seq"]) == (BlockState.LIVE, 1, row["updated_seq"])
+        assert set(blocks(db)) == {5, 6}
+
+    def test_stored_and_removed_in_one_transaction_writes_no_row(self, db):
+        append(db, batch(0, stored(8)))
+        append(db, batch(1, stored(5), removed(5), removed(8), stored(8)))
+        assert set(blocks(db)) == {8}
+        assert blocks(db)[8]["store_count"] == 1 and counter(db, "blocks_removed") == 2
+
+    def test_removal_of_a_quarantined_block_deletes_it(self, db):
+        append(db, batch(0, created(), stored(1, 2, event_id=1)))
+        append(db, batch(1, stored(3, event_id=5)))  # event_id jump: quarantine
+        assert state(db, 1) == BlockState.QUARANTINED
+        append(db, batch(2, removed(1, event_id=6)))
+        assert state(db, 1) is None and state(db, 2) == BlockState.QUARANTINED
+        assert counter(db, "removed_not_live") == 1
 
     def test_chain_parent_hashes(self, db):
         append(db, batch(0, stored(10, 11, 12, parent=9)))
