@@ -103,6 +103,13 @@ class Projection:
     removed_blocks: set[BlockKey] = dataclasses.field(default_factory=set)
     """Keys of blocks removed since loading (no longer in :attr:`blocks`): the rows to DELETE
     (those that are also in :attr:`loaded_blocks`; the others were never written)."""
+    unloaded: set[tuple[str, int, int, int]] = dataclasses.field(default_factory=set)
+    """(engine_id, dp rank, window, signed hash) that the live writer did NOT load because the
+    transaction only removes them: their rows are deleted in SQL without being read."""
+    blind_removals: list[tuple[BlockKey, int]] = dataclasses.field(default_factory=list)
+    """Removals of :attr:`unloaded` blocks in event order, each with ``len(bulk_ops)`` at that point
+    (so the writer deletes before or after a quarantine in the same order as replay); their
+    counters are added by the writer from the rows each DELETE matched."""
     dirty: dict[str, set[Any]] = dataclasses.field(
         default_factory=lambda: {t: set() for t in ("engines", "streams", "sources", "blocks", "donors", "leases")}
     )
@@ -252,7 +259,7 @@ def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
 def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> None:
     engine_id = entry.engine_id
     dp_rank, window = entry.attention_dp_rank or 0, entry.window_size or 0
-    blocks, dirty, gone = proj.blocks, proj.dirty["blocks"], proj.removed_blocks
+    blocks, dirty, gone, unloaded = proj.blocks, proj.dirty["blocks"], proj.removed_blocks, proj.unloaded
     live = proj.live_blocks.setdefault(engine_id, set())
     removed = unknown = not_live = 0
     for block_hash in body.block_hashes:
@@ -263,7 +270,10 @@ def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> Non
         key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
         row = blocks.pop(key, None)
         if row is None:
-            unknown += 1
+            if unloaded and (engine_id, dp_rank, window, h) in unloaded:
+                proj.blind_removals.append((key, len(proj.bulk_ops)))
+            else:
+                unknown += 1
             continue
         if row["state"] == _LIVE:
             removed += 1

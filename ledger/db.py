@@ -249,9 +249,11 @@ class Sql:
         cursor.execute(sql, bind(params))
         return cursor.fetchall()
 
-    def run(self, prepared: Prepared, params: Mapping[str, Any]) -> None:
+    def run(self, prepared: Prepared, params: Mapping[str, Any]) -> int:
+        """Execute; returns the rows it changed (``rowcount``)."""
         sql, bind, _ = prepared.compiled(self.dialect)
         self.cursor.execute(sql, bind(params))
+        return self.cursor.rowcount
 
     def many(self, prepared: Prepared, rows: Sequence[Mapping[str, Any]]) -> None:
         """executemany over rows holding every parameter of the statement."""
@@ -263,10 +265,13 @@ class Sql:
         else:
             self.cursor.executemany(sql, list(map(bind, rows)))
 
-    def many_positional(self, prepared: Prepared, rows: Sequence[Sequence[Any]]) -> None:
-        """executemany over rows already in the statement's parameter order (SQLite's qmark)."""
-        if rows:
-            self.cursor.executemany(prepared.compiled(self.dialect)[0], rows)
+    def many_positional(self, prepared: Prepared, rows: Sequence[Sequence[Any]]) -> int:
+        """executemany over rows already in the statement's parameter order (SQLite's qmark);
+        returns the rows changed, summed over ``rows``."""
+        if not rows:
+            return 0
+        self.cursor.executemany(prepared.compiled(self.dialect)[0], rows)
+        return self.cursor.rowcount
 
     def driver(self, sql: str, params: Any = None) -> None:
         """Plain driver SQL without parameters (``BEGIN IMMEDIATE``, ``LOCK TABLE``)."""

@@ -28,7 +28,20 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import BigInteger, Connection, Float, Table, bindparam, delete, func, or_, select, true, update
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Float,
+    Table,
+    bindparam,
+    delete,
+    func,
+    literal_column,
+    or_,
+    select,
+    true,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
@@ -49,7 +62,7 @@ from ledger.schema import (
     SourceRow,
     StreamRow,
 )
-from ledger.types import BlockState, DonorState, StreamKey, split_hash
+from ledger.types import BlockKey, BlockState, DonorState, StreamKey, split_hash
 
 Input = ev.ReceivedBatch | ev.DeadLetter | ev.GapReport
 T = TypeVar("T")
@@ -103,8 +116,11 @@ def append(conn: Connection | Sql, items: Sequence[Input], *, now: float | None 
     engine_ids = {item.engine_id for item in items}
 
     def run(decider: Decider) -> AppendResult:
-        _load_by_id(sql, decider.proj, "sources", {i.source_id for i in items if isinstance(i, ev.ReceivedBatch)})
-        _load_blocks(sql, decider.proj, _touched_hashes(items))
+        proj = decider.proj
+        _load_by_id(sql, proj, "sources", {i.source_id for i in items if isinstance(i, ev.ReceivedBatch)})
+        needed, removal_only = _touched_hashes(items)
+        _load_blocks(sql, proj, needed)
+        proj.unloaded = {(*stream, h) for stream, hashes in removal_only.items() for h in hashes}
         for item in items:
             decider.handle(item)
         return decider.result
@@ -180,29 +196,32 @@ def _load_by_id(sql: Sql, proj: Projection, name: str, ids: Iterable[str]) -> No
             target[row[key]] = row
 
 
-def _touched_hashes(items: Sequence[Input]) -> dict[StreamKey, set[int]]:
-    """stream -> storage hashes (signed 64-bit) that the batch's events refer to."""
-    touched: dict[StreamKey, set[int]] = defaultdict(set)
+def _touched_hashes(items: Sequence[Input]) -> tuple[dict[StreamKey, set[int]], dict[StreamKey, set[int]]]:
+    """Per stream, the storage hashes (signed 64-bit) of the batch's events: (stored or updated,
+    only removed). Rows of the first are loaded; the second are deleted without being read
+    (``Projection.unloaded``): a removal needs no row, only the count of rows it deleted."""
+    needed: dict[StreamKey, set[int]] = defaultdict(set)
+    removed: dict[StreamKey, set[int]] = defaultdict(set)
     for item in items:
         if not isinstance(item, ev.ReceivedBatch):
             continue
         for event in item.events:
             body = event.body
             if type(body) is ev.BlockStored:
-                raw = [b.block_hash for b in body.blocks]
+                raw, target = [b.block_hash for b in body.blocks], needed
             elif type(body) is ev.BlockRemoved:
-                raw = body.block_hashes
+                raw, target = body.block_hashes, removed
             elif type(body) is ev.BlockUpdated:
-                raw = [body.block_hash]
+                raw, target = [body.block_hash], needed
             else:
                 continue
-            hashes = touched[StreamKey(item.engine_id, event.attention_dp_rank, event.window_size)]
+            hashes = target[StreamKey(item.engine_id, event.attention_dp_rank, event.window_size)]
             for h in raw:  # split_hash(h)[0], inlined: this runs once per block event
                 if type(h) is int:
                     hashes.add(h - _TWO_64 if h > _I64_MAX else h)
                 else:
                     hashes.add(split_hash(h)[0])
-    return touched
+    return needed, {stream: hashes - needed.get(stream, set()) for stream, hashes in removed.items()}
 
 
 def _load_blocks(sql: Sql, proj: Projection, touched: dict[StreamKey, set[int]]) -> None:
@@ -293,27 +312,47 @@ class _Rows:
 
 class _DeleteByKey:
     """Deletes rows by primary key: executemany on SQLite, one ``DELETE … USING unnest`` on PostgreSQL.
-    ``write`` takes key tuples in primary-key column order (a :class:`~ledger.types.BlockKey`)."""
+    ``write`` takes key tuples in primary-key column order (a :class:`~ledger.types.BlockKey`) and
+    returns the number of rows deleted; ``where``: more conditions on the row."""
 
-    def __init__(self, table: Table) -> None:
+    def __init__(self, table: Table, *where: Any) -> None:
         self.names = [c.name for c in table.primary_key.columns]
-        lite = delete(table).where(*[table.c[n] == bindparam(n) for n in self.names])
+        lite = delete(table).where(*[table.c[n] == bindparam(n) for n in self.names], *where)
         arrays = [bindparam(n, type_=postgresql.ARRAY(table.c[n].type)) for n in self.names]
         keys = func.unnest(*arrays).table_valued(*self.names).render_derived()
-        pg = delete(table).where(*[table.c[n] == keys.c[n] for n in self.names])
+        pg = delete(table).where(*[table.c[n] == keys.c[n] for n in self.names], *where)
         self.sqlite, self.postgresql = Prepared(lite), Prepared(pg)
+        if lite.compile(dialect=sqlite.dialect()).positiontup != self.names:  # write() binds key tuples as-is
+            raise ValueError("_DeleteByKey conditions must not bind parameters: use literal_column")
 
-    def write(self, sql: Sql, keys: Sequence[tuple]) -> None:
+    def write(self, sql: Sql, keys: Sequence[tuple]) -> int:
         if not keys:
-            return
+            return 0
         if sql.is_sqlite:
-            sql.many_positional(self.sqlite, keys)
-            return
-        sql.run(self.postgresql, dict(zip(self.names, map(list, zip(*keys)))))
+            return sql.many_positional(self.sqlite, keys)
+        return sql.run(self.postgresql, dict(zip(self.names, map(list, zip(*keys)))))
 
 
 _UPSERT = {name: _Rows(table, "update") for name, table in _TABLES.items()}
 _DELETE_BLOCKS = _DeleteByKey(_BLOCKS)
+_DELETE_LIVE_BLOCKS = _DeleteByKey(_BLOCKS, _BLOCKS.c.state == literal_column(f"'{BlockState.LIVE}'"))
+
+
+def _delete_unloaded(sql: Sql, proj: Projection, keys: list[BlockKey]) -> None:
+    """Delete the rows of removed blocks the transaction did not load, and count them as
+    ``apply`` counts a removal: a live row ``blocks_removed``, a quarantined one
+    ``removed_not_live``, no row ``removed_unknown`` (per engine; a key twice deletes once)."""
+    by_engine: dict[str, list[BlockKey]] = defaultdict(list)
+    for key in keys:
+        by_engine[key.engine_id].append(key)
+    for engine_id, group in by_engine.items():
+        group.sort()
+        live = _DELETE_LIVE_BLOCKS.write(sql, group)
+        not_live = _DELETE_BLOCKS.write(sql, group) if live < len(group) else 0
+        for name, n in (("blocks_removed", live), ("removed_not_live", not_live),
+                        ("removed_unknown", len(group) - live - not_live)):
+            if n:
+                proj.counters[(engine_id, name)] += n
 _INSERT_LOG = _Rows(_LOG, None)
 _INSERT_BLOCKS = _Rows(_BLOCKS, None)
 _INSERT_DONOR_BLOCKS = _Rows(DonorBlockRow.__table__, None)
@@ -332,15 +371,19 @@ _QUARANTINE = (
 
 
 def write(conn: Connection | Sql, proj: Projection, entries: Sequence[LogEntry]) -> None:
-    """Insert log rows, run bulk ops, delete removed blocks, then upsert every dirty projection row.
+    """Insert log rows, run bulk ops (deleting unloaded removed blocks before or after each, in event
+    order), delete loaded removed blocks, then upsert every dirty projection row.
     (A key is never both removed and dirty: ledger.apply discards it from one when adding it to
     the other.)"""
     sql = conn if isinstance(conn, Sql) else Sql.of(conn)
     if entries:
         _INSERT_LOG.write(sql, [log_row(e) for e in entries])
-    for op in proj.bulk_ops:
+    for index, op in enumerate(proj.bulk_ops):
+        _delete_unloaded(sql, proj, [key for key, before in proj.blind_removals if before == index])
         for statement in _QUARANTINE:
             sql.run(statement, {"id": op.engine_id, "seq": op.seq})
+    last = len(proj.bulk_ops)
+    _delete_unloaded(sql, proj, [key for key, before in proj.blind_removals if before == last])
     _DELETE_BLOCKS.write(sql, sorted(key for key in proj.removed_blocks if key in proj.loaded_blocks))
     for name, keys in proj.dirty.items():
         if not keys:

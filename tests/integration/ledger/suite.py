@@ -235,6 +235,25 @@ class RecorderContract:
         assert state(db, 1) is None and state(db, 2) == BlockState.QUARANTINED
         assert counter(db, "removed_not_live") == 1
 
+    def test_removals_of_unloaded_blocks_count_as_apply_counts_them(self, db):
+        # A transaction that only removes a hash deletes its row without reading it (ledger.recorder
+        # _delete_unloaded); the counters must be those replay's apply computes.
+        append(db, batch(0, created(), stored(1, 2, 3, event_id=1)))
+        append(db, batch(1, stored(4, event_id=5)))  # event_id jump: 1, 2, 3 quarantined
+        append(db, batch(2, stored(5, event_id=6)))
+        append(db, batch(3, removed(5, 5, 1, 424242, event_id=7), removed(1, event_id=8)))
+        assert set(blocks(db)) == {2, 3, 4}
+        assert (counter(db, "blocks_removed"), counter(db, "removed_not_live"), counter(db, "removed_unknown")) == (1, 1, 3)
+        assert_replay_equal(db)
+
+    def test_unloaded_removals_around_a_quarantine_in_one_transaction(self, db):
+        append(db, batch(0, created(), stored(1, 2, event_id=1)))
+        # one transaction: remove 1 while live, then an event_id jump quarantines 2, then remove 2
+        append(db, batch(1, removed(1, event_id=2), stored(9, event_id=5), removed(2, event_id=6)))
+        assert set(blocks(db)) == {9} and state(db, 9) == BlockState.LIVE
+        assert (counter(db, "blocks_removed"), counter(db, "removed_not_live"), counter(db, "removed_unknown")) == (1, 1, 0)
+        assert_replay_equal(db)
+
     def test_chain_parent_hashes(self, db):
         append(db, batch(0, stored(10, 11, 12, parent=9)))
         rows = blocks(db)
