@@ -16,14 +16,18 @@ holds what the engines' caches hold now, live or quarantined blocks, so its size
 fleet's KV capacity instead of growing with every block ever seen, and the ledger's steady state
 (new blocks stored, evicted ones removed) is an INSERT and a DELETE per block instead of an update
 of an ever larger table (tools/results/consume-2026-11-30.md). DESIGN §3's ``removed`` state is that
-absence; ``semkv-ledger inspect block HASH`` shows the removal from the log.
+absence; ``semkv-ledger inspect block HASH`` shows the removal from the log. A generation bump
+quarantines the engine's live blocks and drops those an earlier bump quarantined (an engine that
+restarted never removes them), so quarantined rows describe the latest loss of continuity and the
+table holds at most two caches' worth of blocks per engine.
 
 Duplicate stores and double removals (vLLM re-stores a recomputed block into a second physical
 block, and ``kv_cache_report_mode="full"`` re-reports cache hits; fixtures/README.md): a
 ``stored`` of a live block increments ``store_count`` and keeps it live; a ``removed`` makes the
 block leave the projection at once, whatever ``store_count`` says; a second ``removed`` finds no block
 and is counted (``removed_unknown``, as is the removal of a block stored before the consumer joined);
-a ``removed`` of a quarantined block removes it and is counted ``removed_not_live``. This errs only
+a ``removed`` of a quarantined block removes it and is counted ``removed_not_live``. Likewise an
+``updated`` of a removed block is ``updated_unknown``, of a quarantined one ``updated_not_live``. This errs only
 toward *not live* — a missed reuse, never a promise on evicted KV (DESIGN §2 rules 3 and 9).
 """
 
@@ -43,7 +47,6 @@ from ledger.types import (
     LeaseState,
     StreamKey,
     split_hash,
-    u64_to_i64,
 )
 
 Row = dict[str, Any]
@@ -97,6 +100,8 @@ class Projection:
     """Deltas when partial; absolute values when not."""
     live_blocks: dict[str, set[BlockKey]] = dataclasses.field(default_factory=dict)
     """engine_id -> keys of loaded live blocks (so a quarantine need not scan every block)."""
+    quarantined_blocks: dict[str, set[BlockKey]] = dataclasses.field(default_factory=dict)
+    """engine_id -> keys of loaded quarantined blocks (the next quarantine deletes them)."""
     loaded_blocks: set[BlockKey] = dataclasses.field(default_factory=set)
     """Keys of the block rows read from the database. The live writer loads every block a
     transaction touches first, so a dirty key NOT in here is a new row (a plain INSERT)."""
@@ -132,11 +137,11 @@ class Projection:
                                   row["block_hash_ext"]))
             blocks[key] = row
             loaded.add(key)
-            if row["state"] == _LIVE:
-                live = live_blocks.get(row["engine_id"])
-                if live is None:
-                    live = live_blocks[row["engine_id"]] = set()
-                live.add(key)
+            by_state = live_blocks if row["state"] == _LIVE else self.quarantined_blocks
+            keys = by_state.get(row["engine_id"])
+            if keys is None:
+                keys = by_state[row["engine_id"]] = set()
+            keys.add(key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,19 +195,16 @@ def _block_key(entry: LogEntry, block_hash: ev.BlockHash) -> BlockKey:
     return BlockKey(entry.engine_id, entry.attention_dp_rank or 0, entry.window_size or 0, h, ext)  # type: ignore[arg-type]
 
 
-def _set_block_state(proj: Projection, key: BlockKey, row: Row, state: BlockState, seq: int) -> None:
-    row["state"] = state
-    row["updated_seq"] = seq
-    live = proj.live_blocks.setdefault(key.engine_id, set())
-    if state == BlockState.LIVE:
-        live.add(key)
-    else:
-        live.discard(key)
-    proj.put("blocks", key, row)
+def _drop_block(proj: Projection, key: BlockKey) -> None:
+    """Remove a block from the projection (its row is deleted if it was loaded)."""
+    del proj.blocks[key]
+    proj.dirty["blocks"].discard(key)
+    if key in proj.loaded_blocks:
+        proj.removed_blocks.add(key)
 
 
 # The two handlers below run once per block on the ingest path; they inline what
-# _block_key/_set_block_state/split_hash/u64_to_i64 do and build keys with tuple.__new__ (a
+# _block_key/split_hash/u64_to_i64 do and build keys with tuple.__new__ (a
 # NamedTuple's own constructor costs ~0.6 µs, split_hash ~0.2 µs; tools/bench_ledger.py).
 
 
@@ -247,6 +249,8 @@ def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
                            "cache_salt": block.cache_salt, "lora_id": lora_id, "generation": generation,
                            "state": _LIVE, "updated_seq": seq}
             removed.discard(key)
+            if row is not None:  # it was quarantined
+                proj.quarantined_blocks.get(engine_id, set()).discard(key)
         live.add(key)
         dirty.add(key)
         p_hash, p_ext = h, ext
@@ -260,6 +264,7 @@ def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> Non
     engine_id = entry.engine_id
     dp_rank, window = entry.attention_dp_rank or 0, entry.window_size or 0
     blocks, dirty, gone, unloaded = proj.blocks, proj.dirty["blocks"], proj.removed_blocks, proj.unloaded
+    loaded = proj.loaded_blocks
     live = proj.live_blocks.setdefault(engine_id, set())
     removed = unknown = not_live = 0
     for block_hash in body.block_hashes:
@@ -280,8 +285,10 @@ def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> Non
             live.discard(key)
         else:
             not_live += 1
+            proj.quarantined_blocks.get(engine_id, set()).discard(key)
         dirty.discard(key)
-        gone.add(key)
+        if key in loaded:  # else it never reached the table (stored earlier in this transaction)
+            gone.add(key)
     counters = proj.counters
     for name, n in (("blocks_removed", removed), ("removed_unknown", unknown), ("removed_not_live", not_live)):
         if n:
@@ -330,8 +337,17 @@ def _on_generation_bumped(proj: Projection, entry: LogEntry, body: ev.Generation
     engine.update(generation=body.generation, generation_seq=entry.seq, status=EngineStatus.RESYNCING)
     proj.touch("engines", body.engine_id)
     proj.count(body.engine_id, f"generation_bumps.{body.reason}")
-    for key in list(proj.live_blocks.get(body.engine_id, ())):
-        _set_block_state(proj, key, proj.blocks[key], BlockState.QUARANTINED, entry.seq)
+    # Blocks quarantined by the previous loss of continuity leave the projection (an engine that
+    # restarted never removes them, so they would pile up at every restart); the live ones are
+    # quarantined. The table stays bounded by two caches' worth of blocks per engine.
+    for key in proj.quarantined_blocks.pop(body.engine_id, ()):
+        _drop_block(proj, key)
+    quarantined = proj.quarantined_blocks[body.engine_id] = proj.live_blocks.pop(body.engine_id, set())
+    for key in quarantined:
+        row = proj.blocks[key]
+        row["state"] = BlockState.QUARANTINED
+        row["updated_seq"] = entry.seq
+        proj.dirty["blocks"].add(key)
     for donor_id, donor in proj.donors.items():
         if donor["engine_id"] == body.engine_id and donor["state"] in _LIVE_DONOR_STATES:
             donor.update(state=DonorState.QUARANTINED, updated_seq=entry.seq)

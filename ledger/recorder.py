@@ -316,7 +316,7 @@ class _DeleteByKey:
     returns the number of rows deleted; ``where``: more conditions on the row."""
 
     def __init__(self, table: Table, *where: Any) -> None:
-        self.names = [c.name for c in table.primary_key.columns]
+        self.table, self.names = table.name, [c.name for c in table.primary_key.columns]
         lite = delete(table).where(*[table.c[n] == bindparam(n) for n in self.names], *where)
         arrays = [bindparam(n, type_=postgresql.ARRAY(table.c[n].type)) for n in self.names]
         keys = func.unnest(*arrays).table_valued(*self.names).render_derived()
@@ -329,8 +329,12 @@ class _DeleteByKey:
         if not keys:
             return 0
         if sql.is_sqlite:
-            return sql.many_positional(self.sqlite, keys)
-        return sql.run(self.postgresql, dict(zip(self.names, map(list, zip(*keys)))))
+            deleted = sql.many_positional(self.sqlite, keys)
+        else:
+            deleted = sql.run(self.postgresql, dict(zip(self.names, map(list, zip(*keys)))))
+        if deleted < 0:  # the counters of unloaded removals are these numbers: never guess them
+            raise PersistenceError(f"the database driver did not report how many {self.table} rows it deleted")
+        return deleted
 
 
 _UPSERT = {name: _Rows(table, "update") for name, table in _TABLES.items()}
@@ -353,13 +357,17 @@ def _delete_unloaded(sql: Sql, proj: Projection, keys: list[BlockKey]) -> None:
                         ("removed_unknown", len(group) - live - not_live)):
             if n:
                 proj.counters[(engine_id, name)] += n
+
+
 _INSERT_LOG = _Rows(_LOG, None)
 _INSERT_BLOCKS = _Rows(_BLOCKS, None)
 _INSERT_DONOR_BLOCKS = _Rows(DonorBlockRow.__table__, None)
 _INSERT_DEAD_LETTERS = _Rows(DeadLetterRow.__table__, None)
 _ADD_COUNTERS = _Rows(CounterRow.__table__, "add")
 _DONORS = DonorRow.__table__
-_QUARANTINE = (
+_QUARANTINE = (  # ledger.apply._on_generation_bumped, for the rows the transaction did not load
+    Prepared(delete(_BLOCKS).where(_BLOCKS.c.engine_id == bindparam("id"),
+                                   _BLOCKS.c.state == str(BlockState.QUARANTINED))),
     Prepared(update(_BLOCKS).where(_BLOCKS.c.engine_id == bindparam("id"), _BLOCKS.c.state == str(BlockState.LIVE))
              .values(state=str(BlockState.QUARANTINED), updated_seq=bindparam("seq"))),
     Prepared(update(_DONORS).where(_DONORS.c.engine_id == bindparam("id"),

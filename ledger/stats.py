@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, func, or_, select
+from sqlalchemy import Connection, func, select
 
 from ledger import events as ev
 from ledger.schema import BlockRow, CounterRow, DeadLetterRow, DonorRow, EngineRow, LeaseRow, LogRow, SourceRow
-from ledger.types import BlockHash, format_hash, split_hash
+from ledger.types import BlockHash, format_hash
 
 _LOG = LogRow.__table__
 
@@ -72,13 +72,11 @@ def history(conn: Connection, kind: str, ident: str, limit: int = 200) -> list[d
 
 
 def block_history(conn: Connection, block_hash: BlockHash, limit: int = 200) -> list[dict[str, Any]]:
-    """Engine events naming ``block_hash`` and the block's current projection rows."""
-    stored_hash, ext = split_hash(block_hash)
-    engines = {r.engine_id for r in conn.execute(select(BlockRow.__table__.c.engine_id).where(
-        BlockRow.__table__.c.block_hash == stored_hash, BlockRow.__table__.c.block_hash_ext == ext))}
+    """Engine events of every engine naming ``block_hash``, oldest first (the newest ``limit``).
+
+    Reads every block event of the log (``ix_log_kind_seq``): a removed block has no projection
+    row left to say which engines knew it (ledger.apply)."""
     query = select(_LOG).where(_LOG.c.kind.in_(("block_stored", "block_removed", "block_updated")))
-    if engines:
-        query = query.where(or_(*(_LOG.c.engine_id == e for e in engines)))
     out = []
     for row in _decoded(conn.execute(query.order_by(_LOG.c.seq))):
         if block_hash in _hashes_of(row["body"]):

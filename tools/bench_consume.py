@@ -40,7 +40,6 @@ Usage: ``python tools/bench_consume.py [--messages 2000] [--soak-s 60] [--profil
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import datetime as dt
 import multiprocessing as mp

@@ -1,14 +1,19 @@
-"""blocks: removed blocks leave the projection; one B-tree per block
+"""blocks: removed blocks leave the projection; one B-tree per block; projections rebuilt
 
-From this revision a ``removed`` event deletes the block's row (ledger/apply.py): the projection
-holds live and quarantined blocks only, bounded by the engines' KV capacity. Rows an earlier
-version kept in state ``removed`` are deleted here, so that ``semkv-ledger replay`` (which rebuilds
-the projection with the new rule) agrees with the live table; the log, which holds every removal,
-is untouched. ``ix_blocks_engine_state`` is dropped (every reader finds blocks by primary key) and,
-on SQLite, the table is rebuilt ``WITHOUT ROWID`` so that a block is one B-tree entry instead of
-three (ledger/schema.py ``BlockRow``).
+From this revision a ``removed`` event deletes the block's row and a generation bump drops the
+blocks an earlier bump quarantined (ledger/apply.py): the projection holds live and quarantined
+blocks only. Counters change with it (a double removal is ``removed_unknown``, no longer
+``removed_not_live``; an update of a removed block ``updated_unknown``). So that ``semkv-ledger
+replay`` agrees with the live tables afterwards, this revision rebuilds every projection from the
+log, exactly as replay does (``ledger.replay.rebuild`` + ``ledger.recorder.write``); the log is
+untouched. It takes as long as a replay of the log (tools/results/: ~50k log rows/s); to audit the
+old projections, run ``semkv-ledger replay`` with the previous version before upgrading.
 
-Downgrade restores the table's shape, not the deleted rows: they are derived data, and
+``ix_blocks_engine_state`` is dropped (every reader finds blocks by primary key) and, on SQLite,
+the table is rebuilt ``WITHOUT ROWID`` so that a block is one B-tree entry instead of three
+(ledger/schema.py ``BlockRow``).
+
+Downgrade restores the table's shape, not rows of removed blocks: they are derived data, and
 ``semkv-ledger replay`` under the older version rebuilds them from the log.
 
 Revision ID: 0003
@@ -16,6 +21,10 @@ Revises: 0002
 Create Date: 2026-11-30 05:30:00
 """
 from alembic import op
+
+from ledger.recorder import write
+from ledger.replay import rebuild
+from ledger.schema import PROJECTION_TABLES
 
 
 revision = '0003'
@@ -25,11 +34,17 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.execute("DELETE FROM blocks WHERE state = 'removed'")
-    sqlite = op.get_bind().dialect.name == "sqlite"
+    bind = op.get_bind()
+    sqlite = bind.dialect.name == "sqlite"
+    for table in reversed(PROJECTION_TABLES):  # children before parents
+        bind.execute(table.delete())
     with op.batch_alter_table('blocks', recreate='always' if sqlite else 'auto',
                               table_kwargs={'sqlite_with_rowid': False}) as batch_op:
         batch_op.drop_index('ix_blocks_engine_state')
+    # The projection code of the installed version: if a later revision changes a projection
+    # table, this step must keep writing the tables as they are at this revision.
+    projection, _, _ = rebuild(bind)
+    write(bind, projection, [])
 
 
 def downgrade() -> None:

@@ -107,10 +107,9 @@ def reference(arrived):
     continuous = False  # do we have an event_id baseline we trust?
 
     def lose_continuity():
-        nonlocal continuous
-        for h, s in blocks.items():
-            if s == "live":
-                blocks[h] = "quarantined"
+        # what the previous loss quarantined is dropped; what is live now is quarantined
+        nonlocal continuous, blocks
+        blocks = {h: "quarantined" for h, s in blocks.items() if s == "live"}
         continuous = False
 
     for b in arrived:

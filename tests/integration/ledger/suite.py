@@ -254,6 +254,16 @@ class RecorderContract:
         assert (counter(db, "blocks_removed"), counter(db, "removed_not_live"), counter(db, "removed_unknown")) == (1, 1, 0)
         assert_replay_equal(db)
 
+    def test_a_bump_drops_the_blocks_an_earlier_bump_quarantined(self, db):
+        append(db, batch(0, created(), stored(1, 2, event_id=1)))
+        append(db, batch(1, stored(3, event_id=5)))  # jump: 1, 2 quarantined
+        assert state(db, 1) == state(db, 2) == BlockState.QUARANTINED
+        # 2 is loaded (updated), 1 is not: both leave; 3 (live until now) is quarantined
+        append(db, batch(2, updated(2, cache_level=(0, 1), event_id=6), stored(4, event_id=9)))
+        assert {h: row["state"] for h, row in blocks(db).items()} == {3: BlockState.QUARANTINED, 4: BlockState.LIVE}
+        assert counter(db, "updated_not_live") == 1
+        assert_replay_equal(db)
+
     def test_chain_parent_hashes(self, db):
         append(db, batch(0, stored(10, 11, 12, parent=9)))
         rows = blocks(db)

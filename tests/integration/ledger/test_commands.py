@@ -24,3 +24,31 @@ def test_inspect_block_accepts_hash_notations_and_refuses_garbage(sqlite_db: str
 def test_negative_or_empty_ranges_are_usage_errors(sqlite_db: str, args: tuple[str, ...]) -> None:
     result = cli(*args, "--db", sqlite_db)
     assert result.returncode == 2, result.stdout + result.stderr
+
+
+def test_block_history_keeps_an_engine_that_removed_the_block(sqlite_db: str) -> None:
+    # engine-a stores and removes block 5 (its row is gone); engine-b still holds it.
+    import asyncio
+
+    from ledger.db import sync_engine
+    from ledger.stats import block_history
+    from ledger.writer import LedgerWriter
+    from tests.builders import batch, removed, stored
+
+    async def feed() -> None:
+        writer = await LedgerWriter.open(sqlite_db)
+        try:
+            await writer.append([batch(0, stored(5), engine_id="engine-a"), batch(0, stored(5), engine_id="engine-b")])
+            await writer.append([batch(1, removed(5), engine_id="engine-a")])
+        finally:
+            await writer.close()
+
+    asyncio.run(feed())
+    engine = sync_engine(sqlite_db)
+    try:
+        with engine.connect() as conn:
+            history = [(row["engine_id"], row["kind"]) for row in block_history(conn, 5)]
+    finally:
+        engine.dispose()
+    assert sorted(history) == [("engine-a", "block_removed"), ("engine-a", "block_stored"),
+                               ("engine-b", "block_stored")]

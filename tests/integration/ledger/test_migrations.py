@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from alembic import command
 from sqlalchemy import insert, select
 
 from ledger.db import sync_engine
 from ledger.migrate import alembic_config, upgrade
-from ledger.schema import BlockRow, EngineRow
+from ledger.replay import replay
+from ledger.schema import BlockRow, CounterRow
+from ledger.writer import LedgerWriter
+from tests.builders import batch, created, removed, stored, updated
 
 _BLOCKS = BlockRow.__table__
 
@@ -31,22 +36,45 @@ def _downgrade(db: str, revision: str) -> None:
         engine.dispose()
 
 
+def _append(db: str, *batches) -> None:
+    async def feed() -> None:
+        writer = await LedgerWriter.open(db)
+        try:
+            for b in batches:
+                await writer.append([b])
+        finally:
+            await writer.close()
+
+    asyncio.run(feed())
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-def test_0003_deletes_the_rows_of_removed_blocks_and_keeps_the_others(backend, request):
+def test_0003_rebuilds_projections_an_earlier_version_wrote_so_that_replay_agrees(backend, request):
     db = request.getfixturevalue(f"{backend}_db" if backend == "sqlite" else "postgres_db")
+    _append(db, batch(0, created(), stored(1, 2, 5, 6, event_id=1)),
+            batch(1, removed(5, event_id=2)), batch(2, removed(5, event_id=3)), batch(3, updated(5, event_id=4)),
+            batch(4, stored(7, event_id=9)),  # jump: 1, 2, 6 quarantined
+            batch(5, stored(8, event_id=12)))  # jump: 1, 2, 6 dropped, 7 quarantined
     _downgrade(db, "0002")
+    # What revision 0002's code left behind for the same log: the removed row, the blocks of the first
+    # quarantine, and its counters for the double removal and the update of a removed block.
     engine = sync_engine(db, writer=True)
+    counters = CounterRow.__table__
     try:
         with engine.begin() as conn:
-            conn.execute(insert(EngineRow.__table__).values(engine_id="engine-a", generation=1, status="active",
-                                                            registered_seq=1, generation_seq=1, last_seq=3))
-            conn.execute(insert(_BLOCKS), [_block(1, "live"), _block(2, "removed"), _block(3, "quarantined")])
+            conn.execute(insert(_BLOCKS), [_block(5, "removed"), _block(1, "quarantined"), _block(6, "quarantined")])
+            for name, value in (("removed_not_live", 1), ("removed_unknown", 0), ("updated_not_live", 1),
+                                ("updated_unknown", 0)):
+                conn.execute(counters.update().where(counters.c.engine_id == "engine-a", counters.c.name == name)
+                             .values(value=value))
         assert upgrade(db) == ("0002", "0003")
         with engine.connect() as conn:
             rows = conn.execute(select(_BLOCKS.c.block_hash, _BLOCKS.c.state).order_by(_BLOCKS.c.block_hash)).all()
     finally:
         engine.dispose()
-    assert [tuple(r) for r in rows] == [(1, "live"), (3, "quarantined")]
+    assert [tuple(r) for r in rows] == [(7, "quarantined"), (8, "live")]
+    report = replay(db)
+    assert report.equal, [(d.table, d.totals) for d in report.diffs if d.count]
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
