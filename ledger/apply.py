@@ -15,7 +15,7 @@ A removed block leaves the ``blocks`` projection (its history stays in the log):
 holds what the engines' caches hold now, live or quarantined blocks, so its size is bounded by the
 fleet's KV capacity instead of growing with every block ever seen, and the ledger's steady state
 (new blocks stored, evicted ones removed) is an INSERT and a DELETE per block instead of an update
-of an ever larger table (tools/results/consume-2026-11-30.md). DESIGN §3's ``removed`` state is that
+of an ever larger table (tools/results/consume-2026-11-30-steady.md: 2.3x in the steady state). DESIGN §3's ``removed`` state is that
 absence; ``semkv-ledger inspect block HASH`` shows the removal from the log. A generation bump
 quarantines the engine's live blocks and drops those an earlier bump quarantined (an engine that
 restarted never removes them), so quarantined rows describe the latest loss of continuity and the

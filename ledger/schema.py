@@ -146,7 +146,7 @@ class BlockRow(Base):
     # One B-tree per block on SQLite (the row lives in its primary key) and no secondary index: the
     # steady state inserts and deletes a row per block event, and every reader (the recorder, the
     # connector) finds blocks by primary key; an engine's quarantine scans its key prefix (live and
-    # quarantined rows only: removed blocks have no row). Migration 0003; tools/results/consume-2026-11-30.md.
+    # quarantined rows only: removed blocks have no row). Migration 0003; tools/results/consume-2026-11-30-steady.md.
     __table_args__ = {"sqlite_with_rowid": False}
 
 

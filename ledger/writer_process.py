@@ -259,8 +259,9 @@ def _tune_gc() -> None:
     every collection (docs.python.org/3/library/gc.html#gc.freeze); the gen-0 threshold
     (:data:`GC_GEN0_THRESHOLD`) keeps collections out of transactions; cycles are still collected.
     Append-only, 256,000 block events: median 2.30 s default, 1.95 s with a threshold of 10,000
-    (tools/results/consume-2026-11-30.md); steady state of a 65,536-block cache, one writer, 4
-    passes: 96–98k block events/s at 10,000, 103–107k at 200,000, 108k at 1,000,000 (≈ collector off).
+    (tools/results/consume-2026-11-30.md); steady state of a 65,536-block cache, one writer:
+    96–98k block events/s at 10,000, 103–107k at 200,000, 108k at 1,000,000 (≈ collector off;
+    tools/results/consume-2026-11-30-steady.md, "Steps").
     """
     gc.collect()
     gc.freeze()

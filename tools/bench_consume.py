@@ -32,7 +32,8 @@ and reports the best run of each with every run listed (the machine is shared an
 consumer runs as ``python -c 'from ledger.cli import main; main()' consume …`` with
 ``PYTHONPATH`` set to its tree, this tree included, so both sides start the same way.
 
-Usage: ``python tools/bench_consume.py [--messages 2000] [--soak-s 60] [--profile]``
+Usage: ``python tools/bench_consume.py [--messages 2000] [--cache-blocks 65536] [--soak-s 60] [--profile]``
+(``--cache-blocks`` must hold fewer blocks than the stream stores: 64 per message)
 (``--soak-s 600 --rss-log rss.csv`` for the 10-minute soak;
 ``--baseline-tree /tmp/before --only-sqlite --soak-s 0`` for a before/after comparison).
 """
