@@ -15,20 +15,21 @@ A removed block leaves the ``blocks`` projection (its history stays in the log):
 holds what the engines' caches hold now, live or quarantined blocks, so its size is bounded by the
 fleet's KV capacity instead of growing with every block ever seen, and the ledger's steady state
 (new blocks stored, evicted ones removed) is an INSERT and a DELETE per block instead of an update
-of an ever larger table (tools/results/consume-2026-11-30-steady.md: 2.3x in the steady state). DESIGN §3's ``removed`` state is that
-absence; ``semkv-ledger inspect block HASH`` shows the removal from the log. A generation bump
-quarantines the engine's live blocks and drops those an earlier bump quarantined (an engine that
-restarted never removes them), so quarantined rows describe the latest loss of continuity and the
-table holds at most two caches' worth of blocks per engine.
+of an ever larger table (2.3x: tools/results/consume-2026-11-30-steady.md). DESIGN §3's
+``removed`` state is that absence; ``semkv-ledger inspect block HASH`` shows the removal from the
+log. A generation bump quarantines the engine's live blocks and drops those an earlier bump
+quarantined (an engine that restarted never removes them), so quarantined rows describe the latest
+loss of continuity and the table holds at most two caches' worth of blocks per engine.
 
 Duplicate stores and double removals (vLLM re-stores a recomputed block into a second physical
 block, and ``kv_cache_report_mode="full"`` re-reports cache hits; fixtures/README.md): a
 ``stored`` of a live block increments ``store_count`` and keeps it live; a ``removed`` makes the
-block leave the projection at once, whatever ``store_count`` says; a second ``removed`` finds no block
-and is counted (``removed_unknown``, as is the removal of a block stored before the consumer joined);
-a ``removed`` of a quarantined block removes it and is counted ``removed_not_live``. Likewise an
-``updated`` of a removed block is ``updated_unknown``, of a quarantined one ``updated_not_live``. This errs only
-toward *not live* — a missed reuse, never a promise on evicted KV (DESIGN §2 rules 3 and 9).
+block leave the projection at once, whatever ``store_count`` says; a second ``removed`` finds no
+block and is counted (``removed_unknown``, as is the removal of a block stored before the consumer
+joined); a ``removed`` of a quarantined block removes it and is counted ``removed_not_live``.
+Likewise an ``updated`` of a removed block is ``updated_unknown``, of a quarantined one
+``updated_not_live``. This errs only toward *not live* — a missed reuse, never a promise on evicted
+KV (DESIGN §2 rules 3 and 9).
 """
 
 from __future__ import annotations

@@ -340,25 +340,6 @@ class _DeleteByKey:
 _UPSERT = {name: _Rows(table, "update") for name, table in _TABLES.items()}
 _DELETE_BLOCKS = _DeleteByKey(_BLOCKS)
 _DELETE_LIVE_BLOCKS = _DeleteByKey(_BLOCKS, _BLOCKS.c.state == literal_column(f"'{BlockState.LIVE}'"))
-
-
-def _delete_unloaded(sql: Sql, proj: Projection, keys: list[BlockKey]) -> None:
-    """Delete the rows of removed blocks the transaction did not load, and count them as
-    ``apply`` counts a removal: a live row ``blocks_removed``, a quarantined one
-    ``removed_not_live``, no row ``removed_unknown`` (per engine; a key twice deletes once)."""
-    by_engine: dict[str, list[BlockKey]] = defaultdict(list)
-    for key in keys:
-        by_engine[key.engine_id].append(key)
-    for engine_id, group in by_engine.items():
-        group.sort()
-        live = _DELETE_LIVE_BLOCKS.write(sql, group)
-        not_live = _DELETE_BLOCKS.write(sql, group) if live < len(group) else 0
-        for name, n in (("blocks_removed", live), ("removed_not_live", not_live),
-                        ("removed_unknown", len(group) - live - not_live)):
-            if n:
-                proj.counters[(engine_id, name)] += n
-
-
 _INSERT_LOG = _Rows(_LOG, None)
 _INSERT_BLOCKS = _Rows(_BLOCKS, None)
 _INSERT_DONOR_BLOCKS = _Rows(DonorBlockRow.__table__, None)
@@ -376,6 +357,23 @@ _QUARANTINE = (  # ledger.apply._on_generation_bumped, for the rows the transact
              .values(state=str(DonorState.QUARANTINED), updated_seq=bindparam("seq"))),
     Prepared(update(_STREAMS).where(_STREAMS.c.engine_id == bindparam("id")).values(resync=True)),
 )
+
+
+def _delete_unloaded(sql: Sql, proj: Projection, keys: list[BlockKey]) -> None:
+    """Delete the rows of removed blocks the transaction did not load, and count them as
+    ``apply`` counts a removal: a live row ``blocks_removed``, a quarantined one
+    ``removed_not_live``, no row ``removed_unknown`` (per engine; a key twice deletes once)."""
+    by_engine: dict[str, list[BlockKey]] = defaultdict(list)
+    for key in keys:
+        by_engine[key.engine_id].append(key)
+    for engine_id, group in by_engine.items():
+        group.sort()
+        live = _DELETE_LIVE_BLOCKS.write(sql, group)
+        not_live = _DELETE_BLOCKS.write(sql, group) if live < len(group) else 0
+        for name, n in (("blocks_removed", live), ("removed_not_live", not_live),
+                        ("removed_unknown", len(group) - live - not_live)):
+            if n:
+                proj.counters[(engine_id, name)] += n
 
 
 def write(conn: Connection | Sql, proj: Projection, entries: Sequence[LogEntry]) -> None:
