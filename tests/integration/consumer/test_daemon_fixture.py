@@ -27,6 +27,45 @@ def capture_census() -> tuple[int, Counter, int]:
     return messages, by_type, sum(by_type.values())
 
 
+def reference_block_counters() -> Counter:
+    """Block counters of the capture by the documented rules (ledger/apply.py's module docstring),
+    counted here without the ledger: a stored live block is ``stored_while_live``; a removal of a
+    live block ``blocks_removed``, of a quarantined one ``removed_not_live``, of any other
+    ``removed_unknown``; a restart (seq not above the last) or AllBlocksCleared quarantines the live
+    blocks and forgets the ones quarantined before."""
+    state: dict = {}
+    counts: Counter = Counter()
+    last_seq = None
+
+    def lose_continuity() -> dict:
+        return {h: "quarantined" for h, s in state.items() if s == "live"}
+
+    for message in read_capture(FIXTURE):
+        seq = int.from_bytes(message.frames[1], "big")
+        if last_seq is not None and seq <= last_seq:
+            state = lose_continuity()
+        last_seq = seq
+        _ts, events, *_ = msgspec.msgpack.decode(message.frames[2])
+        for event in events:
+            if event["type"] == "AllBlocksCleared":
+                state = lose_continuity()
+            elif event["type"] == "BlockStored":
+                for h in event["block_hashes"]:
+                    counts["stored_while_live"] += state.get(h) == "live"
+                    state[h] = "live"
+            elif event["type"] == "BlockRemoved":
+                for h in event["block_hashes"]:
+                    was = state.pop(h, None)
+                    counts[{"live": "blocks_removed", "quarantined": "removed_not_live"}.get(was, "removed_unknown")] += 1
+    return counts
+
+
+def test_the_recording_has_duplicate_stores_and_double_removals():
+    # what the counters below are about (fixtures/README.md): otherwise that test would prove little
+    counts = reference_block_counters()
+    assert counts["stored_while_live"] > 0 and counts["removed_unknown"] > 0 and counts["blocks_removed"] > 0
+
+
 @pytest.mark.parametrize("consumer_binds", [False, True], ids=["consumer-connects", "consumer-binds"])
 async def test_recorded_engine_stream(tmp_path, consumer_binds):
     db, path = migrated_db(tmp_path)
@@ -57,6 +96,8 @@ async def test_recorded_engine_stream(tmp_path, consumer_binds):
     assert counts.bumps() == {"seq_reset": 2, "all_blocks_cleared": 1}
     assert counts.gaps() == {}
     assert counts.duplicate_keys == 0
+    expected = reference_block_counters()
+    assert {name: counts.counters.get(name, 0) for name in expected} == dict(expected)
     assert replay(db).equal
     # --record wrote every message passed to the ledger, byte-exact and in order
     assert [m.frames for m in read_capture(record)] == [m.frames for m in read_capture(FIXTURE)]
