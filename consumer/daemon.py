@@ -25,6 +25,8 @@ COMMIT is the exception: see :mod:`ledger.writer_process`), so the writer keeps 
 back-off (``db_retry_initial_s`` … ``db_retry_max_s``; ``semkv_consumer_db_retries_total``) while the
 queue fills and back-pressure engages: nothing accepted is lost. A permanent one (a constraint
 violation) stops the daemon with an error; the items were not recorded, so a restart replays them.
+Opening the ledger at start is tried :data:`OPEN_ATTEMPTS` times on a transient error (a writer
+process killed while it started), then the error stands (exit 2).
 
 Shutdown (``shutdown_trigger`` awaitable; SIGINT/SIGTERM handlers only when it is None): sources stop
 reading and return, the writer commits everything already received, then :meth:`Daemon.run`
@@ -71,6 +73,8 @@ ShutdownTrigger = Awaitable[Any] | Callable[[], Awaitable[Any]]
 _STOP = object()  # queue sentinel: every source has returned
 _SUPERVISE_BACKOFF_S = (0.5, 30.0)
 _HEALTH_DB_TIMEOUT_S = 2.0
+OPEN_ATTEMPTS = 3
+"""Tries to open the ledger writer at start when the error is transient (ledger.errors.is_transient)."""
 
 
 class ConfigurationError(LedgerError):
@@ -140,7 +144,7 @@ class Daemon:
             zmq.ZMQError: an endpoint cannot be bound or connected.
         """
         curve = self._load_curve()
-        self._writer = await LedgerWriter.open(self.settings.db, process=self.settings.writer_process)
+        self._writer = await self._open_writer()
         ctx = zmq.asyncio.Context()
         records: list[CaptureWriter] = []
         server: MetricsServer | None = None
@@ -357,6 +361,25 @@ class Daemon:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), remaining)
         return items, False
+
+    async def _open_writer(self) -> LedgerWriter:
+        """:meth:`LedgerWriter.open`, retried on a transient error up to :data:`OPEN_ATTEMPTS` times
+        with the transactions' back-off: a writer process killed while it started (an OOM kill), a
+        database locked for longer than its busy timeout. Past that, or on a permanent error, the
+        error stands (exit 2: a restart would likely meet the same condition)."""
+        delay = self.settings.db_retry_initial_s
+        for attempt in range(1, OPEN_ATTEMPTS + 1):
+            try:
+                return await LedgerWriter.open(self.settings.db, process=self.settings.writer_process)
+            except PersistenceError as exc:
+                if not is_transient(exc) or attempt == OPEN_ATTEMPTS:
+                    raise
+                self.stats.db_retries += 1
+                self.metrics.db_retries.inc()
+                self.log.warning("ledger.open_retry", error=str(exc), attempt=attempt, retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.db_retry_max_s)
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     async def _commit(self, items: list[Item]) -> None:
         """One ledger transaction for ``items``; transient database errors are retried forever."""

@@ -13,8 +13,9 @@ old projections, run ``semkv-ledger replay`` with the previous version before up
 the table is rebuilt ``WITHOUT ROWID`` so that a block is one B-tree entry instead of three
 (ledger/schema.py ``BlockRow``).
 
-Downgrade restores the table's shape, not rows of removed blocks: they are derived data, and
-``semkv-ledger replay`` under the older version rebuilds them from the log.
+Downgrade restores the table's shape only: the projections stay as this revision's rules made them,
+which the older version's ``semkv-ledger replay`` reports as differences (it compares, it does not
+rewrite; no older command rebuilds projections in place).
 
 Revision ID: 0003
 Revises: 0002

@@ -1,5 +1,6 @@
 """Property tests (DESIGN §9): any interleaving of created / stored / removed / updated /
-AllBlocksCleared, with dropped, duplicated and reordered batches, yields
+AllBlocksCleared, with dropped, duplicated and reordered batches recorded 1 to 4 to a ledger
+transaction, yields
 
 1. live projections equal to a replay of the log, and
 2. block states equal to a clean-room reference model of DESIGN §5 — in particular no block is
@@ -59,13 +60,14 @@ def histories(draw):
     batches = draw(st.lists(st.lists(op_strategy, min_size=1, max_size=4), min_size=1, max_size=10))
     deliveries = draw(st.lists(delivery_strategy, min_size=len(batches), max_size=len(batches)))
     skip_event_id = draw(st.lists(st.booleans(), min_size=len(batches), max_size=len(batches)))
-    return batches, deliveries, skip_event_id
+    per_transaction = draw(st.integers(min_value=1, max_value=4))  # arrived batches per ledger transaction
+    return batches, deliveries, skip_event_id, per_transaction
 
 
 def build(history):
     """Published batches with consecutive seqs and event_ids (an event_id may be skipped, as when
     TensorRT-LLM's bounded buffer drops events), then the arrival order after faults."""
-    batches, deliveries, skip_event_id = history
+    batches, deliveries, skip_event_id = history[:3]
     published, event_id = [], 0
     for seq, ops in enumerate(batches):
         events = []
@@ -159,6 +161,7 @@ def ledger_states(db: str) -> dict:
 
 def run_history(template_db: Path, history) -> None:
     arrived = build(history)
+    per_transaction = history[3] if len(history) > 3 else 1
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ledger.db"
         shutil.copy(template_db, path)
@@ -167,8 +170,8 @@ def run_history(template_db: Path, history) -> None:
         async def feed():
             writer = await LedgerWriter.open(db)
             try:
-                for b in arrived:
-                    await writer.append([b])
+                for start in range(0, len(arrived), per_transaction):
+                    await writer.append(arrived[start:start + per_transaction])
             finally:
                 await writer.close()
 

@@ -118,6 +118,32 @@ def test_a_ledger_this_user_cannot_write_is_refused_at_start(tmp_path, writer):
         subprocess.run(["chattr", "-i", str(path)], check=True)
 
 
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def test_a_writer_process_killed_while_it_starts_is_started_again(tmp_path):
+    """An OOM kill of the writer process during the daemon's start must not stop the daemon (the
+    systemd unit does not restart on exit 2)."""
+    db, _ = migrated_db(tmp_path)
+    consumer = Consumer("--db", db, "--engine-id", ENGINE, "--endpoint", "tcp://127.0.0.1:9", "--exit-when-idle", "1")
+    deadline = time.monotonic() + 30
+    while not (children := _children(consumer.proc.pid)):
+        assert time.monotonic() < deadline and consumer.proc.poll() is None, "no writer process appeared"
+        time.sleep(0.002)
+    os.kill(children[0], signal.SIGKILL)  # it needs ~0.5 s to import before it could answer
+    retry = consumer.wait_event("ledger.open_retry")
+    assert "exited" in retry["error"] and retry["attempt"] == 1
+    consumer.wait_event("daemon.started")
+    assert consumer.finish() == 0
+
+
 def test_unmigrated_ledger_is_refused_unless_migrate(tmp_path):
     db = str(tmp_path / "fresh.db")
     refused = Consumer("--db", db, "--engine-id", ENGINE)
