@@ -194,6 +194,7 @@ class FileDonorStore:
         # scheduler pins before it answers, and its worker's saves evict (another instance).
         with _PINS_LOCK:
             self._pins = _PINS.setdefault(str(self.root.resolve()), {})
+        # entry name -> ((st_ino, st_size, st_mtime_ns), checksum) this store verified
         self._verified: dict[str, tuple[tuple[int, int, int], str]] = {}
         self._lock = _PINS_LOCK
         self.sweep_temp()
@@ -303,6 +304,35 @@ class FileDonorStore:
         with self._lock:
             known = self._verified.get(ref)
         return True if known == ((st.st_ino, st.st_size, st.st_mtime_ns), checksum) else None
+
+    def known_verified(self, ref: str, checksum: str) -> bool:
+        """No I/O: did this store verify ``ref`` with ``checksum``, and has no :meth:`recheck_verified`
+        or eviction of its own since found the file changed or gone? The lookup's check on the engine's thread
+        (an ``os.stat`` there releases the GIL to whichever thread waits for it); trust it only with
+        :meth:`recheck_verified` running periodically. Readers verify every layer regardless."""
+        with self._lock:
+            known = self._verified.get(ref)
+        return known is not None and known[1] == checksum
+
+    def recheck_verified(self) -> int:
+        """One ``stat`` per entry this store verified: forget those whose file is gone or is not
+        the one that was checksummed (inode, size, mtime), so the next lookup checks them in full.
+        Returns how many were forgotten. Off the engine's path (the scheduler's recheck tick)."""
+        with self._lock:
+            known = list(self._verified.items())
+        forgotten = 0
+        for ref, (identity, _) in known:
+            try:
+                st = os.stat(self._path_str(ref))
+                current = (st.st_ino, st.st_size, st.st_mtime_ns)
+            except (FileNotFoundError, EntryMissing):
+                current = None
+            if current != identity:
+                with self._lock:
+                    if self._verified.get(ref, (None,))[0] == identity:
+                        del self._verified[ref]
+                        forgotten += 1
+        return forgotten
 
     def size_of(self, ref: str) -> int:
         """Size of an entry file (bytes). Raises EntryMissing."""

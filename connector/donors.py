@@ -39,12 +39,12 @@ class DonorRegistrar:
         self.metrics, self.tokens_per_block, self.window_size = metrics, tokens_per_block, window_size
 
     def register(self, request: Any, block_ids: list[int], *, namespace: Any = None, keys: list[bytes] | None = None,
-                 probe: str | None = None, block_hashes: list[int] | None = None) -> SaveInstruction | None:
+                 block_hashes: list[int] | None = None) -> SaveInstruction | None:
         """Register ``request`` as a donor; returns what the worker must save, or None (not a donor).
 
         Args:
             block_ids: the request's blocks in token order (``cache_block_ids`` of ``request_finished``).
-            namespace, keys, probe: what the lookup already computed for this request, if anything.
+            namespace, keys: what the lookup already computed for this request, if anything.
             block_hashes: the engine's hashes of the request's full blocks (``RequestData.block_hashes``).
 
         Raises:
@@ -82,7 +82,7 @@ class DonorRegistrar:
         return SaveInstruction(
             request_id=request.request_id, donor_id=donor_id, block_ids=tuple(int(b) for b in block_ids[:n]),
             num_blocks=n, tokens_per_block=tpb, namespace=ns.digest, layout=self.namespace.layout.describe(),
-            probe=probe or probe_key(prompt), namespace_fields=dict(ns.fields))
+            probe=probe_key(prompt), namespace_fields=dict(ns.fields))
 
 
 def v1_hashes(request: Any, tpb: int, n: int) -> list[int] | None:

@@ -110,7 +110,8 @@ class BackgroundRunner:
 
     def __init__(self, name: str, max_telemetry: int = 1024,
                  on_drop: Callable[[], None] | None = None) -> None:
-        self._queue: queue.Queue[tuple[bool, Callable[[], Any]] | None] = queue.Queue()
+        # SimpleQueue: its put is one C call on the engine's thread (Queue.put takes a Condition)
+        self._queue: queue.SimpleQueue[tuple[bool, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._telemetry = 0
         self._max = max_telemetry
         self._on_drop = on_drop

@@ -9,13 +9,18 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
    chained content keys in the request's namespace — in memory, from the scheduler's
    :class:`~ledger.donor_view.DonorView` of the ledger (donors whose bytes this host's store holds,
    with their block liveness; caught up every ``donor_view_refresh_s`` by a background tick) —
-   checks the donor store holds checksummed bytes, and pins the donor in the store BEFORE answering
-   ``(n, False)`` in whole blocks, leaving at least one prompt token to compute. The ledger lease
-   (``lease_taken``, which re-checks freshness and every promised block in its write transaction)
-   is written right after, on the background thread, so the answer never waits for the ledger's
-   write lock; ``build_connector_meta`` waits for that lease (``lease_confirm_timeout_s``) before
-   it ships the plan, and a refused or late lease ships the plan FAILED — the request fails
-   closed, or is recomputed where the engine can (counted in ``semkv_promises_broken_total``).
+   checks the donor store holds checksummed bytes (this process's record of the entries it
+   checksummed, re-checked against the files by a background tick every ``store_recheck_s``), and
+   pins the donor in the store BEFORE answering ``(n, False)`` in whole blocks, leaving at least
+   one prompt token to compute. Nothing on this path releases the GIL (no file system call, no
+   ``os.urandom``, keys hashed in slices python-xxhash hashes holding it): a released GIL goes to
+   whichever background thread waits for it, for up to ``sys.getswitchinterval()``. The ledger
+   lease (``lease_taken``, which re-checks freshness and every promised block in its write
+   transaction) is queued by ``update_state_after_alloc`` on the lease thread, so the answer never
+   waits for the ledger's write lock and a promise the engine never allocates costs no ledger
+   write; ``build_connector_meta`` waits for that lease (``lease_confirm_timeout_s``) before it
+   ships the plan, and a refused or late lease ships the plan FAILED — the request fails closed,
+   or is recomputed where the engine can (counted in ``semkv_promises_broken_total``).
    The ledger/store part runs under a hard deadline (``lookup_timeout_s``): on SQLite on the
    engine's own thread, the ledger interrupting its statements at the deadline; on PostgreSQL on
    a lookup thread that is abandoned. Key hashing (O(prompt), CPU only) runs before it.
@@ -29,9 +34,10 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
    (``[discovery] inline = true``). Discovery is evidence, never authority: it cannot change the
    answer, and its failures are logged and ignored (rules 2 and 4).
 2. ``update_state_after_alloc(request, block_ids)`` — binds the recipient-owned target blocks
-   ``block_ids[num_computed // tpb : ... + n_blocks]`` into a :class:`~connector.plan.LoadPlan`. If
-   the allocation does not match the promise, the lease is released and the plan is replaced by a
-   FAILED plan, so the worker fails the request instead of letting it compute on unloaded blocks.
+   ``block_ids[num_computed // tpb : ... + n_blocks]`` into a :class:`~connector.plan.LoadPlan` and
+   queues the promise's ledger lease. If the allocation does not match the promise, the pin is
+   released and the plan is replaced by a FAILED plan, so the worker fails the request instead of
+   letting it compute on unloaded blocks.
 3. ``build_connector_meta(scheduler_output)`` — every iteration: ships plans (with the request's
    first report, after checking ``computed_position`` and block ids agree, and once the plan's
    ledger lease is confirmed) and save instructions.
@@ -50,6 +56,7 @@ via :class:`ResetHooksMixin`) release the lease and drop the plan; the engine th
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import socket
@@ -103,10 +110,13 @@ class _Miss(Exception):
 class _Promise:
     span: DonorSpan
     lease_id: str
-    lease: Future[Lease | StaleReason]
-    """The ledger lease, written by the background thread after the answer."""
+    lease: Future[Lease | StaleReason] | None
+    """The ledger lease: queued once the engine allocated the target blocks, written by the lease
+    thread (None until queued: a promise never allocated needs no ledger write)."""
     start_block: int
     num_blocks: int
+    namespace: str = ""
+    promised_at: float = 0.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -114,7 +124,6 @@ class _RequestState:
     request_id: int | None = None
     namespace: Namespace | NamespaceUnknown | None = None
     keys: PrefixKeys | None = None
-    probe: str | None = None
     promise: _Promise | None = None
     plan: LoadPlan | None = None
     shipped: bool = False
@@ -223,6 +232,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         # leases only, in order (a release never overtakes its take), never behind telemetry or a
         # background checksum of a big entry
         self._leases = BackgroundRunner("semkv-leases")
+        self._lease_prefix, self._lease_seq = uuid.uuid4().hex[:16], itertools.count()
         self._verifying: set[str] = set()
         self._verifying_lock = threading.Lock()
         self._requests: dict[int, _RequestState] = {}
@@ -237,6 +247,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             self._load_view()
             view = self._view
             self._view_tick = Ticker("semkv-donor-view", s.donor_view_refresh_s, lambda: self.ledger.refresh_view(view))
+        self._store_recheck = (Ticker("semkv-store-recheck", s.store_recheck_s, self.store.recheck_verified)
+                               if self._view is not None and s.store_recheck_s > 0 else None)
 
     def _load_view(self) -> None:
         """Load the donor view before the first request (a tick would take up to one period, and
@@ -307,7 +319,6 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             self._background.submit(lambda: self._discover(ns, prompt, start_block, max_blocks))
             raise _Miss("")  # counted by the background job (hit or miss)
         state.keys = keys = prefix_keys(ns, tokens, tpb, prompt_len // tpb)  # each computed when probed
-        state.probe = probe = probe_key(tokens[: min(prompt_len, PROBE_TOKENS)])
         lookup_keys = keys[:max_blocks]
         if len(self._unshipped) >= self.settings.max_plans_per_iteration:
             raise _Miss("plan_limit")
@@ -317,7 +328,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             result = self._find_under_deadline(ns, lookup_keys, start_block)
         if isinstance(result, _Miss):
             if result.reason == "no_donor":
-                self._background.submit(lambda: self._explain(ns, keys, start_block, probe))
+                head = tokens[: min(prompt_len, PROBE_TOKENS)]  # the probe key is telemetry: hashed off the path
+                self._background.submit(lambda: self._explain(ns, keys, start_block, probe_key(head)))
                 raise _Miss("")
             raise result
         state.promise = result if isinstance(result, _Promise) else self._promise(rid, ns, result, start_block)
@@ -361,6 +373,9 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             return _Miss("no_donor")
         if span.store_ref is None or span.checksum is None:
             return _Miss("donor_not_saved")
+        if view is not None and self._store_recheck is not None and self.store.known_verified(span.store_ref,
+                                                                                              span.checksum):
+            return span  # checksummed by this process, and its file re-checked off the path since
         return self._check_bytes(span) or span
 
     def _ready_view(self) -> DonorView | None:
@@ -391,7 +406,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             span = self._find(ns, keys, start_block, view)
             if isinstance(span, _Miss) or job.abandoned:
                 return span if isinstance(span, _Miss) else _Miss("timeout")
-            lease_id, min_blocks = uuid.uuid4().hex, start_block + self.settings.min_match_blocks
+            lease_id, min_blocks = self._new_lease_id(), start_block + self.settings.min_match_blocks
             lease = self.ledger.take_lease(span.donor_id, request_id=str(rid), holder=self.holder,
                                            namespace=ns.digest, num_blocks=min_blocks, up_to_blocks=span.num_blocks,
                                            ttl_s=self.settings.lease_ttl_s, policy=self.policy, lease_id=lease_id)
@@ -404,10 +419,15 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             self.store.lease(span.donor_id)
             taken: Future[Lease | StaleReason] = Future()
             taken.set_result(lease)
-            return _Promise(span, lease_id, taken, start_block, span.num_blocks - start_block)
+            return _Promise(span, lease_id, taken, start_block, span.num_blocks - start_block, ns.digest)
 
         finished, result = self._hot.run(find_and_lease, self.settings.lookup_timeout_s, on_abandon=self._abandoned)
         return result if finished else _Miss("timeout")
+
+    def _new_lease_id(self) -> str:
+        """A lease id unique in the fleet: this scheduler's random 64-bit prefix and a counter, 32 hex
+        characters (``uuid4()`` reads ``os.urandom``, which releases the GIL on the engine's thread)."""
+        return f"{self._lease_prefix}{next(self._lease_seq):016x}"
 
     def _abandoned(self, result: Any) -> None:
         """A lease taken after the engine stopped waiting for the answer: release it."""
@@ -417,29 +437,36 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             self.metrics.leases_released.labels(reason="lookup_timeout").inc()
 
     def _promise(self, rid: int, ns: Namespace, span: DonorSpan, start_block: int) -> _Promise:
-        """Pin the donor in the store now; write its ledger lease in the background (FIFO with the
-        release, so a release never overtakes its lease). ``build_connector_meta`` waits for the
-        lease before shipping the plan: the worker's revalidation reads it (DESIGN §2 rule 6)."""
-        taken_at = time.time()
-        if taken_at + self.settings.lease_ttl_s <= time.time():  # a TTL shorter than this very call
+        """Pin the donor in the store now (capacity eviction in this process skips it); its ledger
+        lease is queued by :meth:`update_state_after_alloc`, off the lookup's budget."""
+        promised_at = time.time()
+        if promised_at + self.settings.lease_ttl_s <= time.time():  # a TTL shorter than this very call
             raise _Miss("lease_expired")
         self.store.lease(span.donor_id)
-        lease_id, outcome = uuid.uuid4().hex, Future()
-        min_blocks = start_block + self.settings.min_match_blocks
+        return _Promise(span, self._new_lease_id(), None, start_block, span.num_blocks - start_block, ns.digest,
+                        promised_at)
+
+    def _take_lease(self, rid: int, p: _Promise) -> None:
+        """Queue the promise's ledger lease on the lease thread (FIFO with its release, so a release
+        never overtakes its take). ``build_connector_meta`` waits for it before shipping the plan:
+        the lease re-checks the donor and every promised block in its write transaction, and the
+        worker's revalidation reads it (DESIGN §2 rules 3 and 6)."""
+        outcome: Future[Lease | StaleReason] = Future()
+        p.lease = outcome
+        up_to, min_blocks = p.start_block + p.num_blocks, p.start_block + self.settings.min_match_blocks
 
         def take() -> None:
             if not outcome.set_running_or_notify_cancel():
                 return
             try:
                 outcome.set_result(self.ledger.take_lease(
-                    span.donor_id, request_id=str(rid), holder=self.holder, namespace=ns.digest,
-                    num_blocks=min_blocks, up_to_blocks=span.num_blocks, ttl_s=self.settings.lease_ttl_s,
-                    policy=self.policy, lease_id=lease_id, now=taken_at))
+                    p.span.donor_id, request_id=str(rid), holder=self.holder, namespace=p.namespace,
+                    num_blocks=min_blocks, up_to_blocks=up_to, ttl_s=self.settings.lease_ttl_s,
+                    policy=self.policy, lease_id=p.lease_id, now=p.promised_at))
             except BaseException as exc:  # noqa: BLE001 - handed to build_connector_meta, which fails the plan
                 outcome.set_exception(exc)
 
         self._leases.submit(take, must=True)
-        return _Promise(span, lease_id, outcome, start_block, span.num_blocks - start_block)
 
     def _check_bytes(self, span: Any) -> _Miss | None:
         ref, checksum = span.store_ref, span.checksum
@@ -528,6 +555,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             if failed:
                 log.error("semkv: request %s: %s; the request will fail", request.request_id, failed)
                 self._release(state, "alloc_mismatch")
+            elif p.lease is None:
+                self._take_lease(request.request_id, p)
         except Exception:  # boundary: never raise into the engine; a bound promise must still fail closed
             log.exception("semkv: update_state_after_alloc failed for request %s", request.request_id)
             state = self._requests.get(request.request_id)
@@ -602,6 +631,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         promise = state.promise
         if promise is None:  # released meanwhile (cannot happen between alloc and ship)
             return "released", "the promise's lease was released before its plan shipped"
+        if promise.lease is None:  # cannot happen: a plan is made by the alloc, which queues the lease
+            return "error", "the promise's ledger lease was never queued"
         try:
             lease = promise.lease.result(timeout=max(0.0, wait_until - time.monotonic()))
         except FutureTimeout:
@@ -624,7 +655,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         try:
             self._release(state, "finished")
             save = self._donors.register(request, list(cache_block_ids), namespace=state.namespace, keys=state.keys,
-                                         probe=state.probe, block_hashes=state.block_hashes)
+                                         block_hashes=state.block_hashes)
             if save is None:
                 return False
             self._saves.append(save)
@@ -647,7 +678,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.metrics.leases_held.dec()
         self.metrics.leases_released.labels(reason=reason).inc()
         self.store.release(promise.span.donor_id)
-        self._leases.submit(lambda: self.ledger.release_lease(promise.lease_id, reason), must=True)
+        if promise.lease is not None:  # a ledger lease was queued: release it after its take
+            self._leases.submit(lambda: self.ledger.release_lease(promise.lease_id, reason), must=True)
 
     def _reset(self, request: Any, reason: str) -> None:
         state = self._requests.get(request.request_id)
@@ -657,10 +689,11 @@ class SemKvScheduler(KvCacheConnectorScheduler):
 
     # ============================================================ lifecycle
     def sync_view(self) -> None:
-        """Catch the donor view up with the ledger now, instead of at the next tick (tests that
-        need the view to reflect a change they just made; no-op without a view)."""
+        """Catch the donor view up with the ledger, and re-check the store's verified entries, now
+        instead of at the next ticks (tests that need a change they just made seen; no-op without a view)."""
         if self._view is not None:
             self.ledger.refresh_view(self._view)
+            self.store.recheck_verified()
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait for background work (lease releases, telemetry, discovery lookups and indexing)
@@ -675,8 +708,9 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         service this scheduler built; an injected one is its owner's to close)."""
         for state in list(self._requests.values()):
             self._release(state, "shutdown")
-        if self._view_tick is not None:
-            self._view_tick.close()
+        for ticker in (self._view_tick, self._store_recheck):
+            if ticker is not None:
+                ticker.close()
         self._leases.close()
         self._background.close()
         if self._hot is not None:

@@ -140,6 +140,12 @@ class ConnectorSettings(BaseSettings):
     store_inline_verify_max_bytes: int = Field(4 * 2**20, ge=0)
     """A donor entry not yet verified by this process is checksummed inside the lookup when it is at
     most this big; bigger ones are verified in the background (and missed until then)."""
+    store_recheck_s: float = Field(0.05, ge=0)
+    """How often (seconds) a background tick stats the donor store entries this scheduler has checksummed
+    and forgets any whose file changed or vanished, so that the lookup trusts its record without a
+    ``stat`` on the engine's thread. An entry changed outside the store is caught by the next lookup
+    after at most this long; before that a promise on it fails at the worker's per-layer checksum
+    (the request fails closed). 0: stat the entry in every lookup."""
     save_queue_max: int = Field(64, ge=1)
     """Donor saves waiting for the background writer; beyond it a save is dropped (and counted)."""
     per_layer_block_check: bool = False

@@ -110,20 +110,22 @@ class DonorView:
         with self._lock:
             if not content_keys or len(content_keys) < max(min_blocks, 1):
                 return None
-            lo = len(content_keys) if self._holders(namespace, content_keys[-1], now) else 0
-            if not lo:
-                first = max(min_blocks, 1)
-                if not self._holders(namespace, content_keys[first - 1], now):
+            lo, holders = len(content_keys), self._holders(namespace, content_keys[-1], now)
+            if not holders:
+                lo = max(min_blocks, 1)
+                holders = self._holders(namespace, content_keys[lo - 1], now)
+                if not holders:
                     return None
-                lo, hi = first, len(content_keys) - 1
+                hi = len(content_keys) - 1
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
-                    if self._holders(namespace, content_keys[mid - 1], now):
-                        lo = mid
+                    found = self._holders(namespace, content_keys[mid - 1], now)
+                    if found:
+                        lo, holders = mid, found
                     else:
                         hi = mid - 1
             best = None
-            for donor in self._holders(namespace, content_keys[lo - 1], now):
+            for donor in holders:
                 live = self.liveness.live_prefix(donor.donor_id, lo) if check_blocks else lo
                 if live is not None and live >= min_blocks and (best is None or live > best[1]):
                     best = (donor, live)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,34 @@ def test_corruption_is_detected_per_layer_and_by_verify(tmp_path: Path) -> None:
     with pytest.raises(ChecksumMismatch):
         other.verify(entry.ref, entry.checksum)
     assert store.verified(entry.ref, entry.checksum) is None  # the file changed since it was verified
+
+
+def test_known_verified_is_trusted_until_a_recheck_finds_the_file_changed_or_gone(tmp_path: Path) -> None:
+    """The lookup's no-I/O check: the store's record of what it checksummed, which
+    ``recheck_verified`` (one stat per entry, off the engine's path) drops once the file changes."""
+    store = FileDonorStore(tmp_path, 2**20)
+    kept, changed, removed = (store.put(name, layers(i), header()) for i, name in enumerate(("k", "c", "r")))
+    assert all(store.known_verified(e.ref, e.checksum) for e in (kept, changed, removed))
+    assert not store.known_verified(kept.ref, "0" * 32)  # another checksum: not what was verified
+    assert not FileDonorStore(tmp_path, 2**20).known_verified(kept.ref, kept.checksum)  # verified by another store
+    assert store.recheck_verified() == 0
+    path = tmp_path / changed.ref
+    time.sleep(0.02)  # file times tick once per jiffy (≤ 10 ms): a write in the save's own tick keeps its mtime
+    with open(path, "r+b") as f:  # rewritten in place: same inode and size, new mtime
+        f.seek(os.path.getsize(path) - 4)
+        f.write(b"\x00\x00\x80\x7f")
+    (tmp_path / removed.ref).unlink()
+    assert store.known_verified(changed.ref, changed.checksum)  # no I/O: not noticed until the recheck
+    assert store.recheck_verified() == 2
+    assert store.known_verified(kept.ref, kept.checksum)
+    assert not store.known_verified(changed.ref, changed.checksum) and not store.known_verified(removed.ref,
+                                                                                                removed.checksum)
+    assert store.verified(changed.ref, changed.checksum) is None  # the full check: verify again, which fails
+    with pytest.raises(ChecksumMismatch):
+        store.verify(changed.ref, changed.checksum)
+    with pytest.raises(EntryMissing):
+        store.verified(removed.ref, removed.checksum)
+    assert store.evict("k", "test") and not store.known_verified(kept.ref, kept.checksum)
 
 
 CRASHING_SAVE = textwrap.dedent("""

@@ -30,16 +30,19 @@ def setup(fleet: Fleet, **b_settings) -> tuple[Engine, list[tuple[str, int]]]:
 
 
 def after_promise(b: Engine, inject: Callable[[], None]) -> None:
-    """Run ``inject`` once, after B's next promise and before its worker copies anything."""
-    original = b.scheduler.update_state_after_alloc
+    """Run ``inject`` once, after B's next plan shipped (its ledger lease held) and before its worker
+    copies anything: only the worker's revalidation stands between the change and the copy."""
+    original = b.scheduler.build_connector_meta
     pending = [inject]
 
-    def hooked(request, block_ids):  # noqa: ANN001, ANN202
-        if pending:
+    def hooked(scheduler_output):  # noqa: ANN001, ANN202
+        meta = original(scheduler_output)
+        if pending and meta.loads:
+            assert all(plan.failed is None for plan in meta.loads), meta.loads
             pending.pop()()
-        original(request, block_ids)
+        return meta
 
-    b.scheduler.update_state_after_alloc = hooked  # type: ignore[method-assign]
+    b.scheduler.build_connector_meta = hooked  # type: ignore[method-assign]
 
 
 def assert_failed_closed(fleet: Fleet, b: Engine, reads: list[tuple[str, int]], exc: pytest.ExceptionInfo,

@@ -166,6 +166,33 @@ def test_content_keys_are_bit_identical_to_the_reference_implementation() -> Non
             lazy[len(expected)]
 
 
+def test_keys_over_gil_sized_prefixes_are_hashed_in_slices_and_equal_the_reference() -> None:
+    """A prefix longer than python-xxhash's GIL threshold is fed in slices that keep the GIL on the
+    engine's thread; the keys are the definition's, bit for bit, on both sides of the threshold."""
+    from connector import namespace as nsmod
+
+    ns = ns_of(LlmRequest(1, [1], 1))
+    tokens = [(i * 7919) % 128_000 for i in range(32 * 1024 + 5)]
+    for tpb, n in ((1, 8191), (1, 8192), (1, 8193), (32, 256), (32, 257), (32, 1024), (8192, 4)):
+        expected = _reference_content_keys(ns, tokens, tpb, n)
+        lazy = prefix_keys(ns, tokens, tpb, n)
+        assert lazy[-1] == expected[-1] and lazy[n // 2] == expected[n // 2], (tpb, n)
+    assert content_keys(ns, tokens, 8192, 4) == _reference_content_keys(ns, tokens, 8192, 4)
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.parts: list[bytes] = []
+
+        def update(self, data) -> None:  # noqa: ANN001
+            self.parts.append(bytes(data))
+
+    data = bytes(range(256)) * 1000  # 256,000 bytes
+    recorder = Recorder()
+    nsmod._update_holding_gil(recorder, memoryview(data))
+    assert b"".join(recorder.parts) == data
+    assert len(recorder.parts) == 4 and max(map(len, recorder.parts)) <= nsmod.GIL_HELD_BYTES
+
+
 def test_metadata_is_picklable_and_small() -> None:
     plan = LoadPlan(request_id=1, donor_id="d", provider_generation=0, namespace="n" * 32, mode="exact_equivalent",
                     target_block_ids=tuple(range(1024)), donor_block_start=0, num_blocks=1024, token_count=32768,

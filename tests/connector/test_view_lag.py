@@ -1,5 +1,5 @@
 """The donor view's lag (ledger/donor_view.py): a donor that goes stale after the scheduler's view
-last caught up is still promised; the ledger lease, written right after the answer, refuses it, and
+last caught up is still promised; the ledger lease, written once the blocks are allocated, refuses it, and
 the plan ships failed — the request is recomputed where the engine can, fails closed on TensorRT-LLM
 1.2, and with ``lease_before_answer`` it is a plain miss. Never a load of the stale donor, never a
 leaked lease (DESIGN §2 rules 3, 6 and 7)."""
