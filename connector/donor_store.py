@@ -196,6 +196,7 @@ class FileDonorStore:
             self._pins = _PINS.setdefault(str(self.root.resolve()), {})
         # entry name -> ((st_ino, st_size, st_mtime_ns), checksum) this store verified
         self._verified: dict[str, tuple[tuple[int, int, int], str]] = {}
+        self._recheck_at = 0  # where the next bounded recheck_verified starts
         self._lock = _PINS_LOCK
         self.sweep_temp()
 
@@ -314,12 +315,19 @@ class FileDonorStore:
             known = self._verified.get(ref)
         return known is not None and known[1] == checksum
 
-    def recheck_verified(self) -> int:
+    def recheck_verified(self, limit: int | None = None) -> int:
         """One ``stat`` per entry this store verified: forget those whose file is gone or is not
         the one that was checksummed (inode, size, mtime), so the next lookup checks them in full.
-        Returns how many were forgotten. Off the engine's path (the scheduler's recheck tick)."""
+        ``limit``: stat at most this many, taking up where the previous call stopped (round robin:
+        the scheduler's recheck tick bounds its cost per tick); None: all. Returns how many were
+        forgotten. Off the engine's path."""
         with self._lock:
-            known = list(self._verified.items())
+            refs = list(self._verified)
+            if limit is not None and len(refs) > limit:
+                start = self._recheck_at % len(refs)
+                refs = (refs + refs)[start : start + limit]
+                self._recheck_at = start + limit
+            known = [(ref, self._verified[ref]) for ref in refs]
         forgotten = 0
         for ref, (identity, _) in known:
             try:

@@ -98,6 +98,10 @@ if TYPE_CHECKING:
 __all__ = ["ResetHooksMixin", "SemKvScheduler", "process_rank"]
 
 log = logging.getLogger(__name__)
+RECHECK_ENTRIES_PER_TICK = 256
+"""Donor store entries stat'ed per ``store_recheck_s`` tick (round robin): ~1 ms of a background
+thread per tick here however many entries the store verified; an entry changed outside the store is
+found within ``ceil(entries / 256)`` ticks."""
 
 
 class _Miss(Exception):
@@ -247,7 +251,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             self._load_view()
             view = self._view
             self._view_tick = Ticker("semkv-donor-view", s.donor_view_refresh_s, lambda: self.ledger.refresh_view(view))
-        self._store_recheck = (Ticker("semkv-store-recheck", s.store_recheck_s, self.store.recheck_verified)
+        self._store_recheck = (Ticker("semkv-store-recheck", s.store_recheck_s,
+                                      lambda: self.store.recheck_verified(RECHECK_ENTRIES_PER_TICK))
                                if self._view is not None and s.store_recheck_s > 0 else None)
 
     def _load_view(self) -> None:

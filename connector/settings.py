@@ -113,8 +113,9 @@ class ConnectorSettings(BaseSettings):
     """Write the ledger lease BEFORE answering the engine (on the lookup thread, under the deadline), so a
     donor that went stale since the donor view's last catch-up is a miss instead of a promise whose plan
     then ships failed. Costs a ledger write transaction in every hit (~0.3-1 ms on SQLite, more while the
-    consumer holds the write lock), which DESIGN §7's lookup budget does not allow; consider it on engines
-    that cannot recompute a failed load (TensorRT-LLM 1.2 fails the request)."""
+    consumer holds the write lock), which DESIGN §7's lookup budget does not allow. Use it on engines that
+    cannot recompute a failed load: on TensorRT-LLM 1.1/1.2 a failed plan stops the executor or fails the
+    whole batch (connector/README.md, "TensorRT-LLM 1.1/1.2")."""
     lease_confirm_timeout_s: float = Field(0.5, gt=0, le=60)
     """A promise's ledger lease is written off the engine's path; ``build_connector_meta`` waits this long
     for it before shipping the plan (seconds). A lease refused or not committed by then ships the plan
@@ -141,11 +142,11 @@ class ConnectorSettings(BaseSettings):
     """A donor entry not yet verified by this process is checksummed inside the lookup when it is at
     most this big; bigger ones are verified in the background (and missed until then)."""
     store_recheck_s: float = Field(0.05, ge=0)
-    """How often (seconds) a background tick stats the donor store entries this scheduler has checksummed
-    and forgets any whose file changed or vanished, so that the lookup trusts its record without a
-    ``stat`` on the engine's thread. An entry changed outside the store is caught by the next lookup
-    after at most this long; before that a promise on it fails at the worker's per-layer checksum
-    (the request fails closed). 0: stat the entry in every lookup."""
+    """How often (seconds) a background tick stats donor store entries this scheduler has checksummed (up
+    to 256 per tick, round robin) and forgets any whose file changed or vanished, so that the lookup
+    trusts its record without a ``stat`` on the engine's thread. An entry changed outside the store is
+    caught by the lookup within ``ceil(entries / 256)`` ticks; before that a promise on it fails at the
+    worker's per-layer checksum (the request fails closed). 0: stat the entry in every lookup."""
     save_queue_max: int = Field(64, ge=1)
     """Donor saves waiting for the background writer; beyond it a save is dropped (and counted)."""
     per_layer_block_check: bool = False

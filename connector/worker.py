@@ -24,11 +24,14 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
   bytes are gathered, so the engine keeps the blocks exactly as long as it must.
 
 Failure policy (documented choice): any failed validation or copy fails the WHOLE plan — the
-hook raises :class:`SemKvLoadError`, so the layer is never run on partially loaded KV and the
-request's blocks are never stored for reuse. On TensorRT-LLM 1.2 the runtime fails the request(s)
-of that forward with this clear error (there is no recompute path); on newer releases that offer
-``cancel_load``/``request_reset`` the engine discards the load and recomputes the tokens. Either way
-it is counted in ``semkv_load_failures_total{reason}`` and the lease is released by the scheduler.
+hook raises :class:`SemKvLoadError`, so the layer is never run on partially loaded KV. On releases
+that offer ``cancel_load``/``request_reset`` the engine discards the load and recomputes the tokens.
+TensorRT-LLM 1.1/1.2 has no such path, and its source (connector/README.md, "TensorRT-LLM 1.1/1.2")
+shows that an exception from ``start_load_kv`` stops its executor, and one from
+``wait_for_layer_load`` fails every request of the batch and then stores their blocks for reuse
+without checking their prefill completed — so on those releases a failure here is an incident, not
+a per-request error (issue #5 tracks moving every check before the forward). Either way it is
+counted in ``semkv_load_failures_total{reason}`` and the lease is released by the scheduler.
 """
 
 from __future__ import annotations

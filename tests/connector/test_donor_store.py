@@ -93,6 +93,15 @@ def test_known_verified_is_trusted_until_a_recheck_finds_the_file_changed_or_gon
     assert store.evict("k", "test") and not store.known_verified(kept.ref, kept.checksum)
 
 
+def test_a_bounded_recheck_goes_round_robin_and_finds_every_change(tmp_path: Path) -> None:
+    store = FileDonorStore(tmp_path, 2**20)
+    entries = [store.put(f"e{i}", layers(i), header()) for i in range(5)]
+    (tmp_path / entries[3].ref).unlink()
+    found = [store.recheck_verified(limit=2) for _ in range(3)]  # 3 calls x 2 stats cover all 5
+    assert sum(found) == 1 and not store.known_verified(entries[3].ref, entries[3].checksum)
+    assert all(store.known_verified(e.ref, e.checksum) for i, e in enumerate(entries) if i != 3)
+
+
 CRASHING_SAVE = textwrap.dedent("""
     import os, sys
     import numpy as np
