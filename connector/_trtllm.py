@@ -59,6 +59,8 @@ __all__ = [
     "KvCacheConnectorWorker",
     "RequestData",
     "SchedulerOutput",
+    "ENGINE_RECOMPUTES_FAILED_LOADS",
+    "TRTLLM_WITHOUT_RECOMPUTE",
 ]
 
 _CANDIDATE_MODULES = (
@@ -301,3 +303,16 @@ else:
                             ("KvCacheConnectorWorker", _KvCacheConnectorWorker),
                             ("SchedulerOutput", _SchedulerOutput), ("RequestData", _RequestData)):
         _local.__name__ = _local.__qualname__ = _public
+
+ENGINE_RECOMPUTES_FAILED_LOADS: bool = (hasattr(KvCacheConnectorScheduler, "request_reset")
+                                        or hasattr(KvCacheConnectorScheduler, "cancel_load"))
+"""The engine's scheduler base offers ``cancel_load``/``request_reset``: a failed load is recomputed."""
+TRTLLM_WITHOUT_RECOMPUTE: bool = TRTLLM_AVAILABLE and not ENGINE_RECOMPUTES_FAILED_LOADS
+"""TensorRT-LLM without those hooks (1.1/1.2), where a failed plan is an incident: an exception from
+``start_load_kv`` stops the executor (called outside the forward's error handling), and one from
+``wait_for_layer_load`` (inside the forward) makes ``PyExecutor._handle_errors`` fail every request of
+the batch, whose blocks ``KVCacheManager::removeSequence`` then stores for reuse without checking
+their prefill completed (NVIDIA/TensorRT-LLM tensorrt_llm/_torch/pyexecutor/py_executor.py,
+cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp). There the worker loads before the forward and
+the scheduler leases before it answers (the defaults of ``load_before_forward`` and
+``lease_before_answer``)."""

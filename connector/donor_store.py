@@ -37,6 +37,7 @@ import struct
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -125,6 +126,14 @@ class DonorStore(Protocol):
 
     def verify(self, ref: str, checksum: str) -> None: ...
 
+    def verified(self, ref: str, checksum: str) -> bool | None: ...
+
+    def known_verified(self, ref: str, checksum: str) -> bool: ...
+
+    def recheck_verified(self, limit: int | None = None) -> int: ...
+
+    def size_of(self, ref: str) -> int: ...
+
     def lease(self, donor_id: str) -> None: ...
 
     def release(self, donor_id: str) -> None: ...
@@ -171,6 +180,60 @@ class DonorReader:
 
 _PINS: dict[str, dict[str, int]] = {}  # store directory -> donor id -> pins held in this process
 _PINS_LOCK = threading.Lock()
+_Identity = tuple[int, int, int]  # (st_ino, st_size, st_mtime_ns)
+
+
+class _VerifiedFiles:
+    """The entries of one store directory this process checksummed, as the file they were then
+    (:data:`_Identity`), shared by every :class:`FileDonorStore` on the directory in the process
+    (the worker's eviction is seen by the scheduler's store at once). ``get`` takes no lock (one
+    dict read: the lookup's path); rechecks go round robin through a queue, so a bounded recheck
+    reaches every entry within ``ceil(entries / limit)`` calls."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[_Identity, str]] = {}
+        self._queue: deque[str] = deque()  # recheck order: every known entry once (forgotten ones until reached)
+        self._queued: set[str] = set()
+        self._lock = threading.Lock()
+
+    def get(self, ref: str) -> tuple[_Identity, str] | None:
+        return self._known.get(ref)
+
+    def remember(self, ref: str, identity: _Identity, checksum: str) -> None:
+        with self._lock:
+            if ref not in self._queued:
+                self._queue.append(ref)
+                self._queued.add(ref)
+            self._known[ref] = (identity, checksum)
+
+    def forget(self, ref: str, identity: _Identity | None = None) -> bool:
+        """Forget ``ref`` (only if it is still known as ``identity``, when given)."""
+        with self._lock:
+            known = self._known.get(ref)
+            if known is None or (identity is not None and known[0] != identity):
+                return False
+            del self._known[ref]
+            return True
+
+    def next_to_recheck(self, limit: int | None) -> list[tuple[str, _Identity]]:
+        """Up to ``limit`` known entries (None: all), each moved to the back of the queue; forgotten
+        ones met on the way leave it."""
+        with self._lock:
+            out: list[tuple[str, _Identity]] = []
+            for _ in range(len(self._queue)):
+                if limit is not None and len(out) >= limit:
+                    break
+                ref = self._queue.popleft()
+                known = self._known.get(ref)
+                if known is None:
+                    self._queued.discard(ref)
+                    continue
+                self._queue.append(ref)
+                out.append((ref, known[0]))
+            return out
+
+
+_VERIFIED: dict[str, _VerifiedFiles] = {}  # store directory -> its verified entries in this process
 
 
 class FileDonorStore:
@@ -194,9 +257,7 @@ class FileDonorStore:
         # scheduler pins before it answers, and its worker's saves evict (another instance).
         with _PINS_LOCK:
             self._pins = _PINS.setdefault(str(self.root.resolve()), {})
-        # entry name -> ((st_ino, st_size, st_mtime_ns), checksum) this store verified
-        self._verified: dict[str, tuple[tuple[int, int, int], str]] = {}
-        self._recheck_at = 0  # where the next bounded recheck_verified starts
+            self._verified = _VERIFIED.setdefault(str(self.root.resolve()), _VerifiedFiles())
         self._lock = _PINS_LOCK
         self.sweep_temp()
 
@@ -302,44 +363,31 @@ class FileDonorStore:
             st = os.stat(self._path_str(ref))
         except FileNotFoundError as exc:
             raise EntryMissing(f"donor store entry {ref} not found") from exc
-        with self._lock:
-            known = self._verified.get(ref)
-        return True if known == ((st.st_ino, st.st_size, st.st_mtime_ns), checksum) else None
+        return True if self._verified.get(ref) == ((st.st_ino, st.st_size, st.st_mtime_ns), checksum) else None
 
     def known_verified(self, ref: str, checksum: str) -> bool:
-        """No I/O: did this store verify ``ref`` with ``checksum``, and has no :meth:`recheck_verified`
-        or eviction of its own since found the file changed or gone? The lookup's check on the engine's thread
-        (an ``os.stat`` there releases the GIL to whichever thread waits for it); trust it only with
-        :meth:`recheck_verified` running periodically. Readers verify every layer regardless."""
-        with self._lock:
-            known = self._verified.get(ref)
+        """No I/O, no lock: did this process verify ``ref`` with ``checksum``, with no eviction here
+        and no :meth:`recheck_verified` since finding the file changed or gone? The lookup's check
+        on the engine's thread (an ``os.stat`` there releases the GIL to whichever thread waits
+        for it); trust it only with :meth:`recheck_verified` running periodically. Readers verify
+        every layer regardless."""
+        known = self._verified.get(ref)
         return known is not None and known[1] == checksum
 
     def recheck_verified(self, limit: int | None = None) -> int:
-        """One ``stat`` per entry this store verified: forget those whose file is gone or is not
-        the one that was checksummed (inode, size, mtime), so the next lookup checks them in full.
-        ``limit``: stat at most this many, taking up where the previous call stopped (round robin:
-        the scheduler's recheck tick bounds its cost per tick); None: all. Returns how many were
-        forgotten. Off the engine's path."""
-        with self._lock:
-            refs = list(self._verified)
-            if limit is not None and len(refs) > limit:
-                start = self._recheck_at % len(refs)
-                refs = (refs + refs)[start : start + limit]
-                self._recheck_at = start + limit
-            known = [(ref, self._verified[ref]) for ref in refs]
+        """One ``stat`` per entry this process verified: forget those whose file is gone, cannot be
+        read, or is not the one that was checksummed (inode, size, mtime), so the next lookup checks
+        them in full. ``limit``: stat at most this many, round robin (the scheduler's recheck tick
+        bounds its cost); None: all. Returns how many were forgotten. Off the engine's path."""
         forgotten = 0
-        for ref, (identity, _) in known:
+        for ref, identity in self._verified.next_to_recheck(limit):
             try:
                 st = os.stat(self._path_str(ref))
-                current = (st.st_ino, st.st_size, st.st_mtime_ns)
-            except (FileNotFoundError, EntryMissing):
+                current: _Identity | None = (st.st_ino, st.st_size, st.st_mtime_ns)
+            except (OSError, EntryMissing):  # gone, or unreadable: not to be trusted without a full check
                 current = None
-            if current != identity:
-                with self._lock:
-                    if self._verified.get(ref, (None,))[0] == identity:
-                        del self._verified[ref]
-                        forgotten += 1
+            if current != identity and self._verified.forget(ref, identity):
+                forgotten += 1
         return forgotten
 
     def size_of(self, ref: str) -> int:
@@ -397,8 +445,7 @@ class FileDonorStore:
         path.unlink(missing_ok=True)
         if header is not None and header.probe:
             (self.root / "probe" / header.probe / donor_id).unlink(missing_ok=True)
-        with self._lock:
-            self._verified.pop(path.name, None)
+        self._verified.forget(path.name)
         return True
 
     def entries(self) -> list[tuple[str, int, float]]:
@@ -477,8 +524,7 @@ class FileDonorStore:
             st = os.stat(path)
         except FileNotFoundError:
             return
-        with self._lock:
-            self._verified[path.name] = ((st.st_ino, st.st_size, st.st_mtime_ns), checksum)
+        self._verified.remember(path.name, (st.st_ino, st.st_size, st.st_mtime_ns), checksum)
 
 
 def _read_header(fd: int, ref: str, checksum: str | None) -> tuple[EntryHeader, int]:

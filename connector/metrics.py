@@ -17,7 +17,8 @@ Counters are distinct, never collapsed into one "hit" (DESIGN §8):
 * ``semkv_exact_materialized_total`` / ``semkv_materialized_tokens_total`` count only after the
   worker copied EVERY layer of a plan; ``semkv_experimental_materialized_total`` exists and stays 0;
 * ``semkv_load_failures_total{reason}``: plans that failed after the promise (the request failed or
-  was recomputed), ``semkv_leases_held`` (gauge, leases this process holds).
+  was recomputed), ``semkv_leases_held`` (gauge, leases this process holds: a promise's store pin from the answer,
+  with its ledger lease once the blocks are allocated).
 
 Histograms (seconds): lookup, metadata build, load by cache level (the donor store is host memory
 or disk: level 1), revalidation (ledger re-checks in the worker), donor save.

@@ -12,9 +12,10 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
    checks the donor store holds checksummed bytes (this process's record of the entries it
    checksummed, re-checked against the files by a background tick every ``store_recheck_s``), and
    pins the donor in the store BEFORE answering ``(n, False)`` in whole blocks, leaving at least
-   one prompt token to compute. Nothing on this path releases the GIL (no file system call, no
-   ``os.urandom``, keys hashed in slices python-xxhash hashes holding it): a released GIL goes to
-   whichever background thread waits for it, for up to ``sys.getswitchinterval()``. The ledger
+   one prompt token to compute. The view path makes no call that releases the GIL (no file
+   system call, no ``os.urandom``, keys hashed in slices python-xxhash hashes holding it; its locks
+   are held by other threads only for short sections): a released GIL goes to whichever
+   background thread waits for it, for up to ``sys.getswitchinterval()``. The ledger
    lease (``lease_taken``, which re-checks freshness and every promised block in its write
    transaction) is queued by ``update_state_after_alloc`` on the lease thread, so the answer never
    waits for the ledger's write lock and a promise the engine never allocates costs no ledger
@@ -69,7 +70,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from connector._trtllm import KvCacheConnectorScheduler
+from connector._trtllm import ENGINE_RECOMPUTES_FAILED_LOADS, TRTLLM_WITHOUT_RECOMPUTE, KvCacheConnectorScheduler
 from connector.discovery.hook import SchedulerDiscovery
 from connector.donors import DonorRegistrar
 from connector.donor_store import ChecksumMismatch, DonorStoreError, EntryMissing, FileDonorStore
@@ -119,8 +120,9 @@ class _Promise:
     thread (None until queued: a promise never allocated needs no ledger write)."""
     start_block: int
     num_blocks: int
-    namespace: str = ""
-    promised_at: float = 0.0
+    namespace: str
+    promised_at: float
+    """When the lookup answered (seconds since the epoch): the lease's clock."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -237,6 +239,10 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         # background checksum of a big entry
         self._leases = BackgroundRunner("semkv-leases")
         self._lease_prefix, self._lease_seq = uuid.uuid4().hex[:16], itertools.count()
+        self.lease_before_answer = (TRTLLM_WITHOUT_RECOMPUTE if s.lease_before_answer is None
+                                    else s.lease_before_answer)
+        """Lease in the lookup (see ``ConnectorSettings.lease_before_answer``; None: on exactly where a
+        failed plan cannot be recomputed)."""
         self._verifying: set[str] = set()
         self._verifying_lock = threading.Lock()
         self._requests: dict[int, _RequestState] = {}
@@ -327,7 +333,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         lookup_keys = keys[:max_blocks]
         if len(self._unshipped) >= self.settings.max_plans_per_iteration:
             raise _Miss("plan_limit")
-        if self.settings.lease_before_answer:
+        if self.lease_before_answer:
             result = self._find_and_lease(rid, ns, lookup_keys, start_block)
         else:
             result = self._find_under_deadline(ns, lookup_keys, start_block)
@@ -354,7 +360,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         abandoned at the deadline."""
         view = self._ready_view()
         if view is not None:
-            return self._find(ns, keys, start_block, view)
+            return self._find(ns, keys, start_block, view, trust_store_record=self._store_recheck is not None)
         timeout = self.settings.lookup_timeout_s
         if self._hot is None:
             try:
@@ -365,8 +371,11 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         finished, result = self._hot.run(lambda job: self._find(ns, keys, start_block, None), timeout)
         return result if finished else _Miss("timeout")
 
-    def _find(self, ns: Namespace, keys: list[bytes], start_block: int, view: DonorView | None) -> DonorSpan | _Miss:
-        """The longest span the ledger says is fresh whose checksummed bytes the store holds."""
+    def _find(self, ns: Namespace, keys: list[bytes], start_block: int, view: DonorView | None, *,
+              trust_store_record: bool = False) -> DonorSpan | _Miss:
+        """The longest span the ledger says is fresh whose checksummed bytes the store holds.
+        ``trust_store_record``: the store's record of what this process checksummed (re-checked off
+        the path) stands for the bytes, without an ``os.stat`` on the engine's thread."""
         min_blocks = start_block + self.settings.min_match_blocks
         if view is None:
             span = self.ledger.find_donor_span(ns.digest, keys, policy=self.policy, min_blocks=min_blocks)
@@ -378,9 +387,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             return _Miss("no_donor")
         if span.store_ref is None or span.checksum is None:
             return _Miss("donor_not_saved")
-        if view is not None and self._store_recheck is not None and self.store.known_verified(span.store_ref,
-                                                                                              span.checksum):
-            return span  # checksummed by this process, and its file re-checked off the path since
+        if trust_store_record and self.store.known_verified(span.store_ref, span.checksum):
+            return span
         return self._check_bytes(span) or span
 
     def _ready_view(self) -> DonorView | None:
@@ -424,7 +432,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             self.store.lease(span.donor_id)
             taken: Future[Lease | StaleReason] = Future()
             taken.set_result(lease)
-            return _Promise(span, lease_id, taken, start_block, span.num_blocks - start_block, ns.digest)
+            return _Promise(span, lease_id, taken, start_block, span.num_blocks - start_block, ns.digest, time.time())
 
         finished, result = self._hot.run(find_and_lease, self.settings.lookup_timeout_s, on_abandon=self._abandoned)
         return result if finished else _Miss("timeout")
@@ -743,7 +751,7 @@ class ResetHooksMixin:
             log.exception("semkv: request_reset failed for request %s", request.request_id)
 
 
-if hasattr(KvCacheConnectorScheduler, "request_reset") or hasattr(KvCacheConnectorScheduler, "cancel_load"):
+if ENGINE_RECOMPUTES_FAILED_LOADS:
     class _SemKvSchedulerWithHooks(ResetHooksMixin, SemKvScheduler):
         __doc__ = SemKvScheduler.__doc__
 

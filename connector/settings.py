@@ -109,13 +109,14 @@ class ConnectorSettings(BaseSettings):
     """Hard deadline of the ledger/store part of ``get_num_new_matched_tokens`` (seconds)."""
     lease_ttl_s: float = Field(60.0, gt=0, le=86_400)
     """A lease (pin on a donor) expires after this long even if never released (seconds)."""
-    lease_before_answer: bool = False
+    lease_before_answer: bool | None = None
     """Write the ledger lease BEFORE answering the engine (on the lookup thread, under the deadline), so a
     donor that went stale since the donor view's last catch-up is a miss instead of a promise whose plan
-    then ships failed. Costs a ledger write transaction in every hit (~0.3-1 ms on SQLite, more while the
-    consumer holds the write lock), which DESIGN §7's lookup budget does not allow. Use it on engines that
-    cannot recompute a failed load: on TensorRT-LLM 1.1/1.2 a failed plan stops the executor or fails the
-    whole batch (connector/README.md, "TensorRT-LLM 1.1/1.2")."""
+    then ships failed (and the store entry is stat'ed in the lookup). Costs a ledger write transaction in
+    every hit (~0.3-1 ms on SQLite, more while the consumer holds the write lock), which DESIGN §7's lookup
+    budget does not allow. None: on exactly where a failed plan cannot be recomputed — TensorRT-LLM
+    without ``cancel_load``/``request_reset`` (1.1/1.2), where it stops the executor (connector/README.md,
+    "TensorRT-LLM 1.1/1.2"); off on engines that recompute (newer releases, vLLM, the harness)."""
     lease_confirm_timeout_s: float = Field(0.5, gt=0, le=60)
     """A promise's ledger lease is written off the engine's path; ``build_connector_meta`` waits this long
     for it before shipping the plan (seconds). A lease refused or not committed by then ships the plan
@@ -146,9 +147,16 @@ class ConnectorSettings(BaseSettings):
     to 256 per tick, round robin) and forgets any whose file changed or vanished, so that the lookup
     trusts its record without a ``stat`` on the engine's thread. An entry changed outside the store is
     caught by the lookup within ``ceil(entries / 256)`` ticks; before that a promise on it fails at the
-    worker's per-layer checksum (the request fails closed). 0: stat the entry in every lookup."""
+    worker's checksum (the plan fails: recomputed, or an incident on TensorRT-LLM 1.1/1.2, whose default
+    ``lease_before_answer`` stats the entry in the lookup anyway). 0: stat the entry in every lookup."""
     save_queue_max: int = Field(64, ge=1)
     """Donor saves waiting for the background writer; beyond it a save is dropped (and counted)."""
+    load_before_forward: bool | None = None
+    """Copy every layer of every plan in ``start_load_kv``, before the forward, instead of layer by layer
+    in ``wait_for_layer_load``: every check and copy that can fail then fails before any layer runs. None:
+    on exactly where a failed plan cannot be recomputed and an error inside the forward fails the whole
+    batch and keeps its blocks reusable (TensorRT-LLM 1.1/1.2; connector/README.md); off otherwise (the
+    load then overlaps the forward)."""
     per_layer_block_check: bool = False
     """Also re-check donor block liveness (policy ``engine``) before every layer, not only layer 0."""
     window_size: int | None = Field(None, ge=1)

@@ -226,6 +226,15 @@ def layer_views(kv_caches: dict[str, Any], layer_names: list[str], num_blocks: i
 
 
 def _settings(vllm_config: Any) -> ConnectorSettings:
+    """The connector settings of a vLLM engine; vLLM recomputes blocks whose load failed, so the
+    worker loads layer by layer during the forward unless ``load_before_forward`` says otherwise."""
+    settings = _settings_from_config(vllm_config)
+    if settings.load_before_forward is None:
+        settings = settings.model_copy(update={"load_before_forward": False})
+    return settings
+
+
+def _settings_from_config(vllm_config: Any) -> ConnectorSettings:
     extra = dict(getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {})
     environ = dict(os.environ)
     if extra.get(EXTRA_CONFIG_KEY):

@@ -16,7 +16,8 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
   too with ``per_layer_block_check``), read that layer's donor bytes, verify their checksum, copy
   them into the target blocks ``kv[target_block_ids, layer_idx]``, and only then return — a layer is
   released to attention only when copied. After the last layer the plan counts as materialized
-  (DESIGN §2 rule 8).
+  (DESIGN §2 rule 8). With ``load_before_forward`` (TensorRT-LLM 1.1/1.2 by default) all of that
+  runs in ``start_load_kv`` for every layer, before the forward, so nothing can fail inside it.
 * ``wait_for_save(stream)`` / ``get_finished(...)`` — donors to save (from ``request_finished``)
   are gathered from the pool (device → host) after the forward's stream is synchronized, then
   written to the donor store by a background thread (checksummed, atomically published,
@@ -29,9 +30,10 @@ that offer ``cancel_load``/``request_reset`` the engine discards the load and re
 TensorRT-LLM 1.1/1.2 has no such path, and its source (connector/README.md, "TensorRT-LLM 1.1/1.2")
 shows that an exception from ``start_load_kv`` stops its executor, and one from
 ``wait_for_layer_load`` fails every request of the batch and then stores their blocks for reuse
-without checking their prefill completed — so on those releases a failure here is an incident, not
-a per-request error (issue #5 tracks moving every check before the forward). Either way it is
-counted in ``semkv_load_failures_total{reason}`` and the lease is released by the scheduler.
+without checking their prefill completed. So on those releases the worker loads before the forward
+(``load_before_forward``): a failure is raised by ``start_load_kv`` (the executor stops: an
+incident, fail closed), never inside the forward. Either way it is counted in
+``semkv_load_failures_total{reason}`` and the lease is released by the scheduler.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from typing import Any
 
 import torch
 
-from connector._trtllm import KvCacheConnectorWorker
+from connector._trtllm import TRTLLM_WITHOUT_RECOMPUTE, KvCacheConnectorWorker
 from connector.donor_store import ChecksumMismatch, DonorReader, DonorStoreError, EntryMissing, FileDonorStore
 from connector.metrics import ConnectorMetrics, process_metrics
 from connector.namespace import KvLayout
@@ -115,6 +117,9 @@ class SemKvWorker(KvCacheConnectorWorker):
         self._saver.start()
         self.revalidation_seconds = 0.0  # cumulative, for benchmarks
         self.copy_seconds = 0.0
+        self.load_before_forward = (TRTLLM_WITHOUT_RECOMPUTE if s.load_before_forward is None
+                                    else s.load_before_forward)
+        """Copy every layer in ``start_load_kv`` (see ``ConnectorSettings.load_before_forward``)."""
 
     # ============================================================ layout
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
@@ -147,7 +152,8 @@ class SemKvWorker(KvCacheConnectorWorker):
 
     # ============================================================ loads
     def start_load_kv(self, stream: Any) -> None:
-        """Validate this iteration's plans (ledger + store header); raises SemKvLoadError on failure."""
+        """Validate this iteration's plans (ledger + store header) and, with
+        :attr:`load_before_forward`, copy all their layers now; raises SemKvLoadError on failure."""
         self._stream = stream
         self._abandon_active()
         meta = self.get_connector_meta()
@@ -165,6 +171,9 @@ class SemKvWorker(KvCacheConnectorWorker):
                 error = SemKvLoadError(plan, "internal_error", repr(exc))
                 self._fail_all(error)
                 raise error from exc
+        if self.load_before_forward and self._active:
+            for layer_idx in range(self.layout.num_layers):  # type: ignore[union-attr]
+                self._copy_active_layer(layer_idx)
 
     def _begin(self, plan: LoadPlan) -> _ActiveLoad:
         if plan.failed:
@@ -212,7 +221,11 @@ class SemKvWorker(KvCacheConnectorWorker):
             raise SemKvLoadError(plan, f"ledger_{stale}", f"donor no longer fresh: {stale}", layer_idx)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        """Revalidate, verify and copy layer ``layer_idx`` of every active plan, then return."""
+        """Revalidate, verify and copy layer ``layer_idx`` of every active plan, then return (with
+        :attr:`load_before_forward` that was done in ``start_load_kv``: nothing is left to load)."""
+        self._copy_active_layer(layer_idx)
+
+    def _copy_active_layer(self, layer_idx: int) -> None:
         for load in self._active:
             try:
                 self._copy_layer(load, layer_idx)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from connector import donor_store
 from connector.donor_store import ChecksumMismatch, EntryMissing, FileDonorStore, StoreFull
 from ledger import events as ev
 from ledger.queries import LedgerClient
@@ -48,9 +49,10 @@ def test_put_open_read_verified_round_trip(tmp_path: Path) -> None:
         store.open("nope.kv", entry.checksum)
 
 
-def test_corruption_is_detected_per_layer_and_by_verify(tmp_path: Path) -> None:
+def test_corruption_is_detected_per_layer_and_by_verify(tmp_path: Path, monkeypatch) -> None:
     store = FileDonorStore(tmp_path, 2**20)
     entry = store.put("d1", layers(2), header())
+    monkeypatch.setattr(donor_store, "_VERIFIED", {})  # what another process remembers: nothing
     other = FileDonorStore(tmp_path, 2**20)  # another process: has not verified the entry yet
     assert other.verified(entry.ref, entry.checksum) is None
     path = tmp_path / entry.ref
@@ -72,7 +74,8 @@ def test_known_verified_is_trusted_until_a_recheck_finds_the_file_changed_or_gon
     kept, changed, removed = (store.put(name, layers(i), header()) for i, name in enumerate(("k", "c", "r")))
     assert all(store.known_verified(e.ref, e.checksum) for e in (kept, changed, removed))
     assert not store.known_verified(kept.ref, "0" * 32)  # another checksum: not what was verified
-    assert not FileDonorStore(tmp_path, 2**20).known_verified(kept.ref, kept.checksum)  # verified by another store
+    # every store on the directory in this process shares the record (the scheduler's sees the worker's)
+    assert FileDonorStore(tmp_path, 2**20).known_verified(kept.ref, kept.checksum)
     assert store.recheck_verified() == 0
     path = tmp_path / changed.ref
     time.sleep(0.02)  # file times tick once per jiffy (≤ 10 ms): a write in the save's own tick keeps its mtime
@@ -90,7 +93,8 @@ def test_known_verified_is_trusted_until_a_recheck_finds_the_file_changed_or_gon
         store.verify(changed.ref, changed.checksum)
     with pytest.raises(EntryMissing):
         store.verified(removed.ref, removed.checksum)
-    assert store.evict("k", "test") and not store.known_verified(kept.ref, kept.checksum)
+    other = FileDonorStore(tmp_path, 2**20)
+    assert other.evict("k", "test") and not store.known_verified(kept.ref, kept.checksum)  # seen at once
 
 
 def test_a_bounded_recheck_goes_round_robin_and_finds_every_change(tmp_path: Path) -> None:
@@ -100,6 +104,11 @@ def test_a_bounded_recheck_goes_round_robin_and_finds_every_change(tmp_path: Pat
     found = [store.recheck_verified(limit=2) for _ in range(3)]  # 3 calls x 2 stats cover all 5
     assert sum(found) == 1 and not store.known_verified(entries[3].ref, entries[3].checksum)
     assert all(store.known_verified(e.ref, e.checksum) for i, e in enumerate(entries) if i != 3)
+    later = store.put("e5", layers(5), header())  # entries come and go between calls: still round robin
+    assert store.evict("e0", "test")
+    (tmp_path / entries[1].ref).unlink()
+    (tmp_path / later.ref).unlink()
+    assert sum(store.recheck_verified(limit=2) for _ in range(2)) == 2  # 4 known entries, 2 calls
 
 
 CRASHING_SAVE = textwrap.dedent("""

@@ -92,6 +92,17 @@ def test_an_entry_changed_after_its_checksum_is_missed_once_the_recheck_ran(flee
     assert not entry.exists()  # and evicted it
 
 
+def test_the_recheck_tick_forgets_a_vanished_entry_by_itself(fleet: Fleet) -> None:
+    b, entry = verified_by_b(fleet, store_recheck_s=0.01)
+    [donor] = b.scheduler._view._donors.values()
+    entry.unlink()  # outside the store: no ledger fact, only the recheck can notice
+    deadline = time.monotonic() + 10
+    while b.scheduler.store.known_verified(donor.store_ref, donor.checksum):
+        assert time.monotonic() < deadline, "the recheck tick never ran"
+        time.sleep(0.01)
+    assert_missed(b, b.generate(DOC + QUESTION), "store_missing")
+
+
 def test_with_store_recheck_off_every_lookup_checks_the_file(fleet: Fleet) -> None:
     b, entry = verified_by_b(fleet, store_recheck_s=0)
     corrupt_in_place(entry)

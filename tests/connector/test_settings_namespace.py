@@ -166,31 +166,39 @@ def test_content_keys_are_bit_identical_to_the_reference_implementation() -> Non
             lazy[len(expected)]
 
 
-def test_keys_over_gil_sized_prefixes_are_hashed_in_slices_and_equal_the_reference() -> None:
+def test_keys_over_gil_sized_prefixes_are_hashed_in_slices_and_equal_the_reference(monkeypatch) -> None:
     """A prefix longer than python-xxhash's GIL threshold is fed in slices that keep the GIL on the
-    engine's thread; the keys are the definition's, bit for bit, on both sides of the threshold."""
+    engine's thread (every ``update`` at most GIL_HELD_BYTES); the keys are the definition's, bit for
+    bit, on both sides of the threshold."""
+    import types
+
+    import xxhash
+
     from connector import namespace as nsmod
 
     ns = ns_of(LlmRequest(1, [1], 1))
     tokens = [(i * 7919) % 128_000 for i in range(32 * 1024 + 5)]
-    for tpb, n in ((1, 8191), (1, 8192), (1, 8193), (32, 256), (32, 257), (32, 1024), (8192, 4)):
-        expected = _reference_content_keys(ns, tokens, tpb, n)
-        lazy = prefix_keys(ns, tokens, tpb, n)
-        assert lazy[-1] == expected[-1] and lazy[n // 2] == expected[n // 2], (tpb, n)
-    assert content_keys(ns, tokens, 8192, 4) == _reference_content_keys(ns, tokens, 8192, 4)
+    cases = ((1, 8191), (1, 8192), (1, 8193), (32, 256), (32, 257), (32, 1024), (8192, 4))
+    expected = {case: _reference_content_keys(ns, tokens, *case) for case in cases}
+    updates: list[int] = []
 
-    class Recorder:
-        def __init__(self) -> None:
-            self.parts: list[bytes] = []
+    class RecordingHasher:
+        def __init__(self, seed: bytes) -> None:
+            self._hasher = xxhash.xxh3_128(seed)
 
         def update(self, data) -> None:  # noqa: ANN001
-            self.parts.append(bytes(data))
+            updates.append(len(data))
+            self._hasher.update(data)
 
-    data = bytes(range(256)) * 1000  # 256,000 bytes
-    recorder = Recorder()
-    nsmod._update_holding_gil(recorder, memoryview(data))
-    assert b"".join(recorder.parts) == data
-    assert len(recorder.parts) == 4 and max(map(len, recorder.parts)) <= nsmod.GIL_HELD_BYTES
+        def digest(self) -> bytes:
+            return self._hasher.digest()
+
+    monkeypatch.setattr(nsmod, "xxhash", types.SimpleNamespace(xxh3_128=RecordingHasher))
+    for (tpb, n), keys in expected.items():
+        lazy = prefix_keys(ns, tokens, tpb, n)
+        assert lazy[-1] == keys[-1] and lazy[n // 2] == keys[n // 2], (tpb, n)
+    assert content_keys(ns, tokens, 8192, 4) == expected[(8192, 4)]
+    assert max(updates) <= nsmod.GIL_HELD_BYTES and sum(1 for size in updates if size == nsmod.GIL_HELD_BYTES) > 4
 
 
 def test_metadata_is_picklable_and_small() -> None:
