@@ -83,16 +83,21 @@ def test_store_entry_vanishes_between_promise_and_copy(fleet: Fleet) -> None:
     assert_failed_closed(fleet, b, reads, exc, "store_missing", first_unread_layer=0)
 
 
-def test_rule_8_copy_raises_at_layer_k_nothing_counts_as_materialized(fleet: Fleet) -> None:
-    b, reads = setup(fleet)
+def fail_copy_at(b: Engine, failing_layer: int) -> None:
+    """B's worker raises when it copies ``failing_layer`` (an injected device copy error)."""
     copy_layer = b.worker._copy_layer
 
     def failing(load, layer_idx):  # noqa: ANN001, ANN202
-        if layer_idx == 1:
+        if layer_idx == failing_layer:
             raise RuntimeError("injected: device copy failed")
         copy_layer(load, layer_idx)
 
     b.worker._copy_layer = failing  # type: ignore[method-assign]
+
+
+def test_rule_8_copy_raises_at_layer_k_nothing_counts_as_materialized(fleet: Fleet) -> None:
+    b, reads = setup(fleet)
+    fail_copy_at(b, 1)
     with pytest.raises(ConnectorWorkerError) as exc:
         b.generate(PROMPT)
     assert exc.value.hook == "wait_for_layer_load" and exc.value.layer_idx == 1

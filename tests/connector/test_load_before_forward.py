@@ -12,7 +12,7 @@ from connector import _trtllm
 from connector.harness import ConnectorWorkerError
 from connector.settings import load_connector_settings
 from tests.connector.conftest import MODEL, Fleet, _shared_model, doc_tokens
-from tests.connector.test_failure_injection import PROMPT, assert_failed_closed, setup
+from tests.connector.test_failure_injection import PROMPT, assert_failed_closed, fail_copy_at, setup
 from tests.connector.test_two_engines import native_engine
 
 TPB = MODEL.tokens_per_block
@@ -61,14 +61,7 @@ def test_every_layer_is_loaded_before_the_forward_and_bit_identical(fleet: Fleet
 
 def test_a_copy_failing_at_layer_k_fails_in_start_load_kv_before_any_layer_runs(fleet: Fleet) -> None:
     b, reads = setup(fleet, load_before_forward=True)
-    copy_layer = b.worker._copy_layer
-
-    def failing(load, layer_idx):  # noqa: ANN001, ANN202
-        if layer_idx == 1:
-            raise RuntimeError("injected: device copy failed")
-        copy_layer(load, layer_idx)
-
-    b.worker._copy_layer = failing  # type: ignore[method-assign]
+    fail_copy_at(b, 1)
     with pytest.raises(ConnectorWorkerError) as exc:
         b.generate(PROMPT)
     assert exc.value.hook == "start_load_kv"  # not inside the forward
