@@ -22,7 +22,7 @@ Module map:
 
 from .block_hash import block_hash_chain, cache_salt_id, v1_block_key
 from .connector_driver import AttentionOrderError, ConnectorContractError, ConnectorWorkerError
-from .engine import HarnessLLM
+from .engine import ExecutorStopped, HarnessLLM
 from .kv_cache_manager import KVCacheManager, KvCacheCapacityError
 from .llm_args import HarnessLlmArgs, KvCacheConfig, KvCacheConnectorConfig
 from .model import HarnessTransformer, ModelConfig
@@ -33,6 +33,7 @@ __all__ = [
     "AttentionOrderError",
     "ConnectorContractError",
     "ConnectorWorkerError",
+    "ExecutorStopped",
     "GenerationResult",
     "HarnessLLM",
     "HarnessLlmArgs",

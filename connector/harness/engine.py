@@ -34,11 +34,14 @@ Rules enforced (errors are raised from :meth:`HarnessLLM.generate`):
   worker (checked per layer, :class:`~.connector_driver.AttentionOrderError`);
 - an exception in any worker hook fails that request with
   :class:`~.connector_driver.ConnectorWorkerError` and its blocks are NOT stored for reuse; other
-  requests and the cache stay intact. (TensorRT-LLM 1.x ``PyExecutor._handle_errors`` fails EVERY
-  active request and frees them through ``free_resources`` → ``remove_sequence(id, request)``, which
-  stores the blocks for reuse — half-loaded connector blocks included, by our reading of
-  ``kvCacheManager.cpp`` ``releaseBlocks``; the harness runs one request at a time and does not
-  store a failed request's blocks.) If the scheduler implements the newer
+  requests and the cache stay intact. With ``trtllm_hook_errors=True`` the harness instead does
+  what TensorRT-LLM 1.1/1.2's source shows (connector/README.md, "TensorRT-LLM 1.1/1.2"): an
+  exception from ``start_load_kv`` (called outside the forward's error handling) stops the executor
+  — that request fails and every later ``generate`` raises :class:`ExecutorStopped`; one from
+  ``wait_for_layer_load`` fails the request and stores its blocks for reuse
+  (``_handle_errors`` → ``free_resources`` → ``remove_sequence(id, request)`` → ``releaseBlocks``),
+  half-loaded connector blocks included. (The harness runs one request at a time, so "every active
+  request" is that one.) If the scheduler implements the newer
   ``cancel_load(request, start, end)`` and/or ``request_reset(request)``, a failure in
   ``start_load_kv``/``wait_for_layer_load`` instead calls them and recomputes the promised range
   locally (once), as newer TensorRT-LLM recomputes a discarded load.
@@ -65,7 +68,12 @@ from .model import HarnessTransformer, ModelConfig
 from .request import GenerationResult, LlmRequest, LlmRequestState
 from .retention import KvCacheRetentionConfig
 
-__all__ = ["ForwardObserver", "HarnessLLM"]
+__all__ = ["ExecutorStopped", "ForwardObserver", "HarnessLLM"]
+
+
+class ExecutorStopped(RuntimeError):
+    """The engine's executor loop ended on a worker hook exception (``trtllm_hook_errors``): no
+    request is served any more; an operator restarts the engine (its cache starts empty)."""
 
 log = logging.getLogger(__name__)
 ForwardObserver = Callable[[str, int, list[int]], None]
@@ -148,6 +156,7 @@ class HarnessLLM:
         first_request_id: int = 1,
         connector_timeout_s: float = 30.0,
         model: HarnessTransformer | None = None,
+        trtllm_hook_errors: bool = False,
     ) -> None:
         cfg = model_config or ModelConfig()
         kvc = kv_cache_config or KvCacheConfig(tokens_per_block=cfg.tokens_per_block)
@@ -182,6 +191,9 @@ class HarnessLLM:
         self._parked: dict[int, LlmRequest] = {}
         self._pinned: dict[int, tuple[KVSequence | None, bool]] = {}
         self._observers: list[ForwardObserver] = []
+        self.trtllm_hook_errors = trtllm_hook_errors
+        """Model TensorRT-LLM 1.1/1.2's handling of worker hook exceptions (module docstring)."""
+        self._stopped: ConnectorWorkerError | None = None
         self.connector = self._build_connector(kv_connector, attention_dp_rank)
 
     # ================================================================ public API
@@ -221,7 +233,10 @@ class HarnessLLM:
             ValueError: empty prompt, token out of vocabulary, or too long for ``max_seq_len``.
             KvCacheCapacityError: the pool cannot hold the request.
             ConnectorContractError, ConnectorWorkerError, AttentionOrderError: see the module doc.
+            ExecutorStopped: an earlier ``start_load_kv`` exception stopped it (``trtllm_hook_errors``).
         """
+        if self._stopped is not None:
+            raise ExecutorStopped("the executor stopped on a worker hook exception; restart the engine") from self._stopped
         prompt = [int(t) for t in prompt_token_ids]
         self._validate(prompt, max_new_tokens)
         with self._lock:
@@ -311,10 +326,13 @@ class HarnessLLM:
                 self._recompute(run)
             else:
                 run.error = exc
+                if self.trtllm_hook_errors and exc.hook == "start_load_kv":
+                    self._stopped = exc
         except Exception as exc:  # boundary: the request fails, the engine keeps running
             run.error = exc
         if run.error is not None:
-            self._fail(run)
+            self._fail(run, store_for_reuse=self.trtllm_hook_errors and isinstance(run.error, ConnectorWorkerError)
+                       and run.error.hook == "wait_for_layer_load")
         try:
             self._end_iteration()
         except Exception as exc:
@@ -414,8 +432,9 @@ class HarnessLLM:
             return
         self.kv_cache_manager.remove_sequence(seq, store_for_reuse=True)
 
-    def _fail(self, run: _Run) -> None:
-        """Release a failed request: ``request_finished`` is still called; blocks are not stored."""
+    def _fail(self, run: _Run, *, store_for_reuse: bool = False) -> None:
+        """Release a failed request: ``request_finished`` is still called; its blocks are stored for
+        reuse only when ``store_for_reuse`` (TensorRT-LLM 1.1/1.2 after an error in the forward)."""
         req, seq = run.req, run.seq
         req.state, run.finished = LlmRequestState.GENERATION_COMPLETE, True
         self._parked.pop(req.request_id, None)
@@ -427,9 +446,9 @@ class HarnessLLM:
             except Exception as exc:  # boundary: cleanup of an already failed request
                 log.error("request_finished raised for failed request %s: %s", req.request_id, exc)
         if pin:
-            self._pinned[req.request_id] = (seq, False)
+            self._pinned[req.request_id] = (seq, store_for_reuse)
         elif seq is not None:
-            self.kv_cache_manager.remove_sequence(seq, store_for_reuse=False)
+            self.kv_cache_manager.remove_sequence(seq, store_for_reuse=store_for_reuse)
 
     def _can_recompute(self, exc: ConnectorWorkerError, run: _Run) -> bool:
         scheduler = self.connector.scheduler if self.connector else None

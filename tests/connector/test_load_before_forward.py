@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from connector import _trtllm
-from connector.harness import ConnectorWorkerError
+from connector.harness import ConnectorWorkerError, ExecutorStopped
 from connector.settings import load_connector_settings
 from tests.connector.conftest import MODEL, Fleet, _shared_model, doc_tokens
 from tests.connector.test_failure_injection import PROMPT, assert_failed_closed, fail_copy_at, setup
@@ -67,3 +67,39 @@ def test_a_copy_failing_at_layer_k_fails_in_start_load_kv_before_any_layer_runs(
     assert exc.value.hook == "start_load_kv"  # not inside the forward
     assert not [layer for event, layer in reads if event == "attention_read"]
     assert_failed_closed(fleet, b, reads, exc, "copy_error", first_unread_layer=0)
+
+
+def test_on_trtllm_1x_a_failure_inside_the_forward_would_leave_wrong_blocks_for_reuse(fleet: Fleet) -> None:
+    """Why ``load_before_forward`` is the default there: the harness handling hook errors as
+    TensorRT-LLM 1.1/1.2 does, a copy failing inside the forward (streaming load) fails the request
+    and stores its blocks for reuse; the same prompt then reuses them natively and is computed on
+    KV nobody finished loading."""
+    b, _ = setup(fleet, load_before_forward=False, trtllm_hook_errors=True)
+    fail_copy_at(b, 1)
+    with pytest.raises(ConnectorWorkerError) as exc:
+        b.generate(PROMPT)
+    assert exc.value.hook == "wait_for_layer_load"
+    again = b.generate(PROMPT)
+    assert again.num_reused_tokens > 0 and again.num_connector_tokens == 0  # TensorRT-LLM's own reuse
+    cold = _shared_model(MODEL).forward_dense(PROMPT)
+    assert not torch.allclose(again.prefill_logits, cold[again.prefill_start:], rtol=1e-4, atol=1e-4)
+
+
+def test_on_trtllm_1x_loading_before_the_forward_stops_the_executor_and_keeps_nothing(fleet: Fleet) -> None:
+    """The same failure with ``load_before_forward`` (the default there): raised by
+    ``start_load_kv``, the executor stops — no layer was computed on, no block stored for reuse;
+    the restarted engine serves the prompt right."""
+    b, reads = setup(fleet, load_before_forward=True, trtllm_hook_errors=True)
+    fail_copy_at(b, 1)
+    with pytest.raises(ConnectorWorkerError) as exc:
+        b.generate(PROMPT)
+    assert exc.value.hook == "start_load_kv" and not reads
+    with pytest.raises(ExecutorStopped):
+        b.generate(PROMPT)
+    assert b.metrics.value("semkv_exact_materialized_total") == 0
+    b.scheduler.flush()
+    assert fleet.held_leases() == 0
+    restarted = fleet.restart("B", load_before_forward=True, trtllm_hook_errors=True)
+    got = restarted.generate(PROMPT)
+    cold = _shared_model(MODEL).forward_dense(PROMPT)
+    assert torch.allclose(got.prefill_logits, cold[got.prefill_start:], rtol=1e-4, atol=1e-4)
