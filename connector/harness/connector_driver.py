@@ -40,7 +40,8 @@ class ConnectorContractError(RuntimeError):
 
 
 class ConnectorWorkerError(RuntimeError):
-    """A worker hook raised; the requests of that forward fail (TensorRT-LLM 1.2 behaviour).
+    """A worker hook raised; the request of that forward fails (with ``trtllm_hook_errors``, as
+    TensorRT-LLM 1.1/1.2 handles it: see :mod:`connector.harness.engine`).
 
     Attributes:
         hook: the worker method that raised (``start_load_kv``, ``wait_for_layer_load``, ...).
