@@ -132,6 +132,8 @@ class DonorStore(Protocol):
 
     def recheck_verified(self, limit: int | None = None) -> int: ...
 
+    def forget_verified(self, ref: str) -> None: ...
+
     def size_of(self, ref: str) -> int: ...
 
     def lease(self, donor_id: str) -> None: ...
@@ -166,6 +168,10 @@ class DonorReader:
             raise ChecksumMismatch(f"{self.path.name}: layer {layer_idx} checksum mismatch")
         return buf
 
+    def fileno(self) -> int:
+        """The open entry's descriptor (the file that was checked, even if the path changed since)."""
+        return self._fd
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -180,7 +186,13 @@ class DonorReader:
 
 _PINS: dict[str, dict[str, int]] = {}  # store directory -> donor id -> pins held in this process
 _PINS_LOCK = threading.Lock()
-_Identity = tuple[int, int, int]  # (st_ino, st_size, st_mtime_ns)
+_Identity = tuple[int, int, int, int]  # (st_ino, st_size, st_mtime_ns, st_ctime_ns)
+
+
+def _identity(st: os.stat_result) -> _Identity:
+    """A file as it was checksummed: a replaced, rewritten (even with its mtime restored), resized or
+    re-permissioned file differs (ctime moves on any metadata change)."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 class _VerifiedFiles:
@@ -354,7 +366,8 @@ class FileDonorStore:
         with self.open(ref, checksum) as reader:
             for layer in range(reader.header.num_layers):
                 reader.read_layer(layer)
-            self._remember_verified(reader.path, checksum)
+            # the file that was read (its open descriptor), not whatever the path names by now
+            self._verified.remember(reader.path.name, _identity(os.fstat(reader.fileno())), checksum)
 
     def verified(self, ref: str, checksum: str) -> bool | None:
         """Cheap check (one ``stat``): True if this process verified exactly this file with this
@@ -363,7 +376,7 @@ class FileDonorStore:
             st = os.stat(self._path_str(ref))
         except FileNotFoundError as exc:
             raise EntryMissing(f"donor store entry {ref} not found") from exc
-        return True if self._verified.get(ref) == ((st.st_ino, st.st_size, st.st_mtime_ns), checksum) else None
+        return True if self._verified.get(ref) == (_identity(st), checksum) else None
 
     def known_verified(self, ref: str, checksum: str) -> bool:
         """No I/O, no lock: did this process verify ``ref`` with ``checksum``, with no eviction here
@@ -374,16 +387,20 @@ class FileDonorStore:
         known = self._verified.get(ref)
         return known is not None and known[1] == checksum
 
+    def forget_verified(self, ref: str) -> None:
+        """Stop trusting ``ref`` without a full check (a load found it missing or corrupt)."""
+        self._verified.forget(ref)
+
     def recheck_verified(self, limit: int | None = None) -> int:
         """One ``stat`` per entry this process verified: forget those whose file is gone, cannot be
-        read, or is not the one that was checksummed (inode, size, mtime), so the next lookup checks
+        read, or is not the one that was checksummed (:func:`_identity`), so the next lookup checks
         them in full. ``limit``: stat at most this many, round robin (the scheduler's recheck tick
         bounds its cost); None: all. Returns how many were forgotten. Off the engine's path."""
         forgotten = 0
         for ref, identity in self._verified.next_to_recheck(limit):
             try:
                 st = os.stat(self._path_str(ref))
-                current: _Identity | None = (st.st_ino, st.st_size, st.st_mtime_ns)
+                current: _Identity | None = _identity(st)
             except (OSError, EntryMissing):  # gone, or unreadable: not to be trusted without a full check
                 current = None
             if current != identity and self._verified.forget(ref, identity):
@@ -524,7 +541,7 @@ class FileDonorStore:
             st = os.stat(path)
         except FileNotFoundError:
             return
-        self._verified.remember(path.name, (st.st_ino, st.st_size, st.st_mtime_ns), checksum)
+        self._verified.remember(path.name, _identity(st), checksum)
 
 
 def _read_header(fd: int, ref: str, checksum: str | None) -> tuple[EntryHeader, int]:

@@ -189,8 +189,10 @@ class SemKvWorker(KvCacheConnectorWorker):
         try:
             reader = self.store.open(plan.store_ref, plan.checksum)
         except EntryMissing as exc:
+            self.store.forget_verified(plan.store_ref)  # lookups check it in full again
             raise SemKvLoadError(plan, "store_missing", str(exc)) from exc
         except ChecksumMismatch as exc:
+            self.store.forget_verified(plan.store_ref)
             raise SemKvLoadError(plan, "checksum_mismatch", str(exc)) from exc
         h = reader.header
         if (h.namespace != plan.namespace or h.layout() != plan.layout or h.num_blocks < plan.donor_block_end
@@ -248,8 +250,10 @@ class SemKvWorker(KvCacheConnectorWorker):
         try:
             raw = load.reader.read_layer(layer_idx)
         except ChecksumMismatch as exc:
+            self.store.forget_verified(plan.store_ref)  # lookups check it in full again
             raise SemKvLoadError(plan, "checksum_mismatch", str(exc), layer_idx) from exc
         except DonorStoreError as exc:
+            self.store.forget_verified(plan.store_ref)
             raise SemKvLoadError(plan, "store_missing", str(exc), layer_idx) from exc
         src = torch.frombuffer(raw, dtype=kv.dtype).view(h.num_blocks, h.kv_factor, h.block_elems)
         src = src[plan.donor_block_start : plan.donor_block_end]

@@ -97,6 +97,37 @@ def test_known_verified_is_trusted_until_a_recheck_finds_the_file_changed_or_gon
     assert other.evict("k", "test") and not store.known_verified(kept.ref, kept.checksum)  # seen at once
 
 
+def test_the_record_is_the_file_that_was_read_and_any_metadata_change_drops_it(tmp_path: Path, monkeypatch) -> None:
+    """``verify`` records the file it read (its descriptor), not what the path names afterwards; a
+    chmod (ctime) is a change too."""
+    store = FileDonorStore(tmp_path, 2**20)
+    entry = store.put("d1", layers(1), header())
+    path = tmp_path / entry.ref
+    monkeypatch.setattr(donor_store, "_VERIFIED", {})  # another process, which has not verified it
+    other = FileDonorStore(tmp_path, 2**20)
+    read_layer = donor_store.DonorReader.read_layer
+
+    def replaced_after_the_last_layer(reader, layer_idx, **kw):  # noqa: ANN001, ANN202
+        data = read_layer(reader, layer_idx, **kw)
+        if layer_idx == LAYERS - 1:  # another writer swaps in a corrupt copy while verify finishes
+            raw = bytearray(path.read_bytes())
+            raw[-1] ^= 0xFF
+            swap = tmp_path / "swap.tmp"
+            swap.write_bytes(bytes(raw))
+            os.rename(swap, path)
+        return data
+
+    monkeypatch.setattr(donor_store.DonorReader, "read_layer", replaced_after_the_last_layer)
+    other.verify(entry.ref, entry.checksum)  # what it read was right
+    monkeypatch.setattr(donor_store.DonorReader, "read_layer", read_layer)
+    assert other.verified(entry.ref, entry.checksum) is None  # the path names another file now
+    assert other.recheck_verified() == 1 and not other.known_verified(entry.ref, entry.checksum)
+    kept = store.put("d2", layers(2), header())
+    os.chmod(tmp_path / kept.ref, 0o400)
+    assert store.recheck_verified() == 2  # d1 replaced (the writer's record too), d2 re-permissioned
+    assert not store.known_verified(kept.ref, kept.checksum) and not store.known_verified(entry.ref, entry.checksum)
+
+
 def test_a_bounded_recheck_goes_round_robin_and_finds_every_change(tmp_path: Path) -> None:
     store = FileDonorStore(tmp_path, 2**20)
     entries = [store.put(f"e{i}", layers(i), header()) for i in range(5)]
