@@ -147,8 +147,9 @@ class ConnectorSettings(BaseSettings):
     to 256 per tick, round robin) and forgets any whose file changed or vanished, so that the lookup
     trusts its record without a ``stat`` on the engine's thread. An entry changed outside the store is
     caught by the lookup within ``ceil(entries / 256)`` ticks; before that a promise on it fails at the
-    worker's checksum (the plan fails: recomputed, or an incident on TensorRT-LLM 1.1/1.2, whose default
-    ``lease_before_answer`` stats the entry in the lookup anyway). 0: stat the entry in every lookup."""
+    worker's checksum or open (the plan fails: recomputed, or an incident on TensorRT-LLM 1.1/1.2, whose
+    default ``lease_before_answer`` stats the entry in the lookup anyway), and that failure makes the
+    store stop trusting the entry at once. 0: stat the entry in every lookup."""
     save_queue_max: int = Field(64, ge=1)
     """Donor saves waiting for the background writer; beyond it a save is dropped (and counted)."""
     load_before_forward: bool | None = None
