@@ -5,9 +5,10 @@
   waits longer, whatever the database does; a job finished after its caller gave up hands its
   result to ``on_abandon`` (the scheduler releases the lease it took), and a job abandoned before
   it started never runs.
-* :class:`BackgroundRunner` runs work that must not delay the engine: lease releases and evictions
-  (``must`` jobs, never dropped) and telemetry (discovery lookups, miss diagnosis, background
-  checksum verification; dropped and counted when ``max_telemetry`` are waiting).
+* :class:`BackgroundRunner` runs work that must not delay the engine: leases, releases and evictions
+  (``must`` jobs, never dropped), telemetry (discovery lookups, miss diagnosis, background
+  checksum verification; dropped and counted when ``max_telemetry`` are waiting) and periodic jobs
+  (the donor view's catch-up, the store's recheck).
 * :class:`MissDiagnosis` explains a miss for the metrics (telemetry only, never a reason to load):
   a donor of the same namespace that is stale (and why: restart, quarantine after a gap, blocks
   removed, evicted, expired), or a donor of the same text in another namespace (which field
@@ -21,12 +22,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ledger.types import GenerationReason, StaleReason
 
-__all__ = ["BackgroundRunner", "DeadlineRunner", "MissDiagnosis", "Ticker", "stale_reason_name"]
+__all__ = ["BackgroundRunner", "DeadlineRunner", "MissDiagnosis", "stale_reason_name"]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +108,16 @@ class DeadlineRunner:
 
 
 class BackgroundRunner:
-    """One daemon thread for work off the engine's path; see the module docstring."""
+    """One daemon thread for work off the engine's path; see the module docstring.
+
+    Besides queued jobs it runs periodic ones (:meth:`every`: the donor view's catch-up, the
+    store's recheck), each one period after its previous run ended, between queued jobs: a queued
+    job waits for at most one run of each periodic job, and a due periodic job for at most one
+    queued job.
+    Keeping them on one thread matters in the engine's process: every connector thread that runs
+    Python takes the GIL from the engine's thread, and the more threads compete for it, the more
+    often the engine's thread waits a whole ``sys.getswitchinterval()`` (5 ms) to get it back
+    (measured: tools/results/connector-2026-12-01-*.md)."""
 
     def __init__(self, name: str, max_telemetry: int = 1024,
                  on_drop: Callable[[], None] | None = None) -> None:
@@ -116,6 +127,7 @@ class BackgroundRunner:
         self._max = max_telemetry
         self._on_drop = on_drop
         self._lock = threading.Lock()
+        self._periodic: list[_Periodic] = []
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -131,6 +143,14 @@ class BackgroundRunner:
         self._queue.put((must, fn))
         return True
 
+    def every(self, name: str, period_s: float, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` ``period_s`` seconds after its previous run ended (the first time one
+        period from now) until :meth:`close`. A failure is logged (once per distinct message in a row) and the next
+        period runs it again."""
+        with self._lock:
+            self._periodic = [*self._periodic, _Periodic(name, period_s, fn, time.monotonic() + period_s)]
+        self._queue.put((True, _wake))  # the loop recomputes how long it may sleep
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every job queued so far ran (tests, shutdown)."""
         done = threading.Event()
@@ -138,12 +158,21 @@ class BackgroundRunner:
         return done.wait(timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
+        """Run what is queued, then stop (periodic jobs stop at once)."""
+        with self._lock:
+            self._periodic = []
         self.flush(timeout_s)
         self._queue.put(None)
         self._thread.join(timeout_s)
 
     def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self._run_due())
+            except queue.Empty:
+                continue
+            if item is None:
+                return
             must, fn = item
             try:
                 fn()
@@ -154,31 +183,40 @@ class BackgroundRunner:
                     with self._lock:
                         self._telemetry -= 1
 
+    def _run_due(self) -> float | None:
+        """Run the periodic jobs that are due; returns seconds until the next is (None: none)."""
+        with self._lock:
+            periodic = self._periodic
+        if not periodic:
+            return None
+        now = time.monotonic()
+        for job in periodic:
+            if job.due <= now:
+                job.run()
+                now = time.monotonic()
+                job.due = now + job.period_s  # a full period between runs, however long one took
+        return max(0.0, min(job.due for job in periodic) - now)
 
-class Ticker:
-    """A daemon thread that calls ``fn()`` every ``period_s`` seconds until :meth:`close`;
-    failures are logged (once per distinct message in a row) and the ticks go on."""
 
-    def __init__(self, name: str, period_s: float, fn: Callable[[], Any]) -> None:
-        self._fn, self._period = fn, period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+def _wake() -> None:
+    """A queued no-op: makes the loop recompute its sleep."""
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
-    def _loop(self) -> None:
-        last_error = None
-        while not self._stop.wait(self._period):
-            try:
-                self._fn()
-                last_error = None
-            except Exception as exc:  # boundary: a tick that fails is retried at the next one
-                if str(exc) != last_error:
-                    log.warning("semkv: %s failed: %s", self._thread.name, exc)
-                last_error = str(exc)
+class _Periodic:
+    __slots__ = ("name", "period_s", "fn", "due", "last_error")
+
+    def __init__(self, name: str, period_s: float, fn: Callable[[], Any], due: float) -> None:
+        self.name, self.period_s, self.fn, self.due = name, period_s, fn, due
+        self.last_error: str | None = None
+
+    def run(self) -> None:
+        try:
+            self.fn()
+            self.last_error = None
+        except Exception as exc:  # boundary: a failed run is retried at the next period
+            if str(exc) != self.last_error:
+                log.warning("semkv: %s failed: %s", self.name, exc)
+            self.last_error = str(exc)
 
 
 class MissDiagnosis:

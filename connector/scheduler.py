@@ -8,16 +8,16 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
    ``exact_equivalent`` it asks the ledger for the longest FRESH donor span of the request's
    chained content keys in the request's namespace — in memory, from the scheduler's
    :class:`~ledger.donor_view.DonorView` of the ledger (donors whose bytes this host's store holds,
-   with their block liveness; caught up every ``donor_view_refresh_s`` by a background tick) —
+   with their block liveness; caught up every ``donor_view_refresh_s`` by a periodic job on the ledger thread) —
    checks the donor store holds checksummed bytes (this process's record of the entries it
-   checksummed, re-checked against the files by a background tick every ``store_recheck_s``), and
+   checksummed, re-checked against the files every ``store_recheck_s`` on the same thread), and
    pins the donor in the store BEFORE answering ``(n, False)`` in whole blocks, leaving at least
    one prompt token to compute. The view path makes no call that releases the GIL (no file
    system call, no ``os.urandom``, keys hashed in slices python-xxhash hashes holding it; its locks
    are held by other threads only for short sections): a released GIL goes to whichever
-   background thread waits for it, for up to ``sys.getswitchinterval()``. The ledger
+   connector thread waits for it, for up to ``sys.getswitchinterval()``. The ledger
    lease (``lease_taken``, which re-checks freshness and every promised block in its write
-   transaction) is queued by ``update_state_after_alloc`` on the lease thread, so the answer never
+   transaction) is queued by ``update_state_after_alloc`` on that ledger thread, so the answer never
    waits for the ledger's write lock and a promise the engine never allocates costs no ledger
    write; ``build_connector_meta`` waits for that lease (``lease_confirm_timeout_s``) before it
    ships the plan, and a refused or late lease ships the plan FAILED — the request fails closed,
@@ -74,7 +74,7 @@ from connector._trtllm import ENGINE_RECOMPUTES_FAILED_LOADS, TRTLLM_WITHOUT_REC
 from connector.discovery.hook import SchedulerDiscovery
 from connector.donors import DonorRegistrar
 from connector.donor_store import ChecksumMismatch, DonorStoreError, EntryMissing, FileDonorStore
-from connector.lookup import BackgroundRunner, DeadlineRunner, MissDiagnosis, Ticker, stale_reason_name
+from connector.lookup import BackgroundRunner, DeadlineRunner, MissDiagnosis, stale_reason_name
 from connector.metrics import ConnectorMetrics, process_metrics, serve_metrics
 from connector.namespace import (
     DeploymentNamespace,
@@ -231,14 +231,14 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         # SQLite reads run on the engine's thread under an interrupting deadline; others on a thread
         self._hot = None if self.ledger.interruptible else DeadlineRunner("semkv-lookup")
         self._view: DonorView | None = None
-        self._view_tick: Ticker | None = None
         if s.materializes and s.donor_view_refresh_s > 0:
             # a view whose catch-up has failed for 20 ticks is not used (lookups read the ledger)
             self._view = DonorView(self._in_store, s.donor_view_max_blocks, max(0.1, 20 * s.donor_view_refresh_s))
         self._background = BackgroundRunner("semkv-background", on_drop=self.metrics.telemetry_dropped.inc)
-        # leases only, in order (a release never overtakes its take), never behind telemetry or a
-        # background checksum of a big entry
-        self._leases = BackgroundRunner("semkv-leases")
+        # leases in order (a release never overtakes its take), never behind telemetry or a
+        # background checksum of a big entry; between them the view's catch-up and the store's
+        # recheck (one thread for all three: fewer threads taking the GIL from the engine's)
+        self._leases = BackgroundRunner("semkv-ledger")
         self._lease_prefix, self._lease_seq = uuid.uuid4().hex[:16], itertools.count()
         self.lease_before_answer = (TRTLLM_WITHOUT_RECOMPUTE if s.lease_before_answer is None
                                     else s.lease_before_answer)
@@ -254,13 +254,16 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self._donors = DonorRegistrar(s, self.namespace, registrar_ledger, _FreshSpans(self.ledger, self.policy),
                                       self.metrics, self.tokens_per_block, self.window_size)
         self._record_engine_start()
+        self._trust_store_record = False
+        """Lookups trust the store's record of verified entries (re-checked by a periodic job)."""
         if self._view is not None:  # after the start is recorded: this engine's old donors are stale in it
             self._load_view()
             view = self._view
-            self._view_tick = Ticker("semkv-donor-view", s.donor_view_refresh_s, lambda: self.ledger.refresh_view(view))
-        self._store_recheck = (Ticker("semkv-store-recheck", s.store_recheck_s,
-                                      lambda: self.store.recheck_verified(RECHECK_ENTRIES_PER_TICK))
-                               if self._view is not None and s.store_recheck_s > 0 else None)
+            self._leases.every("donor view catch-up", s.donor_view_refresh_s, lambda: self.ledger.refresh_view(view))
+            if s.store_recheck_s > 0:
+                self._trust_store_record = True
+                self._leases.every("donor store recheck", s.store_recheck_s,
+                                   lambda: self.store.recheck_verified(RECHECK_ENTRIES_PER_TICK))
 
     def _load_view(self) -> None:
         """Load the donor view before the first request (a tick would take up to one period, and
@@ -361,7 +364,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         abandoned at the deadline."""
         view = self._ready_view()
         if view is not None:
-            return self._find(ns, keys, start_block, view, trust_store_record=self._store_recheck is not None)
+            return self._find(ns, keys, start_block, view, trust_store_record=self._trust_store_record)
         timeout = self.settings.lookup_timeout_s
         if self._hot is None:
             try:
@@ -722,9 +725,6 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         service this scheduler built; an injected one is its owner's to close)."""
         for state in list(self._requests.values()):
             self._release(state, "shutdown")
-        for ticker in (self._view_tick, self._store_recheck):
-            if ticker is not None:
-                ticker.close()
         self._leases.close()
         self._background.close()
         if self._hot is not None:

@@ -143,10 +143,10 @@ class ConnectorSettings(BaseSettings):
     """A donor entry not yet verified by this process is checksummed inside the lookup when it is at
     most this big; bigger ones are verified in the background (and missed until then)."""
     store_recheck_s: float = Field(0.05, ge=0)
-    """How often (seconds) a background tick stats donor store entries this scheduler has checksummed (up
-    to 256 per tick, round robin) and forgets any whose file changed or vanished, so that the lookup
+    """How often (seconds) a periodic job on the connector's ledger thread stats donor store entries this
+    scheduler has checksummed (up to 256 per run, round robin) and forgets any whose file changed or vanished, so that the lookup
     trusts its record without a ``stat`` on the engine's thread. An entry changed outside the store is
-    caught by the lookup within ``ceil(entries / 256)`` ticks; before that a promise on it fails at the
+    caught by the lookup within ``ceil(entries / 256)`` runs; before that a promise on it fails at the
     worker's checksum or open (the plan fails: recomputed, or an incident on TensorRT-LLM 1.1/1.2, whose
     default ``lease_before_answer`` stats the entry in the lookup anyway), and that failure makes the
     store stop trusting the entry at once. 0: stat the entry in every lookup."""

@@ -91,25 +91,36 @@ class LivenessCache:
         """Apply log rows ``(seq, kind, engine_id, attention_dp_rank, window_size, body)`` of the
         :data:`LIVENESS_KINDS` with ``seq`` in ``(cursor, upto_seq]``, in seq order (applied rows
         only); the cursor then stands at ``upto_seq``. Rows of engines no watched donor lives in
-        are not decoded."""
+        are not decoded. The rows are decoded before the lock is taken, so lookups
+        (:meth:`live_prefix`) never wait for the decoding of a large catch-up; only one catch-up
+        may run at a time (with :meth:`put`, as :class:`~ledger.donor_view.DonorView` does)."""
+        if upto_seq <= self.cursor:
+            return
+        marks = self._marks(rows)
         with self._lock:
-            if upto_seq <= self.cursor:
-                return
-            for seq, kind, engine_id, dp_rank, window, body in rows:
-                if seq <= self.cursor or not self._engines.get(engine_id):
-                    continue
-                if kind == "all_blocks_cleared":
-                    self._clear_engine(engine_id)
-                    continue
-                event = ev.BODY_DECODER.decode(bytes(body))
-                stream = (engine_id, dp_rank or 0, window or 0)
-                if kind == "block_removed":
-                    for block_hash in event.block_hashes:
-                        self._mark(stream + split_hash(block_hash), dead=True)
+            for key, dead in marks:
+                if key is None:
+                    self._clear_engine(dead)
                 else:
-                    for block in event.blocks:
-                        self._mark(stream + split_hash(block.block_hash), dead=False)
+                    self._mark(key, dead=dead)
             self.cursor = upto_seq
+
+    def _marks(self, rows: Iterable[Any]) -> list[tuple[Any, Any]]:
+        """``[(watch key, dead)]`` in log order; ``(None, engine_id)`` for an engine's clear."""
+        marks: list[tuple[Any, Any]] = []
+        for seq, kind, engine_id, dp_rank, window, body in rows:
+            if seq <= self.cursor or not self._engines.get(engine_id):
+                continue
+            if kind == "all_blocks_cleared":
+                marks.append((None, engine_id))
+                continue
+            event = ev.BODY_DECODER.decode(bytes(body))
+            stream = (engine_id, dp_rank or 0, window or 0)
+            if kind == "block_removed":
+                marks += [(stream + split_hash(h), True) for h in event.block_hashes]
+            else:
+                marks += [(stream + split_hash(block.block_hash), False) for block in event.blocks]
+        return marks
 
     def stats(self) -> dict[str, int]:
         """Watched donors and blocks (metrics, tests)."""

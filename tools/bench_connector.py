@@ -127,8 +127,10 @@ def populate(db: str, namespace: str, num_blocks: int) -> float:
             if donors:
                 conn.execute(DonorRow.__table__.insert(), donors)
                 conn.execute(DonorBlockRow.__table__.insert(), dblocks)
-    with engine.begin() as conn:  # fresh planner statistics after the bulk load (PostgreSQL needs them)
-        conn.exec_driver_sql("ANALYZE")
+    # fresh planner statistics after the bulk load (PostgreSQL needs them); on PostgreSQL also the
+    # vacuum its autovacuum would otherwise start on the 2M new rows in the middle of the timings
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("ANALYZE" if engine.dialect.name == "sqlite" else "VACUUM ANALYZE")
     engine.dispose()
     return time.perf_counter() - started
 
@@ -464,6 +466,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--postgres", action="store_true")
     parser.add_argument("--quick", action="store_true", help="small run (smoke test of this script)")
+    parser.add_argument("--out", type=Path, help="where to save the table (default: results/connector-<date>.md, "
+                        "with the time appended if that exists)")
     parser.add_argument("--lookups-only", action="store_true", help="only the lookup latency table (no TTFT)")
     args = parser.parse_args()
     lookup_sizes, ttft_sizes = [2048, 8192, 32768], [8192, 16384, 32768]
@@ -507,6 +511,13 @@ def main() -> None:
                 if drop is not None:
                     drop()
     write_table(results, args, today)
+
+
+def _dated_path(today: str) -> Path:
+    """``results/connector-<date>.md``, or with the time appended when a run of that day is saved
+    already (results are never overwritten)."""
+    out = Path(__file__).parent / "results" / f"connector-{today}.md"
+    return out.with_name(f"connector-{today}-{dt.datetime.now():%H%M}.md") if out.exists() else out
 
 
 def write_table(results: dict, args, today: str) -> None:  # noqa: ANN001
@@ -562,7 +573,7 @@ def write_table(results: dict, args, today: str) -> None:  # noqa: ANN001
                   f"| {s['revalidation'] * 1e3:.2f} ms | {s['copy'] * 1e3:.1f} ms | {s['revalidation'] / s['copy']:.1%} |"]
     for failure in results.get("failures", []):
         lines += ["", f"FAILED: {failure}"]
-    out = Path(__file__).parent / "results" / f"connector-{today}.md"
+    out = args.out or _dated_path(today)
     text = "\n".join(lines) + "\n"
     if not args.quick:
         out.write_text(text)

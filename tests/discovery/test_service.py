@@ -29,8 +29,19 @@ from tools.workloads import Workload
 
 
 def lookup(service: DiscoveryService, workload: Workload, target: str, **kw) -> Match | None:
-    kw.setdefault("deadline_s", 0.5)
-    return service.lookup(workload.prompt(target).tokens, None, MODEL_ID, NS, **kw)
+    """The service's answer for ``target``'s prompt. Without an explicit ``deadline_s`` (a test of
+    the deadline), a generous one, and a provider that still timed out fails the test: a timeout
+    also answers None, which would let an "is None" assertion pass without the check it is about."""
+    if "deadline_s" in kw:
+        return service.lookup(workload.prompt(target).tokens, None, MODEL_ID, NS, **kw)
+    timeouts = _timeouts(service)
+    match = service.lookup(workload.prompt(target).tokens, None, MODEL_ID, NS, deadline_s=10.0, **kw)
+    assert _timeouts(service) == timeouts, "a provider timed out; the answer says nothing"
+    return match
+
+
+def _timeouts(service: DiscoveryService) -> float:
+    return sum(n for (_, outcome), n in service.metrics.outcome_counts().items() if outcome == "timeout")
 
 
 def test_labelled_pairs_found_negative_controls_never_hits(service: DiscoveryService, workload: Workload) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from ledger import events as ev
 from ledger.liveness import LivenessCache
 
@@ -68,3 +70,37 @@ def test_a_clear_kills_the_engine_and_unwatched_engines_are_not_decoded() -> Non
     assert cache.stats() == {"donors": 0, "blocks": 0}
     cache.apply([removal(3, 1)], upto_seq=3)  # nothing watched on engine-a any more: not decoded
     assert cache.cursor == 3
+
+
+class _GatedBody:
+    """A row body whose bytes are handed over only when the test says so (a slow decode)."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body, self.entered, self.release = body, threading.Event(), threading.Event()
+
+    def __bytes__(self) -> bytes:
+        self.entered.set()
+        assert self.release.wait(10)
+        return self.body
+
+
+def test_lookups_do_not_wait_for_a_catch_up_decoding_its_rows() -> None:
+    """A catch-up of many block rows decodes them before taking the lock: a lookup's
+    ``live_prefix`` meanwhile answers from the state before the catch-up, at once."""
+    cache = LivenessCache()
+    cache.put("d1", STREAM, blocks(1, 2), [True, True], read_at_seq=1)
+    seq, kind, engine_id, dp_rank, window, body = removal(2, 2)
+    gated = _GatedBody(body)
+    catch_up = threading.Thread(target=cache.apply, args=([(seq, kind, engine_id, dp_rank, window, gated)], 2))
+    catch_up.start()
+    try:
+        assert gated.entered.wait(10)
+        answered: list[int | None] = []
+        lookup = threading.Thread(target=lambda: answered.append(cache.live_prefix("d1", 2)))
+        lookup.start()
+        lookup.join(5)
+        assert answered == [2], "live_prefix waited for the catch-up's decoding"
+    finally:
+        gated.release.set()
+        catch_up.join(10)
+    assert cache.live_prefix("d1", 2) == 1 and cache.cursor == 2

@@ -1,0 +1,85 @@
+"""The connector's BackgroundRunner: queued jobs and periodic jobs on one thread, in a bounded order."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from connector.lookup import BackgroundRunner
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_periodic_and_queued_jobs_run_on_one_thread_a_period_apart() -> None:
+    runner = BackgroundRunner("test-runner")
+    runs: list[tuple[str, float, int]] = []
+    try:
+        runner.every("tick", 0.02, lambda: runs.append(("tick", time.monotonic(), threading.get_ident())))
+        runner.submit(lambda: runs.append(("job", time.monotonic(), threading.get_ident())), must=True)
+        wait_for(lambda: sum(1 for r in runs if r[0] == "tick") >= 4)
+    finally:
+        runner.close()
+    assert len({thread for _, _, thread in runs}) == 1 and runs[0][2] != threading.get_ident()
+    ticks = [at for name, at, _ in runs if name == "tick"]
+    assert all(b - a >= 0.02 for a, b in zip(ticks, ticks[1:]))
+    assert "job" in [name for name, _, _ in runs]
+
+
+def test_a_queued_job_waits_for_one_run_of_a_slow_periodic_job_not_more() -> None:
+    """A periodic job slower than its period does not starve queued jobs (leases)."""
+    runner = BackgroundRunner("test-runner")
+    order: list[str] = []
+    gate = threading.Event()
+
+    def slow_tick() -> None:
+        order.append("tick")
+        gate.wait(10)
+
+    try:
+        runner.every("tick", 0.001, slow_tick)
+        wait_for(lambda: order == ["tick"])
+        runner.submit(lambda: order.append("lease"), must=True)
+        time.sleep(0.05)  # the tick is overdue many times over by now
+        gate.set()
+        wait_for(lambda: "lease" in order)
+    finally:
+        gate.set()
+        runner.close()
+    assert order[:2] == ["tick", "lease"]
+
+
+def test_a_failing_periodic_job_is_logged_once_and_runs_again(caplog: pytest.LogCaptureFixture) -> None:
+    runner = BackgroundRunner("test-runner")
+    calls: list[int] = []
+
+    def failing() -> None:
+        calls.append(1)
+        raise RuntimeError("ledger down")
+
+    with caplog.at_level(logging.WARNING, logger="connector.lookup"):
+        try:
+            runner.every("view catch-up", 0.005, failing)
+            wait_for(lambda: len(calls) >= 3)
+        finally:
+            runner.close()
+    assert [r.getMessage() for r in caplog.records] == ["semkv: view catch-up failed: ledger down"]
+
+
+def test_close_stops_periodic_jobs_and_runs_what_was_queued() -> None:
+    runner = BackgroundRunner("test-runner")
+    ticks: list[int] = []
+    done: list[int] = []
+    runner.every("tick", 0.005, lambda: ticks.append(1))
+    runner.submit(lambda: done.append(1), must=True)
+    runner.close()
+    after_close = len(ticks)
+    time.sleep(0.03)
+    assert done == [1] and len(ticks) == after_close
