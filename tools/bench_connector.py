@@ -540,9 +540,9 @@ def write_table(results: dict, args, today: str) -> None:  # noqa: ANN001
                          f"| {statistics.median(r['keys']) * 1e3:.3f} ms ({statistics.median(r['keys_before']) * 1e3:.3f} ms) "
                          f"| {pct(r['lease'], .5) * 1e3:.3f} / {pct(r['lease'], .99) * 1e3:.3f} ms | {over:.0%} |")
     lines += ["", f"{args.repeats} hits and {args.repeats} misses per row and method. Lookups answer from the "
-              "scheduler's donor view (memory; caught up from the ledger every 5 ms by a background tick, which "
-              "ran throughout); a hit pins the donor in the store. Each request then runs on as an engine's would: "
-              "a hit's blocks are allocated (which queues its ledger lease, written on the lease thread: the "
+              "scheduler's donor view (memory; caught up from the ledger every 5 ms by a periodic job on the "
+              "connector's ledger thread, which ran throughout); a hit pins the donor in the store. Each request then runs on as an engine's would: "
+              "a hit's blocks are allocated (which queues its ledger lease, written on that ledger thread: the "
               "'lease write' column), its metadata built (which waits for the lease), and the request finishes "
               "(lease released). Main columns: the next lookup follows at once, as in an engine, with the "
               "releases and miss diagnoses running beside it on the connector's threads. 'After idle': every "

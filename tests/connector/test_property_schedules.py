@@ -29,7 +29,6 @@ from connector._trtllm import RequestData, SchedulerOutput
 from connector.harness import HarnessLlmArgs, KvCacheConfig, KVCacheManager, LlmRequest, ModelConfig
 from connector.harness.connector_driver import HarnessStream
 from connector.metrics import ConnectorMetrics
-from connector.namespace import content_keys
 from connector.scheduler import SemKvScheduler
 from connector.settings import load_connector_settings
 from connector.worker import SemKvWorker
@@ -37,7 +36,6 @@ from consumer.wire import decode_message
 from ledger import recorder
 from ledger.db import sync_engine
 from ledger.migrate import upgrade
-from ledger.types import FreshnessPolicy
 
 TPB = 4
 CFG = ModelConfig(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=2, intermediate_size=8,
@@ -124,8 +122,8 @@ class World:
         events = self.kvm.events.get_events(0)
         if self.drop_next and events:  # TensorRT-LLM's bounded buffer dropped the oldest event
             events, self.drop_next = events[1:], False
-        for event in events:
-            self._observe(event)
+        for kv_event in events:
+            self._observe(kv_event)
         if not events:
             return
         payload = msgspec.msgpack.encode([time.time(), events, None])
