@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -128,6 +129,10 @@ class BackgroundRunner:
         self._on_drop = on_drop
         self._lock = threading.Lock()
         self._periodic: list[_Periodic] = []
+        # when each queued job was queued, oldest first, and when the running job started (None:
+        # idle): what backlog_s reads, from the engine's thread, without a lock
+        self._queued_at: deque[float] = deque()
+        self._running_since: float | None = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -140,8 +145,22 @@ class BackgroundRunner:
                         self._on_drop()
                     return False
                 self._telemetry += 1
+        self._queued_at.append(time.monotonic())
         self._queue.put((must, fn))
         return True
+
+    def backlog_s(self) -> float:
+        """How long (seconds) the oldest unfinished job, queued or running (periodic ones
+        included), has waited or run so far; 0.0 when the thread is idle. A new job would wait at
+        least about this long."""
+        oldest = self._running_since
+        try:
+            queued = self._queued_at[0]
+        except IndexError:  # empty, or emptied by the thread meanwhile
+            queued = None
+        if queued is not None and (oldest is None or queued < oldest):
+            oldest = queued
+        return 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
 
     def every(self, name: str, period_s: float, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` ``period_s`` seconds after its previous run ended (the first time one
@@ -149,11 +168,13 @@ class BackgroundRunner:
         period runs it again."""
         with self._lock:
             self._periodic = [*self._periodic, _Periodic(name, period_s, fn, time.monotonic() + period_s)]
+        self._queued_at.append(time.monotonic())
         self._queue.put((True, _wake))  # the loop recomputes how long it may sleep
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every job queued so far ran (tests, shutdown)."""
         done = threading.Event()
+        self._queued_at.append(time.monotonic())
         self._queue.put((True, done.set))
         return done.wait(timeout_s)
 
@@ -174,11 +195,13 @@ class BackgroundRunner:
             if item is None:
                 return
             must, fn = item
+            self._running_since = self._queued_at.popleft() if self._queued_at else time.monotonic()
             try:
                 fn()
             except Exception:  # boundary: background work never kills the thread
                 log.exception("semkv: background job failed")
             finally:
+                self._running_since = None
                 if not must:
                     with self._lock:
                         self._telemetry -= 1
@@ -192,7 +215,9 @@ class BackgroundRunner:
         now = time.monotonic()
         for job in periodic:
             if job.due <= now:
+                self._running_since = now
                 job.run()
+                self._running_since = None
                 now = time.monotonic()
                 job.due = now + job.period_s  # a full period between runs, however long one took
         return max(0.0, min(job.due for job in periodic) - now)

@@ -118,6 +118,9 @@ class ConnectorMetrics:
                                               buckets=_FAST, registry=r)
         self.donors_registered = Counter("semkv_donors_registered_total", "Donors registered in the ledger",
                                          registry=r)
+        self.donors_not_registered = Counter("semkv_donors_not_registered_total",
+                                             "Finished requests the ledger did not take as donors, by reason",
+                                             ("reason",), registry=r)
         self.donor_saves = Counter("semkv_donor_saves_total", "Donor saves by outcome", ("outcome",), registry=r)
         self.save_seconds = Histogram("semkv_save_seconds", "Donor save duration (gather to ledger)",
                                       buckets=_SLOW, registry=r)

@@ -120,6 +120,8 @@ class DeploymentNamespace:
     Args:
         llm_args: TensorRT-LLM ``TorchLlmArgs`` (or the harness's ``HarnessLlmArgs``).
         overrides: operator-supplied fields (settings ``[namespace]``).
+        engine_id: this engine's id (settings ``engine_id``): scopes LoRA task ids under
+            ``overrides.lora_task_ids = "engine"``; without it LoRA requests have no namespace.
 
     Attributes:
         fields: the deployment fields, or None when ``unknown`` is set.
@@ -128,8 +130,10 @@ class DeploymentNamespace:
         tokens_per_block: KV block size (tokens), or 0 when unknown.
     """
 
-    def __init__(self, llm_args: Any, overrides: NamespaceOverrides | None = None) -> None:
+    def __init__(self, llm_args: Any, overrides: NamespaceOverrides | None = None, engine_id: str | None = None
+                 ) -> None:
         self.overrides = overrides or NamespaceOverrides()
+        self.engine_id = engine_id
         self.layout: KvLayout | None = None
         self.tokens_per_block = 0
         self._cache: dict[tuple, Namespace | NamespaceUnknown] = {}
@@ -203,6 +207,11 @@ class DeploymentNamespace:
         scope = request_scope(request)
         if isinstance(scope, NamespaceUnknown):
             return scope
+        if scope[1].isdigit() and self.overrides.lora_task_ids == "engine":
+            if not self.engine_id:
+                return NamespaceUnknown("lora_task_id", "a LoRA task id names an adapter only inside its engine: "
+                                        "set engine_id, or namespace.lora_task_ids = 'fleet'")
+            scope = (scope[0], f"{scope[1]}@engine:{self.engine_id}", scope[2])
         cached = self._cache.get(scope)
         if cached is None:
             fields = dict(self.fields or {})
@@ -215,7 +224,10 @@ class DeploymentNamespace:
 
 
 def request_scope(request: Any) -> tuple[str, str, str] | NamespaceUnknown:
-    """``(cache_salt, lora_task_id, multimodal)`` strings of a request, or what is unknown."""
+    """``(cache_salt, lora, multimodal)`` strings of a request, or what is unknown. ``lora``:
+    ``none``; the adapter's identity (``adapter:<digest>``) when the request carries one
+    (``lora_identity``, e.g. the vLLM adapter's name and path); else the task id's digits, which
+    :meth:`DeploymentNamespace.for_request` scopes to the engine unless ids are fleet-wide."""
     if getattr(request, "prompt_embedding_table", None) is not None or getattr(request, "py_prompt_embedding_table", None) is not None:
         return NamespaceUnknown("ptuning", "p-tuning prompt tables are not supported", "unsupported")
     if hasattr(request, "cache_salt") and isinstance(request.cache_salt, str):
@@ -227,7 +239,13 @@ def request_scope(request: Any) -> tuple[str, str, str] | NamespaceUnknown:
         return NamespaceUnknown("cache_salt", "the request exposes neither cache_salt nor cache_salt_id")
     if not hasattr(request, "lora_task_id"):
         return NamespaceUnknown("lora_task_id", "the request does not expose lora_task_id")
-    lora = "none" if request.lora_task_id is None else str(int(request.lora_task_id))
+    identity = getattr(request, "lora_identity", None)
+    if request.lora_task_id is None:
+        lora = "none"
+    elif identity:
+        lora = "adapter:" + xxhash.xxh3_128_hexdigest(str(identity).encode())
+    else:
+        lora = str(int(request.lora_task_id))
     mm = getattr(request, "multimodal_hashes", None)
     multimodal = "text" if not mm else "mm:" + xxhash.xxh3_128_hexdigest(json.dumps(mm).encode())
     return salt, lora, multimodal

@@ -89,7 +89,7 @@ from connector.namespace import (
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
 from connector.settings import ConnectorSettings, load_connector_settings
 from ledger.donor_view import DonorView, ViewDonor
-from ledger.errors import DeadlineExceeded, LedgerError
+from ledger.errors import DeadlineExceeded, LedgerError, PersistenceError, lock_timed_out
 from ledger.queries import DonorSpan, Lease, LedgerClient
 from ledger.types import FreshnessPolicy, StaleReason
 
@@ -210,7 +210,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         # the hot path's labelled children, looked up once (labels() costs a few µs per call)
         self._lookups_counted = self.metrics.lookups.labels(mode=s.mode)
         self._lookup_timed = self.metrics.lookup_seconds.labels(mode=s.mode)
-        self.namespace = DeploymentNamespace(llm_args, s.namespace)
+        self.namespace = DeploymentNamespace(llm_args, s.namespace, s.engine_id)
         if self.namespace.unknown is not None:
             u = self.namespace.unknown
             log.warning("semkv: no request of this engine can be materialized: namespace field %s %s: %s",
@@ -240,6 +240,10 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         # recheck (one thread for all three: fewer threads taking the GIL from the engine's)
         self._leases = BackgroundRunner("semkv-ledger")
         self._lease_prefix, self._lease_seq = uuid.uuid4().hex[:16], itertools.count()
+        self._ledger_busy_s = s.lease_confirm_timeout_s / 2
+        """A lookup misses (``ledger_busy``) while the ledger thread's oldest job has waited or run
+        this long (seconds): a lease queued now would likely not be confirmed in time, and a broken
+        promise costs the engine ``lease_confirm_timeout_s`` of waiting and the request."""
         self.lease_before_answer = (TRTLLM_WITHOUT_RECOMPUTE if s.lease_before_answer is None
                                     else s.lease_before_answer)
         """Lease in the lookup (see ``ConnectorSettings.lease_before_answer``; None: on exactly where a
@@ -337,6 +341,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         lookup_keys = keys[:max_blocks]
         if len(self._unshipped) >= self.settings.max_plans_per_iteration:
             raise _Miss("plan_limit")
+        if not self.lease_before_answer and self._leases.backlog_s() > self._ledger_busy_s:
+            raise _Miss("ledger_busy")  # its lease could not be written before build_connector_meta gives up
         if self.lease_before_answer:
             result = self._find_and_lease(rid, ns, lookup_keys, start_block)
         else:
@@ -671,8 +677,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         state = self._requests.pop(request.request_id, None) or _RequestState()
         try:
             self._release(state, "finished")
-            save = self._donors.register(request, list(cache_block_ids), namespace=state.namespace, keys=state.keys,
-                                         block_hashes=state.block_hashes)
+            save = self._register(request, cache_block_ids, state)
             if save is None:
                 return False
             self._saves.append(save)
@@ -682,6 +687,19 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         except Exception:  # boundary: a donor we failed to register is just not a donor
             log.exception("semkv: request_finished failed for request %s", request.request_id)
             return False
+
+    def _register(self, request: Any, cache_block_ids: list[int], state: _RequestState) -> SaveInstruction | None:
+        """The donor registration, its wait for SQLite's write lock bounded (``register_lock_wait_s``):
+        the engine's thread must not stall behind another writer. None: not a donor."""
+        try:
+            with self.ledger.lock_wait(self.settings.register_lock_wait_s):
+                return self._donors.register(request, list(cache_block_ids), namespace=state.namespace,
+                                             keys=state.keys, block_hashes=state.block_hashes)
+        except LedgerError as exc:
+            busy = isinstance(exc, PersistenceError) and lock_timed_out(exc)
+            self.metrics.donors_not_registered.labels(reason="ledger_busy" if busy else "ledger_error").inc()
+            log.warning("semkv: request %s not registered as a donor: %s", request.request_id, exc)
+            return None
 
     def _shipped(self, state: _RequestState) -> None:
         state.shipped = True

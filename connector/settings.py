@@ -84,6 +84,13 @@ class NamespaceOverrides(BaseModel):
     """Chat template identity, mixed in when known (informational for the same reason)."""
     tenant: str | None = None
     """Extra tenant scope mixed into every request's namespace (on top of ``cache_salt``)."""
+    lora_task_ids: Literal["engine", "fleet"] = "engine"
+    """What a request's ``lora_task_id`` names. ``engine`` (default): an adapter only inside the engine that
+    assigned the id (TensorRT-LLM's own prefix reuse assumes no more), so a LoRA request reuses only its own
+    engine's donors (the namespace gets ``engine_id``; without one, LoRA requests are never materialized).
+    ``fleet``: every engine maps each id to the same adapter weights (you assign ids centrally), so engines
+    share LoRA donors. Requests that name their adapter (the vLLM adapter: ``lora_name`` + ``lora_path``) are
+    namespaced by that name instead, fleet-wide."""
     extra: dict[str, str] = Field(default_factory=dict)
     """Anything else that changes KV bytes in your deployment (quantization recipe, ...)."""
 
@@ -120,13 +127,20 @@ class ConnectorSettings(BaseSettings):
     lease_confirm_timeout_s: float = Field(0.5, gt=0, le=60)
     """A promise's ledger lease is written off the engine's path; ``build_connector_meta`` waits this long
     for it before shipping the plan (seconds). A lease refused or not committed by then ships the plan
-    failed: the request fails closed (counted in ``semkv_promises_broken_total``)."""
+    failed: the request fails closed (counted in ``semkv_promises_broken_total``). While the connector's
+    ledger thread has been busy or backed up for half of this, lookups miss (``ledger_busy``) instead of
+    promising."""
     donor_view_refresh_s: float = Field(0.005, ge=0)
     """The scheduler answers lookups from an in-memory view of the ledger's fresh donors (those whose bytes
     this host's store holds, with their block liveness), caught up from the ledger this often (seconds).
     0: no view, every lookup reads the ledger (slower: DESIGN §7's budget needs the view)."""
     donor_view_max_blocks: int = Field(131_072, ge=1)
     """Donor blocks the view holds at most (~570 bytes each: 75 MiB at the default); beyond it the oldest donors leave."""
+    register_lock_wait_s: float = Field(0.25, gt=0, le=60)
+    """``request_finished`` registers the donor on the engine's thread: it waits at most this long (seconds)
+    for the ledger's write lock (SQLite's database lock, PostgreSQL's lock on the log), instead of 30 s on
+    SQLite and no limit on PostgreSQL; past it the request is simply not a donor (counted in
+    ``semkv_donors_not_registered_total{reason="ledger_busy"}``)."""
     donor_ttl_s: float | None = Field(3600.0, gt=0)
     """Registered donors expire after this long (seconds); None: never."""
     min_match_blocks: int = Field(1, ge=1)

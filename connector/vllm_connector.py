@@ -119,6 +119,15 @@ class VllmRequest:
         return None if lora is None else int(lora.lora_int_id)
 
     @property
+    def lora_identity(self) -> str | None:
+        """The adapter's name and path (vLLM ``LoRARequest.lora_name`` / ``lora_path``,
+        vllm/lora/request.py): what the weights are, where ``lora_int_id`` is only a per-deployment
+        number (vLLM: "must be globally unique ... not enforced")."""
+        lora = getattr(self._request, "lora_request", None)
+        name, path = getattr(lora, "lora_name", None) or "", getattr(lora, "lora_path", None) or ""
+        return f"{name}\x00{path}" if name or path else None
+
+    @property
     def multimodal_hashes(self) -> list[str] | None:
         features = getattr(self._request, "mm_features", None) or []
         return [str(getattr(f, "identifier", f)) for f in features] or None

@@ -15,8 +15,9 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
   revalidate against the ledger again (state, generation, lease, namespace, expiry; block liveness
   too with ``per_layer_block_check``), read that layer's donor bytes, verify their checksum, copy
   them into the target blocks ``kv[target_block_ids, layer_idx]``, and only then return — a layer is
-  released to attention only when copied. After the last layer the plan counts as materialized
-  (DESIGN §2 rule 8). With ``load_before_forward`` (TensorRT-LLM 1.1/1.2 by default) all of that
+  released to attention only when copied. A layer asked for while an earlier one was never
+  loaded (attention ran on it unloaded) fails the plan (``layer_skipped``). After the last layer,
+  with every layer copied, the plan counts as materialized (DESIGN §2 rule 8). With ``load_before_forward`` (TensorRT-LLM 1.1/1.2 by default) all of that
   runs in ``start_load_kv`` for every layer, before the forward, so nothing can fail inside it.
 * ``wait_for_save(stream)`` / ``get_finished(...)`` — donors to save (from ``request_finished``)
   are gathered from the pool (device → host) after the forward's stream is synchronized, then
@@ -82,6 +83,8 @@ class _ActiveLoad:
     reader: DonorReader
     targets: torch.Tensor
     started: float
+    next_layer: int = 0
+    """Layers ``[0, next_layer)`` are copied; a layer past it asked for means one was skipped."""
 
 
 class SemKvWorker(KvCacheConnectorWorker):
@@ -230,7 +233,11 @@ class SemKvWorker(KvCacheConnectorWorker):
     def _copy_active_layer(self, layer_idx: int) -> None:
         for load in self._active:
             try:
+                if layer_idx > load.next_layer:  # attention already ran on a layer we never loaded
+                    raise SemKvLoadError(load.plan, "layer_skipped", f"layer {layer_idx} asked for before "
+                                         f"layers {load.next_layer}..{layer_idx - 1} were loaded", layer_idx)
                 self._copy_layer(load, layer_idx)
+                load.next_layer = max(load.next_layer, layer_idx + 1)
             except SemKvLoadError as exc:
                 self._fail_all(exc)
                 raise
@@ -239,7 +246,7 @@ class SemKvWorker(KvCacheConnectorWorker):
                 self._fail_all(error)
                 raise error from exc
         if self._active and layer_idx == self.layout.num_layers - 1:  # type: ignore[union-attr]
-            for load in self._active:
+            for load in self._active:  # every layer copied: the skip check above saw to it
                 self._materialized(load)
             self._active = []
 

@@ -43,7 +43,8 @@ class EventRejected(LedgerError):
         super().__init__(f"{reason}: {detail}" if detail else reason)
 
 
-_SQLITE_TRANSIENT = {5, 6, 10, 13, 15}
+_SQLITE_BUSY = 5
+_SQLITE_TRANSIENT = {_SQLITE_BUSY, 6, 10, 13, 15}
 """Primary SQLite result codes worth a retry: BUSY, LOCKED, IOERR, FULL, PROTOCOL
 (sqlite.org/rescode.html). Not READONLY (8), ERROR (1: "no such table", SQL errors), CORRUPT (11),
 CONSTRAINT (19), NOTADB (26): a retry meets them again."""
@@ -65,6 +66,14 @@ def is_transient(exc: PersistenceError) -> bool:
     if isinstance(cause, (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)):
         return True
     return bool(getattr(cause, "connection_invalidated", False))
+
+
+def lock_timed_out(exc: PersistenceError) -> bool:
+    """Did a write give up waiting for the ledger's write lock (SQLite ``SQLITE_BUSY``,
+    PostgreSQL ``lock_not_available``, SQLSTATE 55P03)?"""
+    cause = exc.__cause__
+    original = getattr(cause, "orig", None) or cause
+    return sqlite_result_code(original) == _SQLITE_BUSY or getattr(original, "sqlstate", None) == "55P03"
 
 
 def sqlite_result_code(exc: BaseException | None) -> int | None:

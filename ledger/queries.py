@@ -36,6 +36,7 @@ from sqlalchemy import bindparam, exists, func, or_, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from ledger import events as ev
+from ledger import db as ledger_db
 from ledger.db import Prepared, Sql
 from ledger.decide import Decider
 from ledger.errors import DeadlineExceeded, EventRejected, PersistenceError
@@ -326,6 +327,28 @@ class LedgerClient:
         finally:
             sql.connection.set_progress_handler(None, 0)
             local.interrupted = False
+
+    @contextlib.contextmanager
+    def lock_wait(self, seconds: float) -> Iterator[None]:
+        """Wait at most ``seconds`` for the ledger's write lock in this thread's writes: SQLite's
+        database lock (instead of ``busy_timeout``, 30 s), PostgreSQL's lock on the log that every
+        writer takes (``lock_timeout``; no limit otherwise). A write that cannot get it raises
+        :class:`~ledger.errors.PersistenceError`, for which :func:`lock_timed_out` is True. For
+        writes on a thread that must not stall (the engine's)."""
+        sql = self._sql()
+        ms = max(1, round(seconds * 1000))
+        if sql.is_sqlite:
+            wait, restore = f"PRAGMA busy_timeout={ms}", f"PRAGMA busy_timeout={ledger_db.SQLITE_BUSY_TIMEOUT_MS}"
+        else:  # session level, outside a transaction: SET LOCAL would end with the first COMMIT
+            wait, restore = f"SET lock_timeout = {ms}", "SET lock_timeout = 0"
+        sql.driver(wait)
+        try:
+            yield
+        finally:
+            try:
+                sql.driver(restore)
+            except sql.errors:  # a broken connection: the next use reconnects with the defaults
+                self._drop()
 
     def donor_freshness(self, donor_id: str, *, namespace: str, num_blocks: int | None = None,
                         policy: FreshnessPolicy = FreshnessPolicy.ENGINE, lease_id: str | None = None,

@@ -151,3 +151,23 @@ def test_allocation_that_does_not_match_the_promise_fails_closed(fleet: Fleet) -
     b.scheduler.update_state_after_alloc = original
     assert b.metrics.value("semkv_leases_released_total", reason="alloc_mismatch") == 1
     assert_failed_closed(fleet, b, reads, exc, "plan_failed", first_unread_layer=0)
+
+
+def test_rule_8_an_engine_that_skips_a_layers_wait_fails_the_plan(fleet: Fleet) -> None:
+    """An engine that never waits on layer 0 (attention then read it unloaded) and asks for layer 1:
+    the worker sees the skip, fails the plan, and nothing counts as materialized."""
+    b, _ = setup(fleet)
+    worker_wait = b.worker.wait_for_layer_load
+
+    def skip_layer_0(layer_idx: int, stream) -> None:  # noqa: ANN001
+        if layer_idx != 0:
+            worker_wait(layer_idx, stream)
+
+    b.worker.wait_for_layer_load = skip_layer_0  # type: ignore[method-assign]
+    with pytest.raises(ConnectorWorkerError, match="layer_skipped") as exc:
+        b.generate(PROMPT)
+    assert exc.value.hook == "wait_for_layer_load" and exc.value.layer_idx == 1
+    assert b.metrics.value("semkv_load_failures_total", reason="layer_skipped") == 1
+    assert b.metrics.value("semkv_exact_materialized_total") == 0
+    b.scheduler.flush()
+    assert fleet.held_leases() == 0 and b.metrics.value("semkv_leases_held") == 0

@@ -58,6 +58,14 @@ def test_rule_9_different_lora_is_a_namespace_mismatch(fleet: Fleet) -> None:
     assert b.metrics.value("semkv_namespace_mismatch_total", field="lora_task_id") == 1
 
 
+def test_rule_9_the_same_lora_task_id_on_another_engine_is_not_the_same_adapter(fleet: Fleet) -> None:
+    """Each engine numbers its adapters: B's task 1 may be other weights than A's task 1."""
+    donor_on_a(fleet, lora_task_id=1)
+    b = fleet.engine("B")
+    assert_missed(b, b.generate(DOC + QUESTION, lora_task_id=1), "namespace_mismatch")
+    assert b.metrics.value("semkv_namespace_mismatch_total", field="lora_task_id") == 1
+
+
 @pytest.mark.parametrize("change", ["tokens_per_block", "kv_dtype"])
 def test_rule_9_different_layout_or_dtype_is_a_namespace_mismatch(fleet: Fleet, change: str) -> None:
     donor_on_a(fleet)

@@ -73,8 +73,10 @@ class World:
         self.restart_a()
 
     def _connector(self, engine_id: str, metrics: ConnectorMetrics):  # noqa: ANN202
+        # LoRA task ids are fleet-wide here (both engines map them alike), so LoRA donors cross engines
         s = load_connector_settings({"db": self.db, "mode": "exact_equivalent", "engine_id": engine_id,
-                                     "store_dir": self.store_dir, "lookup_timeout_s": 1.0}, environ={})
+                                     "store_dir": self.store_dir, "lookup_timeout_s": 1.0,
+                                     "namespace": {"lora_task_ids": "fleet"}}, environ={})
         return (SemKvScheduler(LLM_ARGS, settings=s, metrics=metrics),
                 SemKvWorker(LLM_ARGS, settings=s, metrics=metrics))
 

@@ -52,8 +52,8 @@ def test_missing_config_file_is_an_error(tmp_path) -> None:
         load_connector_settings(environ={"TRTLLM_SEMKV_CONFIG": str(tmp_path / "nope.toml")})
 
 
-def ns_of(request: LlmRequest, args=ARGS, **overrides):  # noqa: ANN001, ANN202
-    return DeploymentNamespace(args, NamespaceOverrides(**overrides)).for_request(request)
+def ns_of(request: LlmRequest, args=ARGS, engine_id: str | None = "engine-a", **overrides):  # noqa: ANN001, ANN202
+    return DeploymentNamespace(args, NamespaceOverrides(**overrides), engine_id).for_request(request)
 
 
 def test_namespace_changes_with_every_kv_relevant_field() -> None:
@@ -102,6 +102,23 @@ def test_unknown_or_unsupported_fields_give_no_namespace() -> None:
     ptuning = LlmRequest(1, [1], 1)
     ptuning.prompt_embedding_table = object()
     assert ns_of(ptuning).field == "ptuning"
+
+
+def test_a_lora_task_id_names_an_adapter_only_inside_its_engine_unless_ids_are_fleet_wide() -> None:
+    """TensorRT-LLM's lora_task_id is a number each engine assigns: engine A's task 4 and engine B's
+    task 4 may be different adapters, so by default their donors never meet."""
+    lora = LlmRequest(1, [1, 2, 3], 1, lora_task_id=4)
+    on_a, on_b = ns_of(lora, engine_id="engine-a"), ns_of(lora, engine_id="engine-b")
+    assert on_a.digest != on_b.digest and on_a.fields["lora_task_id"] == "4@engine:engine-a"
+    assert ns_of(lora, engine_id="engine-a").digest == on_a.digest
+    unscoped = ns_of(lora, engine_id=None)
+    assert isinstance(unscoped, NamespaceUnknown) and unscoped.field == "lora_task_id"
+    fleet_a = ns_of(lora, engine_id="engine-a", lora_task_ids="fleet")
+    assert fleet_a.digest == ns_of(lora, engine_id="engine-b", lora_task_ids="fleet").digest
+    assert fleet_a.digest != ns_of(LlmRequest(1, [1], 1, lora_task_id=5), lora_task_ids="fleet").digest
+    # no LoRA: the engine does not enter the namespace (donors are shared fleet-wide)
+    plain = LlmRequest(1, [1, 2, 3], 1)
+    assert ns_of(plain, engine_id="engine-a").digest == ns_of(plain, engine_id="engine-b").digest
 
 
 def test_content_keys_are_chained_over_namespace_and_every_earlier_token() -> None:

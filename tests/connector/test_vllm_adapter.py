@@ -82,9 +82,12 @@ def test_hybrid_model_makes_every_request_unsupported() -> None:
     assert namespace.unknown is not None and namespace.unknown.field == "kv_layout"
 
 
-def _request(salt: str | None = None, lora: int | None = None, embeds: object = None) -> types.SimpleNamespace:
+def _request(salt: str | None = None, lora: int | None = None, embeds: object = None,
+             lora_name: str = "legal") -> types.SimpleNamespace:
+    lora_request = None if lora is None else types.SimpleNamespace(lora_int_id=lora, lora_name=lora_name,
+                                                                     lora_path=f"/adapters/{lora_name}")
     return types.SimpleNamespace(request_id="r1", num_prompt_tokens=64, all_token_ids=list(range(70)),
-                                 cache_salt=salt, lora_request=None if lora is None else types.SimpleNamespace(lora_int_id=lora),
+                                 cache_salt=salt, lora_request=lora_request,
                                  mm_features=[], prompt_embeds=embeds, block_hashes=[bytes(range(32)), b"\xff" * 32])
 
 
@@ -94,6 +97,10 @@ def test_request_scope_separates_salts_and_loras_and_refuses_prompt_embeds() -> 
                            for kw in ({}, {"salt": "tenant-A"}, {"lora": 3}))
     assert all(isinstance(ns, Namespace) for ns in (plain, salted, lora))
     assert len({plain.digest, salted.digest, lora.digest}) == 3
+    # the adapter's name and path, not vLLM's per-deployment lora_int_id, name its weights
+    other_adapter_same_id = namespace.for_request(VllmRequest(_request(lora=3, lora_name="medical")))
+    same_adapter_other_id = namespace.for_request(VllmRequest(_request(lora=7)))
+    assert other_adapter_same_id.digest != lora.digest and same_adapter_other_id.digest == lora.digest
     refused = namespace.for_request(VllmRequest(_request(embeds=torch.zeros(1))))
     assert isinstance(refused, NamespaceUnknown) and refused.field == "ptuning"
     view = VllmRequest(_request())

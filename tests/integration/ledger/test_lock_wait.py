@@ -1,0 +1,62 @@
+"""``LedgerClient.lock_wait``: a write on a thread that must not stall gives up on the ledger's
+write lock after the given time, on both backends; the thread's later writes wait as before."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+
+from ledger.errors import PersistenceError, lock_timed_out
+from ledger.queries import LedgerClient
+
+
+@contextmanager
+def write_lock_held(db: str) -> Iterator[threading.Event]:
+    """Another connection holds the lock every ledger writer takes; set the event to let it go."""
+    if db.startswith("sqlite:///"):
+        conn = sqlite3.connect(db.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False)
+        conn.execute("BEGIN IMMEDIATE")
+    else:
+        conn = psycopg.connect(make_url(db).set(drivername="postgresql").render_as_string(hide_password=False))
+        conn.execute("LOCK TABLE log IN SHARE ROW EXCLUSIVE MODE")  # as ledger/recorder.py's writers do
+    release = threading.Event()
+
+    def let_go() -> None:
+        release.wait(30)
+        conn.execute("ROLLBACK")
+        conn.close()
+
+    holder = threading.Thread(target=let_go, daemon=True)
+    holder.start()
+    try:
+        yield release
+    finally:
+        release.set()
+        holder.join(10)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_write_gives_up_on_a_held_lock_after_lock_wait(backend: str, request: pytest.FixtureRequest) -> None:
+    db = request.getfixturevalue("sqlite_db" if backend == "sqlite" else "postgres_db")
+    client = LedgerClient(db)
+    try:
+        with write_lock_held(db) as release:
+            started = time.monotonic()
+            with pytest.raises(PersistenceError) as caught, client.lock_wait(0.1):
+                client.record_engine_start("engine-a")
+            assert lock_timed_out(caught.value)
+            assert time.monotonic() - started < 5
+            # outside lock_wait the same thread waits for the lock again (released 0.3 s later)
+            threading.Timer(0.3, release.set).start()
+            started = time.monotonic()
+            client.record_engine_start("engine-a")
+            assert time.monotonic() - started >= 0.25
+    finally:
+        client.close()
