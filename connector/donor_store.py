@@ -394,7 +394,7 @@ class FileDonorStore:
     def recheck_verified(self, limit: int | None = None) -> int:
         """One ``stat`` per entry this process verified: forget those whose file is gone, cannot be
         read, or is not the one that was checksummed (:func:`_identity`), so the next lookup checks
-        them in full. ``limit``: stat at most this many, round robin (the scheduler's recheck tick
+        them in full. ``limit``: stat at most this many, round robin (the scheduler's periodic recheck
         bounds its cost); None: all. Returns how many were forgotten. Off the engine's path."""
         forgotten = 0
         for ref, identity in self._verified.next_to_recheck(limit):

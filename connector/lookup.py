@@ -112,9 +112,11 @@ class BackgroundRunner:
     """One daemon thread for work off the engine's path; see the module docstring.
 
     Besides queued jobs it runs periodic ones (:meth:`every`: the donor view's catch-up, the
-    store's recheck), each one period after its previous run ended, between queued jobs: a queued
-    job waits for at most one run of each periodic job, and a due periodic job for at most one
-    queued job.
+    store's recheck), each one period after its previous run ended, whenever no queued job is
+    waiting: queued jobs (leases) go first, and a job queued meanwhile waits for at most the
+    periodic runs then under way. A periodic job waits while jobs stay queued; the scheduler stops
+    promising (``ledger_busy``) once the oldest has waited half of ``lease_confirm_timeout_s``, so
+    the queue drains.
     Keeping them on one thread matters in the engine's process: every connector thread that runs
     Python takes the GIL from the engine's thread, and the more threads compete for it, the more
     often the engine's thread waits a whole ``sys.getswitchinterval()`` (5 ms) to get it back
@@ -179,7 +181,7 @@ class BackgroundRunner:
         return done.wait(timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Run what is queued, then stop (periodic jobs stop at once)."""
+        """Run what is queued, then stop (periodic jobs stop after a pass under way)."""
         with self._lock:
             self._periodic = []
         self.flush(timeout_s)
@@ -189,9 +191,12 @@ class BackgroundRunner:
     def _loop(self) -> None:
         while True:
             try:
-                item = self._queue.get(timeout=self._run_due())
+                item = self._queue.get_nowait()  # queued jobs (leases) first
             except queue.Empty:
-                continue
+                try:  # nothing queued: run the periodic jobs that are due, then wait for either
+                    item = self._queue.get(timeout=min(self._run_due(), _MAX_SLEEP_S))
+                except queue.Empty:
+                    continue
             if item is None:
                 return
             must, fn = item
@@ -206,12 +211,12 @@ class BackgroundRunner:
                     with self._lock:
                         self._telemetry -= 1
 
-    def _run_due(self) -> float | None:
-        """Run the periodic jobs that are due; returns seconds until the next is (None: none)."""
+    def _run_due(self) -> float:
+        """Run the periodic jobs that are due; returns seconds until the next is (long: none)."""
         with self._lock:
             periodic = self._periodic
         if not periodic:
-            return None
+            return _MAX_SLEEP_S
         now = time.monotonic()
         for job in periodic:
             if job.due <= now:
@@ -221,6 +226,11 @@ class BackgroundRunner:
                 now = time.monotonic()
                 job.due = now + job.period_s  # a full period between runs, however long one took
         return max(0.0, min(job.due for job in periodic) - now)
+
+
+_MAX_SLEEP_S = 60.0
+"""The loop wakes at least this often (seconds); also keeps a huge period from overflowing the
+queue's timeout."""
 
 
 def _wake() -> None:

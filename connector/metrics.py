@@ -126,6 +126,14 @@ class ConnectorMetrics:
                                       buckets=_SLOW, registry=r)
         self.telemetry_dropped = Counter("semkv_telemetry_dropped_total",
                                          "Background telemetry jobs dropped (queue full)", registry=r)
+        # read at scrape time from the scheduler (set_function; the last scheduler of the process wins)
+        self.ledger_backlog_seconds = Gauge(
+            "semkv_ledger_backlog_seconds",
+            "How long the connector's ledger thread's oldest job (lease write, release, view catch-up) has "
+            "waited or run; lookups miss with ledger_busy past half of lease_confirm_timeout_s", registry=r)
+        self.donor_view_age_seconds = Gauge(
+            "semkv_donor_view_age_seconds",
+            "Seconds since the scheduler's donor view was last caught up with the ledger (-1: no view)", registry=r)
 
     def record_miss(self, reason: str, field: str | None = None) -> None:
         """Count one miss under ``reason`` and its DESIGN §8 category."""

@@ -100,10 +100,10 @@ __all__ = ["ResetHooksMixin", "SemKvScheduler", "process_rank"]
 
 log = logging.getLogger(__name__)
 RECHECK_ENTRIES_PER_TICK = 256
-"""Donor store entries stat'ed per ``store_recheck_s`` tick (round robin): 2.2 ms of a background
-thread per tick here (measured, 1000 entries) however many entries the store verified, ~4 % of one
+"""Donor store entries stat'ed per ``store_recheck_s`` run (round robin): 2.2 ms of the ledger
+thread per run here (measured, 1000 entries) however many entries the store verified, ~4 % of one
 CPU at the default 50 ms; an entry changed outside the store is found within ``ceil(entries / 256)``
-ticks."""
+runs."""
 
 
 class _Miss(Exception):
@@ -219,7 +219,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.window_size = _window_size(llm_args, s)
         self.policy = FreshnessPolicy(s.freshness_policy)
         self.holder = s.engine_id or f"{socket.gethostname()}:{os.getpid()}"
-        self.ledger = ledger or LedgerClient(s.db)
+        self.ledger = ledger or LedgerClient(s.db, statement_timeout_s=s.ledger_statement_timeout_s)
         self.store = store or FileDonorStore(s.store_dir, s.store_capacity_bytes, ledger=self.ledger)
         self._discovery = SchedulerDiscovery.start(
             s.discovery, discovery, db=s.db, registry=self.metrics.registry, ledger=self.ledger, metrics=self.metrics,
@@ -228,26 +228,31 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         # the discovery service (shared, or this scheduler's own); None when discovery is off
         self.discovery = self._discovery.service if self._discovery is not None else None
         self._diagnosis = MissDiagnosis(self.ledger, self.store)
-        # SQLite reads run on the engine's thread under an interrupting deadline; others on a thread
-        self._hot = None if self.ledger.interruptible else DeadlineRunner("semkv-lookup")
+        self.lease_before_answer = (TRTLLM_WITHOUT_RECOMPUTE if s.lease_before_answer is None
+                                    else s.lease_before_answer)
+        """Lease in the lookup (see ``ConnectorSettings.lease_before_answer``; None: on exactly where a
+        failed plan cannot be recomputed)."""
+        # SQLite reads run on the engine's thread under an interrupting deadline; others, and a lease
+        # taken in the lookup (a write no progress handler interrupts), on a thread made now
+        self._hot = (None if self.ledger.interruptible and not self.lease_before_answer
+                     else DeadlineRunner("semkv-lookup"))
         self._view: DonorView | None = None
         if s.materializes and s.donor_view_refresh_s > 0:
-            # a view whose catch-up has failed for 20 ticks is not used (lookups read the ledger)
-            self._view = DonorView(self._in_store, s.donor_view_max_blocks, max(0.1, 20 * s.donor_view_refresh_s))
+            # A view not caught up for 20 periods is not used (lookups read the ledger), nor for
+            # lease_confirm_timeout_s: its catch-up shares the ledger thread with lease writes, and
+            # one delayed by them is not failing (past half that, lookups miss with ledger_busy).
+            self._view = DonorView(self._in_store, s.donor_view_max_blocks,
+                                   max(0.1, 20 * s.donor_view_refresh_s, s.lease_confirm_timeout_s))
         self._background = BackgroundRunner("semkv-background", on_drop=self.metrics.telemetry_dropped.inc)
         # leases in order (a release never overtakes its take), never behind telemetry or a
-        # background checksum of a big entry; between them the view's catch-up and the store's
-        # recheck (one thread for all three: fewer threads taking the GIL from the engine's)
+        # background checksum of a big entry; when none is queued, the view's catch-up and the
+        # store's recheck (one thread for all three: fewer threads taking the GIL from the engine's)
         self._leases = BackgroundRunner("semkv-ledger")
         self._lease_prefix, self._lease_seq = uuid.uuid4().hex[:16], itertools.count()
         self._ledger_busy_s = s.lease_confirm_timeout_s / 2
         """A lookup misses (``ledger_busy``) while the ledger thread's oldest job has waited or run
         this long (seconds): a lease queued now would likely not be confirmed in time, and a broken
         promise costs the engine ``lease_confirm_timeout_s`` of waiting and the request."""
-        self.lease_before_answer = (TRTLLM_WITHOUT_RECOMPUTE if s.lease_before_answer is None
-                                    else s.lease_before_answer)
-        """Lease in the lookup (see ``ConnectorSettings.lease_before_answer``; None: on exactly where a
-        failed plan cannot be recomputed)."""
         self._verifying: set[str] = set()
         self._verifying_lock = threading.Lock()
         self._requests: dict[int, _RequestState] = {}
@@ -258,6 +263,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self._donors = DonorRegistrar(s, self.namespace, registrar_ledger, _FreshSpans(self.ledger, self.policy),
                                       self.metrics, self.tokens_per_block, self.window_size)
         self._record_engine_start()
+        self.metrics.ledger_backlog_seconds.set_function(self._leases.backlog_s)
+        self.metrics.donor_view_age_seconds.set_function(self._view_age)
         self._trust_store_record = False
         """Lookups trust the store's record of verified entries (re-checked by a periodic job)."""
         if self._view is not None:  # after the start is recorded: this engine's old donors are stale in it
@@ -269,13 +276,18 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                 self._leases.every("donor store recheck", s.store_recheck_s,
                                    lambda: self.store.recheck_verified(RECHECK_ENTRIES_PER_TICK))
 
+    def _view_age(self) -> float:
+        """The donor view's age for the metric: seconds, -1.0 without a view (or before its load)."""
+        age = self._view.age_s() if self._view is not None else float("inf")
+        return age if age != float("inf") else -1.0
+
     def _load_view(self) -> None:
-        """Load the donor view before the first request (a tick would take up to one period, and
+        """Load the donor view before the first request (the periodic catch-up would take up to one period, and
         lookups read the ledger until then)."""
         assert self._view is not None
         try:
             self.ledger.refresh_view(self._view)
-        except LedgerError as exc:  # the ledger is down: lookups read it (and miss) until a tick loads the view
+        except LedgerError as exc:  # the ledger is down: lookups read it (and miss) until a catch-up loads the view
             log.warning("semkv: could not load the donor view: %s", exc)
 
     def _record_engine_start(self) -> None:
@@ -421,8 +433,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         lookup thread under the deadline (a write can wait for the ledger's write lock, which no
         progress handler interrupts). A lease the ledger refuses is a miss, never a broken promise;
         a lease finished after the engine stopped waiting is released."""
-        if self._hot is None:
-            self._hot = DeadlineRunner("semkv-lookup")
+        assert self._hot is not None  # made in __init__ when lease_before_answer is on
         view = self._ready_view()
 
         def find_and_lease(job: Any) -> _Promise | _Miss:
@@ -470,7 +481,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                         promised_at)
 
     def _take_lease(self, rid: int, p: _Promise) -> None:
-        """Queue the promise's ledger lease on the lease thread (FIFO with its release, so a release
+        """Queue the promise's ledger lease on the ledger thread (FIFO with its release, so a release
         never overtakes its take). ``build_connector_meta`` waits for it before shipping the plan:
         the lease re-checks the donor and every promised block in its write transaction, and the
         worker's revalidation reads it (DESIGN §2 rules 3 and 6)."""
@@ -725,7 +736,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
     # ============================================================ lifecycle
     def sync_view(self) -> None:
         """Catch the donor view up with the ledger, and re-check the store's verified entries, now
-        instead of at the next ticks (tests that need a change they just made seen; no-op without a view)."""
+        instead of at their next periodic runs (tests that need a change they just made seen; no-op without a view)."""
         if self._view is not None:
             self.ledger.refresh_view(self._view)
             self.store.recheck_verified()

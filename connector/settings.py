@@ -136,6 +136,12 @@ class ConnectorSettings(BaseSettings):
     0: no view, every lookup reads the ledger (slower: DESIGN §7's budget needs the view)."""
     donor_view_max_blocks: int = Field(131_072, ge=1)
     """Donor blocks the view holds at most (~570 bytes each: 75 MiB at the default); beyond it the oldest donors leave."""
+    ledger_statement_timeout_s: float = Field(5.0, gt=0, le=600)
+    """PostgreSQL: the server cancels any of the connector's ledger statements running longer (seconds; lock
+    waits included, e.g. behind a migration's ``ACCESS EXCLUSIVE`` lock), and connecting gives up after as
+    long, so a stuck ledger fails a lease, a load or a registration instead of hanging the engine (the
+    worker's revalidation runs on the engine's thread). SQLite: reads never wait; writes wait at most
+    ``busy_timeout`` (30 s), and the engine thread's only write at most ``register_lock_wait_s``."""
     register_lock_wait_s: float = Field(0.25, gt=0, le=60)
     """``request_finished`` registers the donor on the engine's thread: it waits at most this long (seconds)
     for the ledger's write lock (SQLite's database lock, PostgreSQL's lock on the log), instead of 30 s on

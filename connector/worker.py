@@ -100,7 +100,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         super().__init__(llm_args)
         self.settings = s = settings or load_connector_settings()
         self.metrics = metrics or process_metrics()
-        self.ledger = ledger or LedgerClient(s.db)
+        self.ledger = ledger or LedgerClient(s.db, statement_timeout_s=s.ledger_statement_timeout_s)
         self.store = store or FileDonorStore(s.store_dir, s.store_capacity_bytes, ledger=self.ledger)
         self.layers: list[torch.Tensor] = []  # per layer: [num_blocks, kv_factor, block_elems] (views)
         self.num_blocks = 0

@@ -18,6 +18,7 @@ Accepted ``--db`` values: a file path (``ledger.db``), ``sqlite:///path``, ``pos
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 from collections.abc import Mapping, Sequence
@@ -99,12 +100,16 @@ def _sqlite_listeners(sync_engine: Engine, *, writer: bool) -> None:
         conn.exec_driver_sql(begin)
 
 
-def sync_engine(db: str, *, writer: bool = False, create: bool | None = None, pool_size: int = 5) -> Engine:
+def sync_engine(db: str, *, writer: bool = False, create: bool | None = None, pool_size: int = 5,
+                statement_timeout_s: float | None = None) -> Engine:
     """A synchronous engine (connector hot path, migrations, replay).
 
     Args:
         writer: on SQLite, open transactions with ``BEGIN IMMEDIATE``.
         create: create a missing SQLite file (mode 0600); defaults to ``writer``.
+        statement_timeout_s: PostgreSQL only: the server cancels any statement running longer
+            (``statement_timeout``, lock waits included), and connecting gives up after as long
+            (``connect_timeout``, at least 2 s: libpq's minimum). None: no limit.
 
     Raises:
         LedgerError: unsupported URL, or a missing SQLite file when not creating.
@@ -115,7 +120,12 @@ def sync_engine(db: str, *, writer: bool = False, create: bool | None = None, po
         engine = create_engine(url.set(drivername="sqlite+pysqlite"))
         _sqlite_listeners(engine, writer=writer)
         return engine
-    return create_engine(url.set(drivername="postgresql+psycopg"), pool_size=pool_size, pool_pre_ping=True)
+    connect_args = {}
+    if statement_timeout_s is not None:
+        connect_args = {"options": f"-c statement_timeout={max(1, round(statement_timeout_s * 1000))}",
+                        "connect_timeout": max(2, math.ceil(statement_timeout_s))}
+    return create_engine(url.set(drivername="postgresql+psycopg"), pool_size=pool_size, pool_pre_ping=True,
+                         connect_args=connect_args)
 
 
 def async_engine(db: str) -> AsyncEngine:

@@ -5,7 +5,7 @@ at 2K tokens (DESIGN §7). A SQLite read costs ~100 µs there by itself: every c
 connection (the consumer, the lease writer) makes a reader drop its page cache, so the first
 statements after it read their pages again (tools/results/connector-*.md). :class:`DonorView`
 answers the lookup from memory instead. It is a read model of the ledger's own projections, caught
-up by :meth:`ledger.queries.LedgerClient.refresh_view` (a background tick, every few ms) from what
+up by :meth:`ledger.queries.LedgerClient.refresh_view` (a periodic job of the connector, every few ms) from what
 changed since the log seq it reflects (:attr:`DonorView.cursor`):
 
 * donors whose ``updated_seq`` moved: a saved (``live``) donor the caller wants (its bytes are in
@@ -15,7 +15,7 @@ changed since the log seq it reflects (:attr:`DonorView.cursor`):
 * the log's ``block_stored`` / ``block_removed`` / ``all_blocks_cleared`` rows, which make donor
   blocks live or not (:class:`~ledger.liveness.LivenessCache`; policy ``engine``).
 
-What the view says is at most one tick old. That is safe because it is not the last word: the
+What the view says is normally one period old (at most the staleness its owner allows). That is safe because it is not the last word: the
 scheduler's ledger lease re-checks the donor and every promised block in its write transaction and
 the plan ships only once that lease is held, and the worker re-reads the ledger before every layer
 (DESIGN §2 rules 3 and 6).
@@ -86,13 +86,17 @@ class DonorView:
         self._blocks = 0
         self._lock = threading.Lock()
         self.catching_up = threading.Lock()
-        """Held for a whole catch-up (the tick and an explicit refresh must not interleave)."""
+        """Held for a whole catch-up (the periodic catch-up and an explicit refresh must not interleave)."""
 
     @property
     def ready(self) -> bool:
         """True when the view has been caught up with the ledger within ``max_staleness_s``
         (seconds): loaded, and its refresh not failing. Otherwise read the ledger itself."""
         return self.cursor >= 0 and time.monotonic() - self._caught_up_at < self.max_staleness_s
+
+    def age_s(self) -> float:
+        """Seconds since the last catch-up (infinite before the first)."""
+        return time.monotonic() - self._caught_up_at
 
     def caught_up(self) -> None:
         """The ledger was read and nothing changed since :attr:`cursor`."""

@@ -13,8 +13,9 @@ whatever its blocks say, and the donor view checks generations itself.
 
 A donor can be registered before the consumer has committed its blocks' ``stored`` events (the
 engine's events lag): it is read with those blocks dead, and they come alive when their rows
-arrive. Memory: one watch entry per donor block (~200 bytes). Thread-safe (one lock); no database
-access here — :class:`ledger.queries.LedgerClient` reads the rows and hands them in.
+arrive. Memory: one watch entry per donor block (~200 bytes). Thread-safe: changes (put, forget,
+apply) are serialized by one lock, and readers (``live_prefix``) wait only for the short section
+where a change is applied, never for the decoding of a catch-up's rows. No database access here — :class:`ledger.queries.LedgerClient` reads the rows and hands them in.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class LivenessCache:
         self._entries: dict[str, _Entry] = {}
         self._watch: dict[_WatchKey, list[tuple[str, int]]] = {}
         self._engines: Counter[str] = Counter()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the state readers see
+        self._changing = threading.Lock()  # one change at a time; held across a catch-up's decoding
 
     def live_prefix(self, donor_id: str, num_blocks: int) -> int | None:
         """Leading blocks of the donor known live, at most ``num_blocks``; None if not watched."""
@@ -71,7 +73,7 @@ class LivenessCache:
         """Watch a donor's blocks, ``live[i]`` telling whether block i was live in a read at log
         seq ``read_at_seq``. Refused (False) when block rows past that read were already applied
         (they would be missed for this donor)."""
-        with self._lock:
+        with self._changing, self._lock:
             if read_at_seq < self.cursor:
                 return False
             self._drop(donor_id)
@@ -84,7 +86,7 @@ class LivenessCache:
 
     def forget(self, donor_id: str) -> None:
         """Stop watching a donor's blocks."""
-        with self._lock:
+        with self._changing, self._lock:
             self._drop(donor_id)
 
     def apply(self, rows: Iterable[Any], upto_seq: int) -> None:
@@ -92,21 +94,23 @@ class LivenessCache:
         :data:`LIVENESS_KINDS` with ``seq`` in ``(cursor, upto_seq]``, in seq order (applied rows
         only); the cursor then stands at ``upto_seq``. Rows of engines no watched donor lives in
         are not decoded. The rows are decoded before the lock is taken, so lookups
-        (:meth:`live_prefix`) never wait for the decoding of a large catch-up; only one catch-up
-        may run at a time (with :meth:`put`, as :class:`~ledger.donor_view.DonorView` does)."""
-        if upto_seq <= self.cursor:
-            return
-        marks = self._marks(rows)
-        with self._lock:
-            for key, dead in marks:
-                if key is None:
-                    self._clear_engine(dead)
-                else:
-                    self._mark(key, dead=dead)
-            self.cursor = upto_seq
+        (:meth:`live_prefix`) never wait for the decoding of a large catch-up; :meth:`put` and
+        :meth:`forget` do wait for it (a donor watched midway would miss its rows)."""
+        with self._changing:
+            if upto_seq <= self.cursor:
+                return
+            marks = self._marks(rows)
+            with self._lock:
+                for key, dead in marks:
+                    if key is None:
+                        self._clear_engine(dead)
+                    else:
+                        self._mark(key, dead=dead)
+                self.cursor = upto_seq
 
     def _marks(self, rows: Iterable[Any]) -> list[tuple[Any, Any]]:
-        """``[(watch key, dead)]`` in log order; ``(None, engine_id)`` for an engine's clear."""
+        """``[(watch key, dead)]`` of watched blocks, in log order; ``(None, engine_id)`` for an
+        engine's clear (``_changing`` held: nothing else changes what is watched)."""
         marks: list[tuple[Any, Any]] = []
         for seq, kind, engine_id, dp_rank, window, body in rows:
             if seq <= self.cursor or not self._engines.get(engine_id):
@@ -116,10 +120,13 @@ class LivenessCache:
                 continue
             event = ev.BODY_DECODER.decode(bytes(body))
             stream = (engine_id, dp_rank or 0, window or 0)
+            watched = self._watch
             if kind == "block_removed":
-                marks += [(stream + split_hash(h), True) for h in event.block_hashes]
+                keys = [stream + split_hash(h) for h in event.block_hashes]
+                marks += [(key, True) for key in keys if key in watched]
             else:
-                marks += [(stream + split_hash(block.block_hash), False) for block in event.blocks]
+                keys = [stream + split_hash(block.block_hash) for block in event.blocks]
+                marks += [(key, False) for key in keys if key in watched]
         return marks
 
     def stats(self) -> dict[str, int]:

@@ -206,15 +206,17 @@ class LedgerClient:
     Args:
         db: ledger URL or SQLite path (see :mod:`ledger.db`).
         check: refuse a database not at the schema head (``SchemaOutOfDate``).
+        statement_timeout_s: PostgreSQL: statements (lock waits included) are cancelled after this
+            long, and so is connecting (see :func:`ledger.db.sync_engine`); None: no limit.
 
-    Every method raises PersistenceError when the database fails.
+    Every method raises PersistenceError when the database fails (or a statement timed out).
     """
 
-    def __init__(self, db: str, *, check: bool = True) -> None:
+    def __init__(self, db: str, *, check: bool = True, statement_timeout_s: float | None = None) -> None:
         from ledger.db import sync_engine
 
         self.db = db
-        self._engine = sync_engine(db)
+        self._engine = sync_engine(db, statement_timeout_s=statement_timeout_s)
         self._local = threading.local()
         self._open: list[Any] = []
         self._open_lock = threading.Lock()

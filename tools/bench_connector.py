@@ -129,8 +129,13 @@ def populate(db: str, namespace: str, num_blocks: int) -> float:
                 conn.execute(DonorBlockRow.__table__.insert(), dblocks)
     # fresh planner statistics after the bulk load (PostgreSQL needs them); on PostgreSQL also the
     # vacuum its autovacuum would otherwise start on the 2M new rows in the middle of the timings
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.exec_driver_sql("ANALYZE" if engine.dialect.name == "sqlite" else "VACUUM ANALYZE")
+    # (VACUUM runs outside a transaction; SQLite's ANALYZE inside one, or it is rolled back)
+    if engine.dialect.name == "sqlite":
+        with engine.begin() as conn:
+            conn.exec_driver_sql("ANALYZE")
+    else:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("VACUUM ANALYZE")
     engine.dispose()
     return time.perf_counter() - started
 
@@ -517,7 +522,11 @@ def _dated_path(today: str) -> Path:
     """``results/connector-<date>.md``, or with the time appended when a run of that day is saved
     already (results are never overwritten)."""
     out = Path(__file__).parent / "results" / f"connector-{today}.md"
-    return out.with_name(f"connector-{today}-{dt.datetime.now():%H%M}.md") if out.exists() else out
+    for stamp in ("%H%M", "%H%M%S"):
+        if not out.exists():
+            return out
+        out = out.with_name(f"connector-{today}-{dt.datetime.now():{stamp}}.md")
+    return out
 
 
 def write_table(results: dict, args, today: str) -> None:  # noqa: ANN001

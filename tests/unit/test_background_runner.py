@@ -73,13 +73,63 @@ def test_a_failing_periodic_job_is_logged_once_and_runs_again(caplog: pytest.Log
     assert [r.getMessage() for r in caplog.records] == ["semkv: view catch-up failed: ledger down"]
 
 
-def test_close_stops_periodic_jobs_and_runs_what_was_queued() -> None:
+def test_queued_jobs_run_before_a_due_periodic_job() -> None:
+    """Leases first: jobs queued while the thread was busy all run before a periodic job that
+    became due meanwhile."""
     runner = BackgroundRunner("test-runner")
-    ticks: list[int] = []
+    order: list[str] = []
+    gate = threading.Event()
+    try:
+        runner.every("tick", 0.01, lambda: order.append("tick"))
+        runner.submit(lambda: (order.append("busy"), gate.wait(10)), must=True)
+        wait_for(lambda: "busy" in order)
+        for name in ("lease-1", "lease-2", "release-1"):
+            runner.submit(lambda name=name: order.append(name), must=True)
+        time.sleep(0.05)  # the tick is due by now
+        gate.set()
+        wait_for(lambda: "tick" in order[order.index("busy"):])
+    finally:
+        gate.set()
+        runner.close()
+    after = order[order.index("busy") + 1:]
+    assert after[:4] == ["lease-1", "lease-2", "release-1", "tick"]
+
+
+def test_backlog_counts_the_oldest_queued_or_running_job() -> None:
+    runner = BackgroundRunner("test-runner")
+    gate = threading.Event()
+    try:
+        assert runner.backlog_s() == 0.0
+        runner.submit(lambda: gate.wait(10), must=True)
+        runner.submit(lambda: None, must=True)
+        time.sleep(0.05)
+        assert runner.backlog_s() >= 0.05
+        gate.set()
+        assert runner.flush(10)
+        assert runner.backlog_s() < 0.05
+    finally:
+        gate.set()
+        runner.close()
+
+
+def test_a_period_too_long_for_a_timeout_does_not_stop_the_thread() -> None:
+    """``donor_view_refresh_s = 1e10`` (or inf) once overflowed the queue's timeout and killed the
+    thread that writes leases."""
+    runner = BackgroundRunner("test-runner")
     done: list[int] = []
-    runner.every("tick", 0.005, lambda: ticks.append(1))
+    try:
+        runner.every("never", float("inf"), lambda: None)
+        runner.every("rarely", 1e10, lambda: None)
+        runner.submit(lambda: done.append(1), must=True)
+        assert runner.flush(5) and done == [1]
+    finally:
+        runner.close()
+
+
+def test_close_runs_what_was_queued_and_stops_the_thread() -> None:
+    runner = BackgroundRunner("test-runner")
+    done: list[int] = []
+    runner.every("tick", 0.005, lambda: None)
     runner.submit(lambda: done.append(1), must=True)
     runner.close()
-    after_close = len(ticks)
-    time.sleep(0.03)
-    assert done == [1] and len(ticks) == after_close
+    assert done == [1] and not runner._thread.is_alive()

@@ -104,3 +104,26 @@ def test_lookups_do_not_wait_for_a_catch_up_decoding_its_rows() -> None:
         gated.release.set()
         catch_up.join(10)
     assert cache.live_prefix("d1", 2) == 1 and cache.cursor == 2
+
+
+def test_a_donor_put_during_a_catch_up_waits_for_it_and_is_refused_if_its_read_is_older() -> None:
+    """A donor read at seq 1 and put while rows up to seq 2 are being decoded would miss the
+    removal at seq 2 of a block only it holds: the put waits, then is refused (read older than the
+    cursor), so the view never serves it on that read."""
+    cache = LivenessCache()
+    cache.put("d0", STREAM, blocks(5), [True], read_at_seq=1)  # makes engine-a's rows decoded
+    seq, kind, engine_id, dp_rank, window, body = removal(2, 7)
+    gated = _GatedBody(body)
+    catch_up = threading.Thread(target=cache.apply, args=([(seq, kind, engine_id, dp_rank, window, gated)], 2))
+    catch_up.start()
+    accepted: list[bool] = []
+    assert gated.entered.wait(10)
+    put = threading.Thread(target=lambda: accepted.append(
+        cache.put("d1", STREAM, blocks(7), [True], read_at_seq=1)))
+    put.start()
+    put.join(0.1)
+    assert put.is_alive(), "put did not wait for the catch-up"
+    gated.release.set()
+    catch_up.join(10)
+    put.join(10)
+    assert accepted == [False] and cache.live_prefix("d1", 1) is None

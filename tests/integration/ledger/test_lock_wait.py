@@ -60,3 +60,22 @@ def test_a_write_gives_up_on_a_held_lock_after_lock_wait(backend: str, request: 
             assert time.monotonic() - started >= 0.25
     finally:
         client.close()
+
+
+def test_a_statement_timeout_cancels_a_read_stuck_behind_a_migration_lock(postgres_db: str) -> None:
+    """PostgreSQL: the connector's reads (the worker's revalidation runs on the engine's thread)
+    are cancelled after ``statement_timeout_s`` behind an ``ACCESS EXCLUSIVE`` lock, instead of
+    waiting as long as the lock is held."""
+    client = LedgerClient(postgres_db, statement_timeout_s=0.2)
+    holder = psycopg.connect(make_url(postgres_db).set(drivername="postgresql").render_as_string(hide_password=False))
+    try:
+        holder.execute("LOCK TABLE donors IN ACCESS EXCLUSIVE MODE")  # as ALTER TABLE or VACUUM FULL would
+        started = time.monotonic()
+        with pytest.raises(PersistenceError, match="statement timeout"):
+            client.donor_freshness("some-donor", namespace="ns")
+        assert time.monotonic() - started < 5
+    finally:
+        holder.rollback()
+        holder.close()
+    assert client.donor_freshness("some-donor", namespace="ns") is not None  # unknown donor, answered
+    client.close()
