@@ -166,8 +166,8 @@ class BackgroundRunner:
 
     def every(self, name: str, period_s: float, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` ``period_s`` seconds after its previous run ended (the first time one
-        period from now) until :meth:`close`. A failure is logged (once per distinct message in a row) and the next
-        period runs it again."""
+        period from now) until :meth:`close`. A failure is logged (once per distinct message in a
+        row) and the next period runs it again."""
         with self._lock:
             self._periodic = [*self._periodic, _Periodic(name, period_s, fn, time.monotonic() + period_s)]
         self._queued_at.append(time.monotonic())

@@ -8,7 +8,8 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
    ``exact_equivalent`` it asks the ledger for the longest FRESH donor span of the request's
    chained content keys in the request's namespace — in memory, from the scheduler's
    :class:`~ledger.donor_view.DonorView` of the ledger (donors whose bytes this host's store holds,
-   with their block liveness; caught up every ``donor_view_refresh_s`` by a periodic job on the ledger thread) —
+   with their block liveness; caught up every ``donor_view_refresh_s`` by a periodic job on the
+   connector's ledger thread) —
    checks the donor store holds checksummed bytes (this process's record of the entries it
    checksummed, re-checked against the files every ``store_recheck_s`` on the same thread), and
    pins the donor in the store BEFORE answering ``(n, False)`` in whole blocks, leaving at least
@@ -247,7 +248,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         # leases in order (a release never overtakes its take), never behind telemetry or a
         # background checksum of a big entry; when none is queued, the view's catch-up and the
         # store's recheck (one thread for all three: fewer threads taking the GIL from the engine's)
-        self._leases = BackgroundRunner("semkv-ledger")
+        self._ledger_jobs = BackgroundRunner("semkv-ledger")
         self._lease_prefix, self._lease_seq = uuid.uuid4().hex[:16], itertools.count()
         self._ledger_busy_s = s.lease_confirm_timeout_s / 2
         """A lookup misses (``ledger_busy``) while the ledger thread's oldest job has waited or run
@@ -263,17 +264,17 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self._donors = DonorRegistrar(s, self.namespace, registrar_ledger, _FreshSpans(self.ledger, self.policy),
                                       self.metrics, self.tokens_per_block, self.window_size)
         self._record_engine_start()
-        self.metrics.ledger_backlog_seconds.set_function(self._leases.backlog_s)
+        self.metrics.ledger_backlog_seconds.set_function(self._ledger_jobs.backlog_s)
         self.metrics.donor_view_age_seconds.set_function(self._view_age)
         self._trust_store_record = False
         """Lookups trust the store's record of verified entries (re-checked by a periodic job)."""
         if self._view is not None:  # after the start is recorded: this engine's old donors are stale in it
             self._load_view()
             view = self._view
-            self._leases.every("donor view catch-up", s.donor_view_refresh_s, lambda: self.ledger.refresh_view(view))
+            self._ledger_jobs.every("donor view catch-up", s.donor_view_refresh_s, lambda: self.ledger.refresh_view(view))
             if s.store_recheck_s > 0:
                 self._trust_store_record = True
-                self._leases.every("donor store recheck", s.store_recheck_s,
+                self._ledger_jobs.every("donor store recheck", s.store_recheck_s,
                                    lambda: self.store.recheck_verified(RECHECK_ENTRIES_PER_TICK))
 
     def _view_age(self) -> float:
@@ -282,8 +283,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         return age if age != float("inf") else -1.0
 
     def _load_view(self) -> None:
-        """Load the donor view before the first request (the periodic catch-up would take up to one period, and
-        lookups read the ledger until then)."""
+        """Load the donor view before the first request (the periodic catch-up would take up to one
+        period, and lookups read the ledger until then)."""
         assert self._view is not None
         try:
             self.ledger.refresh_view(self._view)
@@ -353,7 +354,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         lookup_keys = keys[:max_blocks]
         if len(self._unshipped) >= self.settings.max_plans_per_iteration:
             raise _Miss("plan_limit")
-        if not self.lease_before_answer and self._leases.backlog_s() > self._ledger_busy_s:
+        if not self.lease_before_answer and self._ledger_jobs.backlog_s() > self._ledger_busy_s:
             raise _Miss("ledger_busy")  # its lease could not be written before build_connector_meta gives up
         if self.lease_before_answer:
             result = self._find_and_lease(rid, ns, lookup_keys, start_block)
@@ -447,7 +448,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             if isinstance(lease, StaleReason):
                 return _Miss(stale_reason_name(lease))
             if lease.expires_at <= time.time():
-                self._leases.submit(lambda: self.ledger.release_lease(lease_id, "expired_at_take"), must=True)
+                self._ledger_jobs.submit(lambda: self.ledger.release_lease(lease_id, "expired_at_take"), must=True)
                 return _Miss("lease_expired")
             span = dataclasses.replace(span, num_blocks=min(span.num_blocks, lease.num_blocks))
             self.store.lease(span.donor_id)
@@ -500,7 +501,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             except BaseException as exc:  # noqa: BLE001 - handed to build_connector_meta, which fails the plan
                 outcome.set_exception(exc)
 
-        self._leases.submit(take, must=True)
+        self._ledger_jobs.submit(take, must=True)
 
     def _check_bytes(self, span: Any) -> _Miss | None:
         ref, checksum = span.store_ref, span.checksum
@@ -700,7 +701,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             return False
 
     def _register(self, request: Any, cache_block_ids: list[int], state: _RequestState) -> SaveInstruction | None:
-        """The donor registration, its wait for SQLite's write lock bounded (``register_lock_wait_s``):
+        """The donor registration, its wait for the ledger's write lock bounded (``register_lock_wait_s``):
         the engine's thread must not stall behind another writer. None: not a donor."""
         try:
             with self.ledger.lock_wait(self.settings.register_lock_wait_s):
@@ -725,7 +726,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.metrics.leases_released.labels(reason=reason).inc()
         self.store.release(promise.span.donor_id)
         if promise.lease is not None:  # a ledger lease was queued: release it after its take
-            self._leases.submit(lambda: self.ledger.release_lease(promise.lease_id, reason), must=True)
+            self._ledger_jobs.submit(lambda: self.ledger.release_lease(promise.lease_id, reason), must=True)
 
     def _reset(self, request: Any, reason: str) -> None:
         state = self._requests.get(request.request_id)
@@ -736,7 +737,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
     # ============================================================ lifecycle
     def sync_view(self) -> None:
         """Catch the donor view up with the ledger, and re-check the store's verified entries, now
-        instead of at their next periodic runs (tests that need a change they just made seen; no-op without a view)."""
+        instead of at their next periodic runs (tests that need a change they just made seen; no-op
+        without a view)."""
         if self._view is not None:
             self.ledger.refresh_view(self._view)
             self.store.recheck_verified()
@@ -744,7 +746,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait for background work (lease releases, telemetry, discovery lookups and indexing)
         queued so far; tests and shutdown."""
-        self._leases.flush(timeout_s)
+        self._ledger_jobs.flush(timeout_s)
         self._background.flush(timeout_s)
         if self._discovery is not None:
             self._discovery.flush(timeout_s)
@@ -754,7 +756,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         service this scheduler built; an injected one is its owner's to close)."""
         for state in list(self._requests.values()):
             self._release(state, "shutdown")
-        self._leases.close()
+        self._ledger_jobs.close()
         self._background.close()
         if self._hot is not None:
             self._hot.close()

@@ -17,7 +17,8 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
   them into the target blocks ``kv[target_block_ids, layer_idx]``, and only then return — a layer is
   released to attention only when copied. A layer asked for while an earlier one was never
   loaded (attention ran on it unloaded) fails the plan (``layer_skipped``). After the last layer,
-  with every layer copied, the plan counts as materialized (DESIGN §2 rule 8). With ``load_before_forward`` (TensorRT-LLM 1.1/1.2 by default) all of that
+  with every layer copied, the plan counts as materialized (DESIGN §2 rule 8). With
+  ``load_before_forward`` (TensorRT-LLM 1.1/1.2 by default) all of that
   runs in ``start_load_kv`` for every layer, before the forward, so nothing can fail inside it.
 * ``wait_for_save(stream)`` / ``get_finished(...)`` — donors to save (from ``request_finished``)
   are gathered from the pool (device → host) after the forward's stream is synchronized, then
