@@ -20,14 +20,20 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from connector.namespace import DeploymentNamespace, Namespace, content_keys, probe_key
 from connector.plan import SaveInstruction
 from connector.settings import ConnectorSettings
 from ledger import events as ev
+from ledger.errors import LedgerError
 
-__all__ = ["DonorRegistrar", "v1_hashes"]
+__all__ = ["DonorRegistrar", "LedgerBusy", "v1_hashes"]
+
+
+class LedgerBusy(LedgerError):
+    """A donor registration skipped because the caller is backing off a busy ledger."""
 
 
 class DonorRegistrar:
@@ -39,16 +45,20 @@ class DonorRegistrar:
         self.metrics, self.tokens_per_block, self.window_size = metrics, tokens_per_block, window_size
 
     def register(self, request: Any, block_ids: list[int], *, namespace: Any = None, keys: list[bytes] | None = None,
-                 block_hashes: list[int] | None = None) -> SaveInstruction | None:
+                 block_hashes: list[int] | None = None,
+                 ledger_ready: Callable[[], bool] | None = None) -> SaveInstruction | None:
         """Register ``request`` as a donor; returns what the worker must save, or None (not a donor).
 
         Args:
             block_ids: the request's blocks in token order (``cache_block_ids`` of ``request_finished``).
             namespace, keys: what the lookup already computed for this request, if anything.
             block_hashes: the engine's hashes of the request's full blocks (``RequestData.block_hashes``).
+            ledger_ready: asked once the request qualifies, before any ledger access; False raises
+                :class:`LedgerBusy` (the caller is backing off a busy ledger).
 
         Raises:
             PersistenceError, EventRejected: the ledger refused (the caller treats it as "no donor").
+            LedgerBusy: ``ledger_ready`` said no.
         """
         s, tpb = self.settings, self.tokens_per_block
         prompt_len = int(request.prompt_len)
@@ -61,6 +71,8 @@ class DonorRegistrar:
         ns = namespace if isinstance(namespace, Namespace) else self.namespace.for_request(request)
         if not isinstance(ns, Namespace) or self.namespace.layout is None:
             return None
+        if ledger_ready is not None and not ledger_ready():
+            raise LedgerBusy("the ledger is busy: registration skipped")
         prompt = tokens[:prompt_len]
         keys = list((keys if keys is not None and len(keys) >= n else content_keys(ns, prompt, tpb, n))[:n])
         existing = self.reader.find_span(ns.digest, keys, time.time(), min_blocks=n)

@@ -114,9 +114,8 @@ class BackgroundRunner:
     Besides queued jobs it runs periodic ones (:meth:`every`: the donor view's catch-up, the
     store's recheck), each one period after its previous run ended, whenever no queued job is
     waiting: queued jobs (leases) go first, and a job queued meanwhile waits for at most the
-    periodic runs then under way. A periodic job waits while jobs stay queued; the scheduler stops
-    promising (``ledger_busy``) once the oldest has waited half of ``lease_confirm_timeout_s``, so
-    the queue drains.
+    periodic runs then under way. While jobs stay queued, a periodic job still runs once it is a
+    whole period late (between two queued jobs), so a steady stream cannot starve it.
     Keeping them on one thread matters in the engine's process: every connector thread that runs
     Python takes the GIL from the engine's thread, and the more threads compete for it, the more
     often the engine's thread waits a whole ``sys.getswitchinterval()`` (5 ms) to get it back
@@ -191,7 +190,8 @@ class BackgroundRunner:
     def _loop(self) -> None:
         while True:
             try:
-                item = self._queue.get_nowait()  # queued jobs (leases) first
+                item = self._queue.get_nowait()  # queued jobs (leases) first ...
+                self._run_due(overdue_only=True)  # ... unless a periodic job is a period late
             except queue.Empty:
                 try:  # nothing queued: run the periodic jobs that are due, then wait for either
                     item = self._queue.get(timeout=min(self._run_due(), _MAX_SLEEP_S))
@@ -211,15 +211,16 @@ class BackgroundRunner:
                     with self._lock:
                         self._telemetry -= 1
 
-    def _run_due(self) -> float:
-        """Run the periodic jobs that are due; returns seconds until the next is (long: none)."""
+    def _run_due(self, *, overdue_only: bool = False) -> float:
+        """Run the periodic jobs that are due (``overdue_only``: due a whole period ago); returns
+        seconds until the next is (long: none)."""
         with self._lock:
             periodic = self._periodic
         if not periodic:
             return _MAX_SLEEP_S
         now = time.monotonic()
         for job in periodic:
-            if job.due <= now:
+            if job.due + (job.period_s if overdue_only else 0.0) <= now:
                 self._running_since = now
                 job.run()
                 self._running_since = None

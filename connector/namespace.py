@@ -207,9 +207,9 @@ class DeploymentNamespace:
         scope = request_scope(request)
         if isinstance(scope, NamespaceUnknown):
             return scope
-        if scope[1].isdigit() and self.overrides.lora_task_ids == "engine":
+        if scope[1] != "none" and self.overrides.lora_task_ids == "engine":
             if not self.engine_id:
-                return NamespaceUnknown("lora_task_id", "a LoRA task id names an adapter only inside its engine: "
+                return NamespaceUnknown("lora_task_id", "a LoRA adapter is named only inside its engine: "
                                         "set engine_id, or namespace.lora_task_ids = 'fleet'")
             scope = (scope[0], f"{scope[1]}@engine:{self.engine_id}", scope[2])
         cached = self._cache.get(scope)
@@ -225,9 +225,11 @@ class DeploymentNamespace:
 
 def request_scope(request: Any) -> tuple[str, str, str] | NamespaceUnknown:
     """``(cache_salt, lora, multimodal)`` strings of a request, or what is unknown. ``lora``:
-    ``none``; the adapter's identity (``adapter:<digest>``) when the request carries one
-    (``lora_identity``, e.g. the vLLM adapter's name and path); else the task id's digits, which
-    :meth:`DeploymentNamespace.for_request` scopes to the engine unless ids are fleet-wide."""
+    ``none``; ``adapter:<digest>`` of the adapter's identity when the request carries one
+    (``lora_identity``, e.g. the vLLM adapter's name and path); else ``task:<id>``.
+    :meth:`DeploymentNamespace.for_request` scopes either to the engine unless the deployment
+    declares them fleet-wide (a name and path, like an id, need not mean the same weights on
+    another host)."""
     if getattr(request, "prompt_embedding_table", None) is not None or getattr(request, "py_prompt_embedding_table", None) is not None:
         return NamespaceUnknown("ptuning", "p-tuning prompt tables are not supported", "unsupported")
     if hasattr(request, "cache_salt") and isinstance(request.cache_salt, str):
@@ -245,7 +247,7 @@ def request_scope(request: Any) -> tuple[str, str, str] | NamespaceUnknown:
     elif identity:
         lora = "adapter:" + xxhash.xxh3_128_hexdigest(str(identity).encode())
     else:
-        lora = str(int(request.lora_task_id))
+        lora = f"task:{int(request.lora_task_id)}"
     mm = getattr(request, "multimodal_hashes", None)
     multimodal = "text" if not mm else "mm:" + xxhash.xxh3_128_hexdigest(json.dumps(mm).encode())
     return salt, lora, multimodal

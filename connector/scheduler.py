@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector._trtllm import ENGINE_RECOMPUTES_FAILED_LOADS, TRTLLM_WITHOUT_RECOMPUTE, KvCacheConnectorScheduler
 from connector.discovery.hook import SchedulerDiscovery
-from connector.donors import DonorRegistrar
+from connector.donors import DonorRegistrar, LedgerBusy
 from connector.donor_store import ChecksumMismatch, DonorStoreError, EntryMissing, FileDonorStore
 from connector.lookup import BackgroundRunner, DeadlineRunner, MissDiagnosis, stale_reason_name
 from connector.metrics import ConnectorMetrics, process_metrics, serve_metrics
@@ -100,6 +100,9 @@ if TYPE_CHECKING:
 __all__ = ["ResetHooksMixin", "SemKvScheduler", "process_rank"]
 
 log = logging.getLogger(__name__)
+_REGISTER_BACKOFF_S = 1.0
+"""After a donor registration timed out on the ledger's write lock, finished requests are not
+registered for this long (seconds): each would otherwise wait ``register_lock_wait_s`` in turn."""
 RECHECK_ENTRIES_PER_TICK = 256
 """Donor store entries stat'ed per ``store_recheck_s`` run (round robin): 2.2 ms of the ledger
 thread per run here (measured, 1000 entries) however many entries the store verified, ~4 % of one
@@ -239,17 +242,19 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                      else DeadlineRunner("semkv-lookup"))
         self._view: DonorView | None = None
         if s.materializes and s.donor_view_refresh_s > 0:
-            # A view not caught up for 20 periods is not used (lookups read the ledger), nor for
-            # lease_confirm_timeout_s: its catch-up shares the ledger thread with lease writes, and
-            # one delayed by them is not failing (past half that, lookups miss with ledger_busy).
+            # A view whose catch-up fails is not used after 20 periods (lookups read the ledger); one
+            # whose catch-up is only late (it shares the ledger thread with lease writes) after
+            # lease_confirm_timeout_s (past half that, lookups miss with ledger_busy anyway).
+            failing_s = max(0.1, 20 * s.donor_view_refresh_s)
             self._view = DonorView(self._in_store, s.donor_view_max_blocks,
-                                   max(0.1, 20 * s.donor_view_refresh_s, s.lease_confirm_timeout_s))
+                                   max(failing_s, s.lease_confirm_timeout_s), max_failing_s=failing_s)
         self._background = BackgroundRunner("semkv-background", on_drop=self.metrics.telemetry_dropped.inc)
         # leases in order (a release never overtakes its take), never behind telemetry or a
         # background checksum of a big entry; when none is queued, the view's catch-up and the
         # store's recheck (one thread for all three: fewer threads taking the GIL from the engine's)
         self._ledger_jobs = BackgroundRunner("semkv-ledger")
         self._lease_prefix, self._lease_seq = uuid.uuid4().hex[:16], itertools.count()
+        self._register_paused_until = 0.0  # monotonic; see _register
         self._ledger_busy_s = s.lease_confirm_timeout_s / 2
         """A lookup misses (``ledger_busy``) while the ledger thread's oldest job has waited or run
         this long (seconds): a lease queued now would likely not be confirmed in time, and a broken
@@ -270,12 +275,20 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         """Lookups trust the store's record of verified entries (re-checked by a periodic job)."""
         if self._view is not None:  # after the start is recorded: this engine's old donors are stale in it
             self._load_view()
-            view = self._view
-            self._ledger_jobs.every("donor view catch-up", s.donor_view_refresh_s, lambda: self.ledger.refresh_view(view))
+            self._ledger_jobs.every("donor view catch-up", s.donor_view_refresh_s, self._catch_up_view)
             if s.store_recheck_s > 0:
                 self._trust_store_record = True
                 self._ledger_jobs.every("donor store recheck", s.store_recheck_s,
                                    lambda: self.store.recheck_verified(RECHECK_ENTRIES_PER_TICK))
+
+    def _catch_up_view(self) -> None:
+        """The periodic catch-up of the donor view; a failure shortens how long the view is used."""
+        assert self._view is not None
+        try:
+            self.ledger.refresh_view(self._view)
+        except Exception:
+            self._view.catch_up_failed()
+            raise
 
     def _view_age(self) -> float:
         """The donor view's age for the metric: seconds, -1.0 without a view (or before its load)."""
@@ -702,13 +715,25 @@ class SemKvScheduler(KvCacheConnectorScheduler):
 
     def _register(self, request: Any, cache_block_ids: list[int], state: _RequestState) -> SaveInstruction | None:
         """The donor registration, its wait for the ledger's write lock bounded (``register_lock_wait_s``):
-        the engine's thread must not stall behind another writer. None: not a donor."""
+        the engine's thread must not stall behind another writer. After a lock timeout, and while
+        the ledger thread is backed up, registrations are skipped at once for ``_REGISTER_BACKOFF_S``
+        (a batch of finishing requests must not wait that long each). None: not a donor."""
+        def ledger_ready() -> bool:
+            paused = time.monotonic() < self._register_paused_until
+            return not paused and self._ledger_jobs.backlog_s() <= self._ledger_busy_s
+
         try:
             with self.ledger.lock_wait(self.settings.register_lock_wait_s):
                 return self._donors.register(request, list(cache_block_ids), namespace=state.namespace,
-                                             keys=state.keys, block_hashes=state.block_hashes)
+                                             keys=state.keys, block_hashes=state.block_hashes,
+                                             ledger_ready=ledger_ready)
+        except LedgerBusy:
+            self.metrics.donors_not_registered.labels(reason="ledger_busy").inc()
+            return None
         except LedgerError as exc:
             busy = isinstance(exc, PersistenceError) and lock_timed_out(exc)
+            if busy:
+                self._register_paused_until = time.monotonic() + _REGISTER_BACKOFF_S
             self.metrics.donors_not_registered.labels(reason="ledger_busy" if busy else "ledger_error").inc()
             log.warning("semkv: request %s not registered as a donor: %s", request.request_id, exc)
             return None

@@ -90,7 +90,8 @@ class NamespaceOverrides(BaseModel):
     engine's donors (the namespace gets ``engine_id``; without one, LoRA requests are never materialized).
     ``fleet``: every engine maps each id to the same adapter weights (you assign ids centrally), so engines
     share LoRA donors. Requests that name their adapter (the vLLM adapter: ``lora_name`` + ``lora_path``) are
-    namespaced by that name instead, fleet-wide."""
+    namespaced by that name instead of the id, under the same rule: a name and path, too, are trusted across
+    engines only with ``fleet``."""
     extra: dict[str, str] = Field(default_factory=dict)
     """Anything else that changes KV bytes in your deployment (quantization recipe, ...)."""
 
@@ -129,7 +130,7 @@ class ConnectorSettings(BaseSettings):
     for it before shipping the plan (seconds). A lease refused or not committed by then ships the plan
     failed: the request fails closed (counted in ``semkv_promises_broken_total``). While the connector's
     ledger thread has been busy or backed up for half of this, lookups miss (``ledger_busy``) instead of
-    promising."""
+    promising (with ``lease_before_answer`` off; with it on, the lease is written inside the lookup)."""
     donor_view_refresh_s: float = Field(0.005, ge=0)
     """The scheduler answers lookups from an in-memory view of the ledger's fresh donors (those whose bytes
     this host's store holds, with their block liveness), caught up from the ledger this often (seconds).
@@ -141,7 +142,8 @@ class ConnectorSettings(BaseSettings):
     waits included, e.g. behind a migration's ``ACCESS EXCLUSIVE`` lock), and connecting gives up after as
     long, so a stuck ledger fails a lease, a load or a registration instead of hanging the engine (the
     worker's revalidation runs on the engine's thread). SQLite: reads never wait; writes wait at most
-    ``busy_timeout`` (30 s), and the engine thread's only write at most ``register_lock_wait_s``."""
+    ``busy_timeout`` (30 s); on the engine's thread, the donor registration at most ``register_lock_wait_s``
+    (the engine start recorded at construction keeps the 30 s)."""
     register_lock_wait_s: float = Field(0.25, gt=0, le=60)
     """``request_finished`` registers the donor on the engine's thread: it waits at most this long (seconds)
     for the ledger's write lock (SQLite's database lock, PostgreSQL's lock on the log), instead of 30 s on

@@ -16,7 +16,8 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
   too with ``per_layer_block_check``), read that layer's donor bytes, verify their checksum, copy
   them into the target blocks ``kv[target_block_ids, layer_idx]``, and only then return — a layer is
   released to attention only when copied. A layer asked for while an earlier one was never
-  loaded (attention ran on it unloaded) fails the plan (``layer_skipped``). After the last layer,
+  loaded (attention ran on it unloaded), or a forward that ends before the last layer was asked
+  for (``wait_for_save``), fails the plan (``layer_skipped``). After the last layer,
   with every layer copied, the plan counts as materialized (DESIGN §2 rule 8). With
   ``load_before_forward`` (TensorRT-LLM 1.1/1.2 by default) all of that
   runs in ``start_load_kv`` for every layer, before the forward, so nothing can fail inside it.
@@ -300,7 +301,19 @@ class SemKvWorker(KvCacheConnectorWorker):
         """No-op: donors are saved whole once their request finished (see wait_for_save)."""
 
     def wait_for_save(self, stream: Any) -> None:
-        """End of a forward: synchronize, then gather the donors to save (device → host)."""
+        """End of a forward: synchronize, then gather the donors to save (device → host).
+
+        Raises:
+            SemKvLoadError: a plan of this forward was not loaded to its last layer (the engine
+                never waited on its last layers: attention read them unloaded); the plan fails and
+                nothing counts as materialized."""
+        if self._active:  # every plan of a forward that ran to its end is loaded by now
+            load, last = self._active[0], self.layout.num_layers - 1  # type: ignore[union-attr]
+            error = SemKvLoadError(load.plan, "layer_skipped",
+                                   f"the forward ended before layers {load.next_layer}..{last} were loaded",
+                                   load.next_layer)
+            self._fail_all(error)
+            raise error
         if self._to_gather:
             stream.synchronize()
             self._gather()

@@ -15,8 +15,8 @@ changed since the log seq it reflects (:attr:`DonorView.cursor`):
 * the log's ``block_stored`` / ``block_removed`` / ``all_blocks_cleared`` rows, which make donor
   blocks live or not (:class:`~ledger.liveness.LivenessCache`; policy ``engine``).
 
-What the view says is normally one period old (at most the staleness its owner allows). That is safe because it is not the last word: the
-scheduler's ledger lease re-checks the donor and every promised block in its write transaction and
+What the view says is normally one period old (at most the staleness its owner allows). That is
+safe because it is not the last word: the scheduler's ledger lease re-checks the donor and every promised block in its write transaction and
 the plan ships only once that lease is held, and the worker re-reads the ledger before every layer
 (DESIGN §2 rules 3 and 6).
 
@@ -69,12 +69,16 @@ class DonorView:
             lookup then misses them; counted in :attr:`dropped`).
         max_staleness_s: the view is not :attr:`ready` when its last catch-up is older (seconds):
             a ledger that cannot be read must not leave lookups on an old picture.
+        max_failing_s: the same bound while the latest catch-up attempt failed (default
+            ``max_staleness_s``): a catch-up that is merely late may get longer than one that fails.
     """
 
     def __init__(self, wanted: Callable[[str, str, str], bool] | None = None, max_blocks: int = 131_072,
-                 max_staleness_s: float = 1.0) -> None:
+                 max_staleness_s: float = 1.0, max_failing_s: float | None = None) -> None:
         self.wanted = wanted or (lambda donor_id, store_ref, checksum: True)
         self.max_blocks, self.max_staleness_s = max_blocks, max_staleness_s
+        self.max_failing_s = max_staleness_s if max_failing_s is None else max_failing_s
+        self._failing = False
         self._caught_up_at = float("-inf")
         self.cursor = -1
         """Log seq the view reflects; -1 until the first refresh."""
@@ -92,7 +96,8 @@ class DonorView:
     def ready(self) -> bool:
         """True when the view has been caught up with the ledger within ``max_staleness_s``
         (seconds): loaded, and its refresh not failing. Otherwise read the ledger itself."""
-        return self.cursor >= 0 and time.monotonic() - self._caught_up_at < self.max_staleness_s
+        limit = self.max_failing_s if self._failing else self.max_staleness_s
+        return self.cursor >= 0 and time.monotonic() - self._caught_up_at < limit
 
     def age_s(self) -> float:
         """Seconds since the last catch-up (infinite before the first)."""
@@ -101,6 +106,12 @@ class DonorView:
     def caught_up(self) -> None:
         """The ledger was read and nothing changed since :attr:`cursor`."""
         self._caught_up_at = time.monotonic()
+        self._failing = False
+
+    def catch_up_failed(self) -> None:
+        """A catch-up attempt failed (the ledger could not be read): :attr:`ready` uses
+        ``max_failing_s`` until one succeeds."""
+        self._failing = True
 
     # -- lookup (memory only) ----------------------------------------------------------------
 
@@ -157,13 +168,15 @@ class DonorView:
 
     def changed(self, upto_seq: int, engines: Iterable[tuple[str, int]], donors: Iterable[Any],
                 removals: Iterable[Any],
-                load: Callable[[Any], tuple[list[bytes], list[tuple[int, bytes]], list[bool]]]) -> None:
+                load: Callable[[Any], tuple[list[bytes], list[tuple[int, bytes]], list[bool]]], *,
+                complete: bool = True) -> None:
         """Apply what changed in ``(cursor, upto_seq]``: every engine's ``(engine_id, generation)``,
         the donor rows whose ``updated_seq`` moved (``donor_id, namespace, engine_id, dp_rank,
         window_size, generation, tokens_per_block, provider_generation, expires_at, state,
         store_ref, checksum, registered_seq``), and the log's block rows (see
         :meth:`LivenessCache.apply`). ``load(row)`` returns a new donor's content keys, block
-        hashes and which blocks are live, read at ``upto_seq`` or later."""
+        hashes and which blocks are live, read at ``upto_seq`` or later. ``complete``: the ledger
+        holds nothing past ``upto_seq`` (a catch-up done in steps is caught up only at its last)."""
         with self._lock:
             self._engines = dict(engines)
         self.liveness.apply(removals, upto_seq)
@@ -178,7 +191,8 @@ class DonorView:
                 self._add(row, keys, hashes, live, upto_seq)
         with self._lock:
             self.cursor = upto_seq
-        self.caught_up()
+        if complete:
+            self.caught_up()
 
     def _add(self, row: Any, keys: list[bytes], hashes: list[tuple[int, bytes]], live: list[bool], seq: int) -> None:
         if not keys or len(keys) > self.max_blocks:

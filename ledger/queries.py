@@ -199,6 +199,11 @@ _STATE_REASON = {str(DonorState.REGISTERED): StaleReason.NOT_SAVED, str(DonorSta
                  str(DonorState.QUARANTINED): StaleReason.QUARANTINED}
 
 
+VIEW_CATCH_UP_MAX_SEQS = 100_000
+"""Log rows one :meth:`LedgerClient.refresh_view` call reads at most (a view's first load reads
+no log rows, only donors)."""
+
+
 class LedgerClient:
     """Synchronous ledger access for the connector (scheduler and worker). Thread-safe: each
     thread uses its own DBAPI connection, opened on first use and kept until :meth:`close`.
@@ -286,17 +291,20 @@ class LedgerClient:
         transaction on SQLite): engines' generations, donors whose ``updated_seq`` moved (a new
         saved donor's content keys, block hashes and block liveness are read here) and the log's
         block rows. Returns the log seq the view now reflects. Cost when nothing changed: one
-        statement (the log's max seq)."""
+        statement (the log's max seq). A view far behind (after an outage) catches up at most
+        :data:`VIEW_CATCH_UP_MAX_SEQS` log rows per call, and counts as caught up only at the
+        end, so no single statement outgrows a statement timeout."""
         def run(sql: Sql) -> int:
-            upto = sql.one(_MAX_SEQ, {})[0] or 0
-            if upto == view.cursor:
+            latest = sql.one(_MAX_SEQ, {})[0] or 0
+            if latest == view.cursor:
                 view.caught_up()
-                return upto
+                return latest
             after = view.cursor
+            upto = latest if after < 0 else min(latest, after + VIEW_CATCH_UP_MAX_SEQS)
             blocks = sql.all(_BLOCK_ROWS, {"after": after, "upto": upto, **_BLOCK_ROW_PARAMS}) if after >= 0 else []
             view.changed(upto, sql.all(_ENGINE_GENERATIONS, {}),
                          sql.all(_DONORS_CHANGED, {"after": after, "upto": upto}), blocks,
-                         lambda row: _view_donor(sql, row))
+                         lambda row: _view_donor(sql, row), complete=upto == latest)
             return upto
 
         with view.catching_up:
@@ -341,16 +349,21 @@ class LedgerClient:
         ms = max(1, round(seconds * 1000))
         if sql.is_sqlite:
             wait, restore = f"PRAGMA busy_timeout={ms}", f"PRAGMA busy_timeout={ledger_db.SQLITE_BUSY_TIMEOUT_MS}"
-        else:  # session level, outside a transaction: SET LOCAL would end with the first COMMIT
-            wait, restore = f"SET lock_timeout = {ms}", "SET lock_timeout = 0"
-        sql.driver(wait)
+        else:  # session level (autocommit connection): SET LOCAL would end with the first COMMIT
+            wait, restore = f"SET lock_timeout = {ms}", "RESET lock_timeout"
+        try:
+            sql.driver(wait)
+        except sql.errors as exc:
+            self._drop()
+            raise persistence_error(sql.wrap(exc)) from exc
         try:
             yield
         finally:
-            try:
-                sql.driver(restore)
-            except sql.errors:  # a broken connection: the next use reconnects with the defaults
-                self._drop()
+            if getattr(self._local, "sql", None) is sql:  # not replaced by a reconnect meanwhile
+                try:
+                    sql.driver(restore)
+                except sql.errors:  # a broken connection: the next use reconnects with the defaults
+                    self._drop()
 
     def donor_freshness(self, donor_id: str, *, namespace: str, num_blocks: int | None = None,
                         policy: FreshnessPolicy = FreshnessPolicy.ENGINE, lease_id: str | None = None,

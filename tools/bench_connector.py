@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import os
 import statistics
 import struct
@@ -479,7 +480,7 @@ def main() -> None:
     if args.quick:
         args.blocks, args.repeats, lookup_sizes, ttft_sizes = 20_000, 20, [2048, 8192], [2048]
     today = dt.date.today().isoformat()
-    results: dict = {"lookups": {}}
+    results: dict = {"lookups": {}, "speed": [machine_speed()]}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         backends = [("SQLite", f"sqlite:///{root / 'ledger.db'}", None)]
@@ -515,6 +516,7 @@ def main() -> None:
             finally:
                 if drop is not None:
                     drop()
+    results["speed"].append(machine_speed())
     write_table(results, args, today)
 
 
@@ -522,16 +524,27 @@ def _dated_path(today: str) -> Path:
     """``results/connector-<date>.md``, or with the time appended when a run of that day is saved
     already (results are never overwritten)."""
     out = Path(__file__).parent / "results" / f"connector-{today}.md"
-    for stamp in ("%H%M", "%H%M%S"):
-        if not out.exists():
-            return out
-        out = out.with_name(f"connector-{today}-{dt.datetime.now():{stamp}}.md")
-    return out
+    stamp = f"{dt.datetime.now():%H%M}"
+    suffixes = itertools.chain(["", f"-{stamp}"], (f"-{stamp}-{n}" for n in itertools.count(2)))
+    return next(path for path in (out.with_name(f"connector-{today}{s}.md") for s in suffixes) if not path.exists())
+
+
+def machine_speed(repeats: int = 300) -> float:
+    """Median seconds to sum 32K Python ints: a pure-CPU yardstick printed with every table, since
+    this VM's speed moves from run to run."""
+    values, times = list(range(32_768)), []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        sum(values)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def write_table(results: dict, args, today: str) -> None:  # noqa: ANN001
     lines = [f"# KV Cache Connector — {today}", "",
-             f"Machine: {os.cpu_count()} CPUs (slow virtual Xeon: summing 32K Python ints takes ~0.6 ms). Ledger: "
+             f"Machine: {os.cpu_count()} CPUs; its speed during this run: summing 32K Python ints took "
+             f"{results['speed'][0] * 1e3:.3f} ms p50 before the lookups and {results['speed'][1] * 1e3:.3f} ms after "
+             "(this VM's speed moves by up to ±50 % between runs: compare runs by it). Ledger: "
              f"{args.blocks:,} live blocks + ~{args.blocks:,} donor blocks (bulk SQL into the projections), "
              "policy `engine`. Harness model: 2 layers, 4 heads, 2 KV heads x 32 dims, fp32, 32 tokens/block, "
              "CPU (1 KiB of KV per token).", "",

@@ -171,3 +171,22 @@ def test_rule_8_an_engine_that_skips_a_layers_wait_fails_the_plan(fleet: Fleet) 
     assert b.metrics.value("semkv_exact_materialized_total") == 0
     b.scheduler.flush()
     assert fleet.held_leases() == 0 and b.metrics.value("semkv_leases_held") == 0
+
+
+def test_rule_8_an_engine_that_never_waits_on_the_last_layer_fails_the_plan(fleet: Fleet) -> None:
+    """The mirror case: no later layer is asked for, so the forward's end (``wait_for_save``) is
+    where the worker sees the last layer was never loaded."""
+    b, _ = setup(fleet)
+    worker_wait, last = b.worker.wait_for_layer_load, MODEL.num_layers - 1
+
+    def skip_last_layer(layer_idx: int, stream) -> None:  # noqa: ANN001
+        if layer_idx != last:
+            worker_wait(layer_idx, stream)
+
+    b.worker.wait_for_layer_load = skip_last_layer  # type: ignore[method-assign]
+    with pytest.raises(ConnectorWorkerError, match="layer_skipped"):
+        b.generate(PROMPT)
+    assert b.metrics.value("semkv_load_failures_total", reason="layer_skipped") == 1
+    assert b.metrics.value("semkv_exact_materialized_total") == 0
+    b.scheduler.flush()
+    assert fleet.held_leases() == 0 and b.metrics.value("semkv_leases_held") == 0

@@ -55,6 +55,12 @@ def test_a_held_write_lock_makes_lookups_miss_instead_of_promising(fleet: Fleet)
         # computed cold and finished; its registration gave up on the lock instead of stalling
         assert time.monotonic() - started < 5
         assert b.metrics.value("semkv_donors_not_registered_total", reason="ledger_busy") == 1
+        # the next finishing request does not wait for the lock again (a batch would stall in turn)
+        started = time.monotonic()
+        b.llm.generate(DOC + doc_tokens(3 * MODEL.tokens_per_block, seed=14), 1)
+        assert b.metrics.value("semkv_donors_not_registered_total", reason="ledger_busy") == 2
+        assert b.metrics.value("semkv_lookup_misses_total", reason="ledger_busy") == 2
+        assert time.monotonic() - started < 0.04  # register_lock_wait_s is 0.05 here
         assert b.metrics.value("semkv_promises_total") == 1
     b.scheduler.flush()
     assert fleet.held_leases() == 0  # the late lease was written after the lock, then released

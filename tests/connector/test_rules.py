@@ -97,7 +97,7 @@ def test_rule_4_errors_timeouts_and_unknown_fields_are_counted_misses(fleet: Fle
         time.sleep(0.01)
     b.scheduler.ledger.refresh_view = unreachable  # type: ignore[method-assign]
     b.scheduler.ledger.find_donor_span = unreachable  # type: ignore[method-assign]
-    view.max_staleness_s = 0.05
+    view.max_staleness_s = view.max_failing_s = 0.05
     time.sleep(0.1)
     assert not view.ready
     assert b.generate(DOC + QUESTION).num_connector_tokens == 0

@@ -109,13 +109,15 @@ def test_a_lora_task_id_names_an_adapter_only_inside_its_engine_unless_ids_are_f
     task 4 may be different adapters, so by default their donors never meet."""
     lora = LlmRequest(1, [1, 2, 3], 1, lora_task_id=4)
     on_a, on_b = ns_of(lora, engine_id="engine-a"), ns_of(lora, engine_id="engine-b")
-    assert on_a.digest != on_b.digest and on_a.fields["lora_task_id"] == "4@engine:engine-a"
+    assert on_a.digest != on_b.digest and on_a.fields["lora_task_id"] == "task:4@engine:engine-a"
     assert ns_of(lora, engine_id="engine-a").digest == on_a.digest
     unscoped = ns_of(lora, engine_id=None)
     assert isinstance(unscoped, NamespaceUnknown) and unscoped.field == "lora_task_id"
     fleet_a = ns_of(lora, engine_id="engine-a", lora_task_ids="fleet")
     assert fleet_a.digest == ns_of(lora, engine_id="engine-b", lora_task_ids="fleet").digest
     assert fleet_a.digest != ns_of(LlmRequest(1, [1], 1, lora_task_id=5), lora_task_ids="fleet").digest
+    negative = ns_of(LlmRequest(1, [1], 1, lora_task_id=-1), engine_id="engine-a")  # scoped by kind, not shape
+    assert negative.fields["lora_task_id"] == "task:-1@engine:engine-a"
     # no LoRA: the engine does not enter the namespace (donors are shared fleet-wide)
     plain = LlmRequest(1, [1, 2, 3], 1)
     assert ns_of(plain, engine_id="engine-a").digest == ns_of(plain, engine_id="engine-b").digest

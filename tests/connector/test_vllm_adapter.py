@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from connector.namespace import DeploymentNamespace, KvLayout, Namespace, NamespaceUnknown
+from connector.settings import NamespaceOverrides
 from connector.vllm_connector import VllmDeployment, VllmRequest, engine_block_hash, kv_layout, layer_views
 from connector.worker import SemKvWorker
 
@@ -92,7 +93,7 @@ def _request(salt: str | None = None, lora: int | None = None, embeds: object = 
 
 
 def test_request_scope_separates_salts_and_loras_and_refuses_prompt_embeds() -> None:
-    namespace = DeploymentNamespace(VllmDeployment(vllm_config(), kv_cache_config()))
+    namespace = DeploymentNamespace(VllmDeployment(vllm_config(), kv_cache_config()), engine_id="vllm-0")
     plain, salted, lora = (namespace.for_request(VllmRequest(_request(**kw)))
                            for kw in ({}, {"salt": "tenant-A"}, {"lora": 3}))
     assert all(isinstance(ns, Namespace) for ns in (plain, salted, lora))
@@ -101,6 +102,9 @@ def test_request_scope_separates_salts_and_loras_and_refuses_prompt_embeds() -> 
     other_adapter_same_id = namespace.for_request(VllmRequest(_request(lora=3, lora_name="medical")))
     same_adapter_other_id = namespace.for_request(VllmRequest(_request(lora=7)))
     assert other_adapter_same_id.digest != lora.digest and same_adapter_other_id.digest == lora.digest
+    fleet = DeploymentNamespace(VllmDeployment(vllm_config(), kv_cache_config()),
+                                NamespaceOverrides(lora_task_ids="fleet"), engine_id="vllm-1")
+    assert fleet.for_request(VllmRequest(_request(lora=3))).fields["lora_task_id"].startswith("adapter:")
     refused = namespace.for_request(VllmRequest(_request(embeds=torch.zeros(1))))
     assert isinstance(refused, NamespaceUnknown) and refused.field == "ptuning"
     view = VllmRequest(_request())

@@ -80,12 +80,12 @@ def test_queued_jobs_run_before_a_due_periodic_job() -> None:
     order: list[str] = []
     gate = threading.Event()
     try:
-        runner.every("tick", 0.01, lambda: order.append("tick"))
+        runner.every("tick", 0.2, lambda: order.append("tick"))
         runner.submit(lambda: (order.append("busy"), gate.wait(10)), must=True)
         wait_for(lambda: "busy" in order)
         for name in ("lease-1", "lease-2", "release-1"):
             runner.submit(lambda name=name: order.append(name), must=True)
-        time.sleep(0.05)  # the tick is due by now
+        time.sleep(0.25)  # the tick is due by now, but not a whole period late
         gate.set()
         wait_for(lambda: "tick" in order[order.index("busy"):])
     finally:
@@ -93,6 +93,21 @@ def test_queued_jobs_run_before_a_due_periodic_job() -> None:
         runner.close()
     after = order[order.index("busy") + 1:]
     assert after[:4] == ["lease-1", "lease-2", "release-1", "tick"]
+
+
+def test_a_steady_stream_of_queued_jobs_does_not_starve_a_periodic_job() -> None:
+    runner = BackgroundRunner("test-runner")
+    ticks: list[float] = []
+    try:
+        runner.every("tick", 0.02, lambda: ticks.append(time.monotonic()))
+        stream_until = time.monotonic() + 0.4
+        while time.monotonic() < stream_until:  # the queue never empties meanwhile
+            runner.submit(lambda: time.sleep(0.005), must=True)
+            time.sleep(0.002)
+        ran_during_stream = sum(1 for at in ticks if at < stream_until)
+    finally:
+        runner.close()
+    assert ran_during_stream >= 3
 
 
 def test_backlog_counts_the_oldest_queued_or_running_job() -> None:

@@ -16,6 +16,7 @@ from ledger import events as ev
 from ledger.db import sync_engine
 from ledger.errors import EventRejected
 from ledger.donor_view import DonorView
+from ledger import queries as queries_module
 from ledger.queries import LedgerClient
 from ledger.replay import replay
 from ledger.schema import BlockRow, CounterRow, EngineRow, LogRow
@@ -462,6 +463,30 @@ class RecorderContract:
             append(db, batch(2, cleared()))  # generation bump: every donor of the engine is stale
             assert self._view_span(client, view, keys) is None
             assert view.stats()["donors"] == 0  # quarantined donors left the view
+        finally:
+            client.close()
+
+    def test_donor_view_far_behind_catches_up_in_bounded_steps(self, db, monkeypatch):
+        """After an outage the view reads at most VIEW_CATCH_UP_MAX_SEQS log rows per catch-up (no
+        statement outgrows a statement timeout), and is not ready until the last step."""
+        append(db, batch(0, stored(1, 2, 3, 4)))
+        self._donor(db, hashes=(1, 2, 3, 4))
+        keys = [f"ns-k{i}".encode() for i in range(4)]
+        client, view = LedgerClient(db), DonorView(max_staleness_s=0.05)
+        try:
+            assert self._view_span(client, view, keys) == ("d1", 4)
+            append(db, batch(1, removed(4)))
+            append(db, batch(2, removed(3)))
+            append(db, batch(3, stored(9)))
+            monkeypatch.setattr(queries_module, "VIEW_CATCH_UP_MAX_SEQS", 1)
+            time.sleep(0.06)  # older than max_staleness_s: only a complete catch-up makes it ready
+            steps = []
+            while not view.ready:
+                steps.append(client.refresh_view(view))
+                assert len(steps) < 50
+            assert len(steps) >= 3 and steps == sorted(steps)
+            assert view.longest_span("ns", keys, now=time.time()) is not None
+            assert self._view_span(client, view, keys) == ("d1", 2) == ("d1", client.find_donor_span("ns", keys).num_blocks)
         finally:
             client.close()
 

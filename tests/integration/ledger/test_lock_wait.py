@@ -79,3 +79,15 @@ def test_a_statement_timeout_cancels_a_read_stuck_behind_a_migration_lock(postgr
         holder.close()
     assert client.donor_freshness("some-donor", namespace="ns") is not None  # unknown donor, answered
     client.close()
+
+
+def test_lock_wait_on_a_broken_connection_is_a_ledger_error_and_the_next_call_reconnects(sqlite_db: str) -> None:
+    client = LedgerClient(sqlite_db)
+    try:
+        client._sql().connection.close()  # the thread's connection died under it
+        with pytest.raises(PersistenceError), client.lock_wait(0.1):
+            pass
+        with client.lock_wait(0.1):
+            client.record_engine_start("engine-a")  # a fresh connection
+    finally:
+        client.close()
