@@ -469,7 +469,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             taken.set_result(lease)
             return _Promise(span, lease_id, taken, start_block, span.num_blocks - start_block, ns.digest, time.time())
 
-        finished, result = self._hot.run(find_and_lease, self.settings.lookup_timeout_s, on_abandon=self._abandoned)
+        finished, result = self._hot.run(find_and_lease, self.settings.lease_in_lookup_timeout_s,
+                                         on_abandon=self._abandoned)
         return result if finished else _Miss("timeout")
 
     def _new_lease_id(self) -> str:

@@ -125,6 +125,11 @@ class ConnectorSettings(BaseSettings):
     budget does not allow. None: on exactly where a failed plan cannot be recomputed — TensorRT-LLM
     without ``cancel_load``/``request_reset`` (1.1/1.2), where it stops the executor (connector/README.md,
     "TensorRT-LLM 1.1/1.2"); off on engines that recompute (newer releases, vLLM, the harness)."""
+    lease_in_lookup_timeout_s: float = Field(0.05, gt=0, le=10)
+    """With ``lease_before_answer``: the lookup's hard deadline (seconds) for finding the span AND writing its
+    lease, instead of ``lookup_timeout_s``. A lease write takes ~0.3-8 ms on SQLite and ~3-20 ms on PostgreSQL
+    here (tools/results/connector-*.md), so the 2 ms lookup deadline would miss every hit there; the engine
+    waits this long at most, to save a prefill of seconds."""
     lease_confirm_timeout_s: float = Field(0.5, gt=0, le=60)
     """A promise's ledger lease is written off the engine's path; ``build_connector_meta`` waits this long
     for it before shipping the plan (seconds). A lease refused or not committed by then ships the plan

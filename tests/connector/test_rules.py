@@ -160,7 +160,7 @@ def test_rule_7_no_lease_survives_finish_failure_cancel_or_timeout(fleet: Fleet)
     slow.scheduler.flush()
     assert slow.metrics.value("semkv_leases_released_total", reason="lease_late") == 1
     # lease_before_answer: the engine stops waiting at the deadline; the late lease is released
-    sync = fleet.engine("B", lookup_timeout_s=0.05, lease_before_answer=True)
+    sync = fleet.engine("B", lease_in_lookup_timeout_s=0.05, lease_before_answer=True)
     sync.scheduler.ledger.take_lease = slow_take  # type: ignore[method-assign]
     assert sync.generate(DOC + QUESTION).num_connector_tokens == 0
     deadline = time.monotonic() + 10

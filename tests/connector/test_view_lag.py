@@ -79,3 +79,16 @@ def test_the_view_checksums_new_donors_off_the_engines_path(fleet: Fleet) -> Non
     [donor] = b.scheduler._view._donors.values()
     assert b.scheduler.store.verified(donor.store_ref, donor.checksum)  # before any lookup
     assert b.generate(DOC + QUESTION).num_connector_tokens == len(DOC)
+
+
+def test_lease_before_answer_has_its_own_deadline_long_enough_for_a_lease_write(fleet: Fleet) -> None:
+    """A lease write takes milliseconds (more on PostgreSQL): under the 2 ms lookup deadline every
+    hit would be a timeout. With ``lease_before_answer`` the lookup runs under
+    ``lease_in_lookup_timeout_s`` instead, whatever ``lookup_timeout_s`` says."""
+    a = fleet.engine("A")
+    a.generate(DOC)
+    fleet.sync()
+    b = fleet.engine("B", lease_before_answer=True, lookup_timeout_s=1e-6)
+    assert b.generate(DOC + QUESTION).num_connector_tokens == len(DOC)
+    b.scheduler.flush()
+    assert fleet.held_leases() == 0
