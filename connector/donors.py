@@ -18,9 +18,11 @@ TensorRT-LLM) or, on 1.2 where that field does not exist, are recomputed with ``
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from connector.namespace import DeploymentNamespace, Namespace, content_keys, probe_key
@@ -46,19 +48,20 @@ class DonorRegistrar:
 
     def register(self, request: Any, block_ids: list[int], *, namespace: Any = None, keys: list[bytes] | None = None,
                  block_hashes: list[int] | None = None,
-                 ledger_ready: Callable[[], bool] | None = None) -> SaveInstruction | None:
+                 ledger_access: Callable[[], AbstractContextManager[Any]] | None = None) -> SaveInstruction | None:
         """Register ``request`` as a donor; returns what the worker must save, or None (not a donor).
 
         Args:
             block_ids: the request's blocks in token order (``cache_block_ids`` of ``request_finished``).
             namespace, keys: what the lookup already computed for this request, if anything.
             block_hashes: the engine's hashes of the request's full blocks (``RequestData.block_hashes``).
-            ledger_ready: asked once the request qualifies, before any ledger access; False raises
-                :class:`LedgerBusy` (the caller is backing off a busy ledger).
+            ledger_access: entered once the request qualifies, around every ledger access (the
+                caller bounds the write lock's wait there, or raises :class:`LedgerBusy` while it
+                backs off a busy ledger).
 
         Raises:
             PersistenceError, EventRejected: the ledger refused (the caller treats it as "no donor").
-            LedgerBusy: ``ledger_ready`` said no.
+            LedgerBusy: from ``ledger_access``.
         """
         s, tpb = self.settings, self.tokens_per_block
         prompt_len = int(request.prompt_len)
@@ -71,10 +74,22 @@ class DonorRegistrar:
         ns = namespace if isinstance(namespace, Namespace) else self.namespace.for_request(request)
         if not isinstance(ns, Namespace) or self.namespace.layout is None:
             return None
-        if ledger_ready is not None and not ledger_ready():
-            raise LedgerBusy("the ledger is busy: registration skipped")
         prompt = tokens[:prompt_len]
         keys = list((keys if keys is not None and len(keys) >= n else content_keys(ns, prompt, tpb, n))[:n])
+        with ledger_access() if ledger_access is not None else contextlib.nullcontext():
+            donor_id = self._write(request, ns, keys, block_hashes)
+        if donor_id is None:
+            return None
+        self.metrics.donors_registered.inc()
+        return SaveInstruction(
+            request_id=request.request_id, donor_id=donor_id, block_ids=tuple(int(b) for b in block_ids[:n]),
+            num_blocks=n, tokens_per_block=tpb, namespace=ns.digest, layout=self.namespace.layout.describe(),
+            probe=probe_key(prompt), namespace_fields=dict(ns.fields))
+
+    def _write(self, request: Any, ns: Namespace, keys: list[bytes], block_hashes: list[int] | None) -> str | None:
+        """Register the donor in the ledger; its id, or None when the same span already is a
+        fresh donor (or its engine block hashes cannot be known)."""
+        s, n, tpb = self.settings, len(keys), self.tokens_per_block
         existing = self.reader.find_span(ns.digest, keys, time.time(), min_blocks=n)
         if existing is not None and existing.num_blocks >= n and (
                 s.freshness_policy != "engine" or self.reader.live_prefix(existing, n) >= n):
@@ -90,11 +105,7 @@ class DonorRegistrar:
             num_tokens=n * tpb, tokens_per_block=tpb,
             expires_at=time.time() + s.donor_ttl_s if s.donor_ttl_s else None,
             attention_dp_rank=s.attention_dp_rank, window_size=self.window_size))
-        self.metrics.donors_registered.inc()
-        return SaveInstruction(
-            request_id=request.request_id, donor_id=donor_id, block_ids=tuple(int(b) for b in block_ids[:n]),
-            num_blocks=n, tokens_per_block=tpb, namespace=ns.digest, layout=self.namespace.layout.describe(),
-            probe=probe_key(prompt), namespace_fields=dict(ns.fields))
+        return donor_id
 
 
 def v1_hashes(request: Any, tpb: int, n: int) -> list[int] | None:

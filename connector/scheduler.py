@@ -57,6 +57,7 @@ via :class:`ResetHooksMixin`) release the lease and drop the plan; the engine th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -68,7 +69,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from connector._trtllm import ENGINE_RECOMPUTES_FAILED_LOADS, TRTLLM_WITHOUT_RECOMPUTE, KvCacheConnectorScheduler
@@ -100,9 +101,12 @@ if TYPE_CHECKING:
 __all__ = ["ResetHooksMixin", "SemKvScheduler", "process_rank"]
 
 log = logging.getLogger(__name__)
-_REGISTER_BACKOFF_S = 1.0
-"""After a donor registration timed out on the ledger's write lock, finished requests are not
-registered for this long (seconds): each would otherwise wait ``register_lock_wait_s`` in turn."""
+_LEDGER_BACKOFF_S = (1.0, 30.0)
+"""After a ledger write failed (a lease: any ledger error; a donor registration: the write lock's
+timeout), lookups miss (``ledger_busy``) and finished requests are not registered for this long
+(seconds), doubling with each failure in a row up to the second value; a write that succeeds resets
+it. Each promise made into a locked ledger would otherwise break, and each registration wait
+``register_lock_wait_s``, in turn."""
 RECHECK_ENTRIES_PER_TICK = 256
 """Donor store entries stat'ed per ``store_recheck_s`` run (round robin): 2.2 ms of the ledger
 thread per run here (measured, 1000 entries) however many entries the store verified, ~4 % of one
@@ -254,7 +258,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         # store's recheck (one thread for all three: fewer threads taking the GIL from the engine's)
         self._ledger_jobs = BackgroundRunner("semkv-ledger")
         self._lease_prefix, self._lease_seq = uuid.uuid4().hex[:16], itertools.count()
-        self._register_paused_until = 0.0  # monotonic; see _register
+        self._ledger_paused_until, self._ledger_backoff_s = 0.0, _LEDGER_BACKOFF_S[0]  # see _ledger_failed
         self._ledger_busy_s = s.lease_confirm_timeout_s / 2
         """A lookup misses (``ledger_busy``) while the ledger thread's oldest job has waited or run
         this long (seconds): a lease queued now would likely not be confirmed in time, and a broken
@@ -367,7 +371,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         lookup_keys = keys[:max_blocks]
         if len(self._unshipped) >= self.settings.max_plans_per_iteration:
             raise _Miss("plan_limit")
-        if not self.lease_before_answer and self._ledger_jobs.backlog_s() > self._ledger_busy_s:
+        if not self.lease_before_answer and not self._ledger_writable():
             raise _Miss("ledger_busy")  # its lease could not be written before build_connector_meta gives up
         if self.lease_before_answer:
             result = self._find_and_lease(rid, ns, lookup_keys, start_block)
@@ -512,10 +516,33 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                     p.span.donor_id, request_id=str(rid), holder=self.holder, namespace=p.namespace,
                     num_blocks=min_blocks, up_to_blocks=up_to, ttl_s=self.settings.lease_ttl_s,
                     policy=self.policy, lease_id=p.lease_id, now=p.promised_at))
+                self._ledger_backoff_s = _LEDGER_BACKOFF_S[0]
             except BaseException as exc:  # noqa: BLE001 - handed to build_connector_meta, which fails the plan
+                if isinstance(exc, LedgerError):
+                    self._ledger_failed()
                 outcome.set_exception(exc)
 
         self._ledger_jobs.submit(take, must=True)
+
+    @contextlib.contextmanager
+    def _registration_access(self) -> Iterator[None]:
+        """Around a donor registration's ledger access: skipped while writes are paused or the
+        ledger thread is backed up (:class:`LedgerBusy`), else the write lock waited for at most
+        ``register_lock_wait_s``."""
+        if not self._ledger_writable():
+            raise LedgerBusy("the ledger is busy: registration skipped")
+        with self.ledger.lock_wait(self.settings.register_lock_wait_s):
+            yield
+
+    def _ledger_writable(self) -> bool:
+        """May a lease or a registration be written now? Not while the ledger thread is backed up
+        (``_ledger_busy_s``) or after a failed write (:meth:`_ledger_failed`)."""
+        return time.monotonic() >= self._ledger_paused_until and self._ledger_jobs.backlog_s() <= self._ledger_busy_s
+
+    def _ledger_failed(self) -> None:
+        """A ledger write failed: pause writes for the back-off, then double it (``_LEDGER_BACKOFF_S``)."""
+        self._ledger_paused_until = time.monotonic() + self._ledger_backoff_s
+        self._ledger_backoff_s = min(2 * self._ledger_backoff_s, _LEDGER_BACKOFF_S[1])
 
     def _check_bytes(self, span: Any) -> _Miss | None:
         ref, checksum = span.store_ref, span.checksum
@@ -717,24 +744,22 @@ class SemKvScheduler(KvCacheConnectorScheduler):
     def _register(self, request: Any, cache_block_ids: list[int], state: _RequestState) -> SaveInstruction | None:
         """The donor registration, its wait for the ledger's write lock bounded (``register_lock_wait_s``):
         the engine's thread must not stall behind another writer. After a lock timeout, and while
-        the ledger thread is backed up, registrations are skipped at once for ``_REGISTER_BACKOFF_S``
-        (a batch of finishing requests must not wait that long each). None: not a donor."""
-        def ledger_ready() -> bool:
-            paused = time.monotonic() < self._register_paused_until
-            return not paused and self._ledger_jobs.backlog_s() <= self._ledger_busy_s
-
+        the ledger thread is backed up, registrations are skipped at once (``_LEDGER_BACKOFF_S``: a
+        batch of finishing requests must not wait that long each). None: not a donor."""
         try:
-            with self.ledger.lock_wait(self.settings.register_lock_wait_s):
-                return self._donors.register(request, list(cache_block_ids), namespace=state.namespace,
-                                             keys=state.keys, block_hashes=state.block_hashes,
-                                             ledger_ready=ledger_ready)
+            save = self._donors.register(request, list(cache_block_ids), namespace=state.namespace,
+                                         keys=state.keys, block_hashes=state.block_hashes,
+                                         ledger_access=self._registration_access)
+            if save is not None:  # written: the ledger takes writes again
+                self._ledger_backoff_s = _LEDGER_BACKOFF_S[0]
+            return save
         except LedgerBusy:
             self.metrics.donors_not_registered.labels(reason="ledger_busy").inc()
             return None
         except LedgerError as exc:
             busy = isinstance(exc, PersistenceError) and lock_timed_out(exc)
             if busy:
-                self._register_paused_until = time.monotonic() + _REGISTER_BACKOFF_S
+                self._ledger_failed()
             self.metrics.donors_not_registered.labels(reason="ledger_busy" if busy else "ledger_error").inc()
             log.warning("semkv: request %s not registered as a donor: %s", request.request_id, exc)
             return None

@@ -108,8 +108,12 @@ def sync_engine(db: str, *, writer: bool = False, create: bool | None = None, po
         writer: on SQLite, open transactions with ``BEGIN IMMEDIATE``.
         create: create a missing SQLite file (mode 0600); defaults to ``writer``.
         statement_timeout_s: PostgreSQL only: the server cancels any statement running longer
-            (``statement_timeout``, lock waits included), and connecting gives up after as long
-            (``connect_timeout``, at least 2 s: libpq's minimum). None: no limit.
+            (``statement_timeout``, lock waits included); connecting gives up after as long
+            (``connect_timeout``, at least 2 s: libpq's minimum); and the client drops a
+            connection whose sent data goes unacknowledged that long (``tcp_user_timeout``) or
+            whose idle peer stops answering keepalives (~11 s), so a network partition fails a
+            call instead of hanging it. A peer that acknowledges but never answers (a frozen
+            proxy) is not detected. None: no limit.
 
     Raises:
         LedgerError: unsupported URL, or a missing SQLite file when not creating.
@@ -122,8 +126,10 @@ def sync_engine(db: str, *, writer: bool = False, create: bool | None = None, po
         return engine
     connect_args = {}
     if statement_timeout_s is not None:
-        connect_args = {"options": f"-c statement_timeout={max(1, round(statement_timeout_s * 1000))}",
-                        "connect_timeout": max(2, math.ceil(statement_timeout_s))}
+        ms = max(1, round(statement_timeout_s * 1000))
+        connect_args = {"options": f"-c statement_timeout={ms}", "tcp_user_timeout": ms,
+                        "connect_timeout": max(2, math.ceil(statement_timeout_s)),
+                        "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
     return create_engine(url.set(drivername="postgresql+psycopg"), pool_size=pool_size, pool_pre_ping=True,
                          connect_args=connect_args)
 

@@ -67,6 +67,8 @@ def test_a_statement_timeout_cancels_a_read_stuck_behind_a_migration_lock(postgr
     are cancelled after ``statement_timeout_s`` behind an ``ACCESS EXCLUSIVE`` lock, instead of
     waiting as long as the lock is held."""
     client = LedgerClient(postgres_db, statement_timeout_s=0.2)
+    params = client._sql().connection.info.get_parameters()  # a partition is caught client-side too
+    assert params["tcp_user_timeout"] == "200" and params["keepalives"] == "1"
     holder = psycopg.connect(make_url(postgres_db).set(drivername="postgresql").render_as_string(hide_password=False))
     try:
         holder.execute("LOCK TABLE donors IN ACCESS EXCLUSIVE MODE")  # as ALTER TABLE or VACUUM FULL would
