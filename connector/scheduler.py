@@ -516,7 +516,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                     p.span.donor_id, request_id=str(rid), holder=self.holder, namespace=p.namespace,
                     num_blocks=min_blocks, up_to_blocks=up_to, ttl_s=self.settings.lease_ttl_s,
                     policy=self.policy, lease_id=p.lease_id, now=p.promised_at))
-                self._ledger_backoff_s = _LEDGER_BACKOFF_S[0]
+                self._ledger_succeeded()
             except BaseException as exc:  # noqa: BLE001 - handed to build_connector_meta, which fails the plan
                 if isinstance(exc, LedgerError):
                     self._ledger_failed()
@@ -538,6 +538,10 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         """May a lease or a registration be written now? Not while the ledger thread is backed up
         (``_ledger_busy_s``) or after a failed write (:meth:`_ledger_failed`)."""
         return time.monotonic() >= self._ledger_paused_until and self._ledger_jobs.backlog_s() <= self._ledger_busy_s
+
+    def _ledger_succeeded(self) -> None:
+        """A ledger write went through: the next failure backs off from the shortest pause again."""
+        self._ledger_backoff_s = _LEDGER_BACKOFF_S[0]
 
     def _ledger_failed(self) -> None:
         """A ledger write failed: pause writes for the back-off, then double it (``_LEDGER_BACKOFF_S``)."""
@@ -751,7 +755,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                                          keys=state.keys, block_hashes=state.block_hashes,
                                          ledger_access=self._registration_access)
             if save is not None:  # written: the ledger takes writes again
-                self._ledger_backoff_s = _LEDGER_BACKOFF_S[0]
+                self._ledger_succeeded()
             return save
         except LedgerBusy:
             self.metrics.donors_not_registered.labels(reason="ledger_busy").inc()
