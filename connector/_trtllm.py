@@ -21,23 +21,35 @@ The connector contract, in runtime call order (one executor iteration)
 -------------------------------------------------------------------
 Scheduler side (rank 0 only, or every attention-DP rank; results are broadcast to workers):
 
-1. ``get_num_new_matched_tokens(request, num_computed_tokens)`` — once per request, from C++
-   ``addSequence`` while the block manager HOLDS ITS LOCK, after device prefix matching and block
-   allocation. Returns ``(num_tokens, load_is_async)``.
+1. ``get_num_new_matched_tokens(request, num_computed_tokens)`` — once per request (its first
+   context chunk), from C++ ``addSequence`` while the block manager HOLDS ITS LOCK, after device
+   prefix matching. Returns ``(num_tokens, load_is_async)``.
 2. ``update_state_after_alloc(request, block_ids)`` — right after, lock released.
-3. ``build_connector_meta(scheduler_output)`` — every iteration; result is pickled and broadcast.
-4. ``request_finished(request, cache_block_ids)`` — once, when generation ends (also on error),
-   before the blocks are freed.
+3. ``build_connector_meta(scheduler_output)`` — every iteration that SCHEDULES a batch (never on an
+   idle one); result is pickled and broadcast.
+4. ``request_finished(request, cache_block_ids)`` — when generation ends, before the blocks are
+   freed. The AsyncTransferManager-era executor calls it ONLY on normal completion; a cancelled
+   request, or one failed by ``_handle_errors``, is freed without it (older executors call it from
+   ``_do_terminate_request`` on every exit).
 
 Worker side (every rank), each iteration:
 
-5. ``bind_connector_meta(metadata)`` (provided) → ``start_load_kv(stream)``;
+5. ``bind_connector_meta(metadata)`` (provided) → ``start_load_kv(stream)``, only when a batch is
+   scheduled;
 6. for every decoder layer: ``wait_for_layer_load(layer_idx, stream)``, the layer,
    ``save_kv_layer(layer_idx, stream)``; then ``wait_for_save(stream)`` (only when a forward ran);
-7. ``get_finished(finished_gen_req_ids, started_loading_req_ids)`` — every iteration.
+7. ``get_finished(finished_gen_req_ids, started_loading_req_ids)`` — every iteration that is not
+   blocked idle (an executor with no active request waits for one and calls nothing).
 
 Once at start-up: ``register_kv_caches(kv_cache_tensor)`` with the pool
 ``[num_blocks, num_layers, kv_factor, block_elems]``.
+
+What an exception does there (``py_executor.py``): from any hook but the three forward hooks, it
+leaves ``_executor_loop`` and the EXECUTOR STOPS; from ``wait_for_layer_load``, ``save_kv_layer`` or
+``wait_for_save`` (inside ``_forward_step``'s try) every active request fails and their blocks are
+released into the reuse tree (and under the overlap scheduler the loop then stops on
+``assert sample_state is not None``). No version has ``cancel_load`` or ``request_reset``: nothing
+recomputes a failed connector load. docs/tensorrt-llm.md has the per-version table.
 """
 
 from __future__ import annotations
@@ -59,8 +71,6 @@ __all__ = [
     "KvCacheConnectorWorker",
     "RequestData",
     "SchedulerOutput",
-    "ENGINE_RECOMPUTES_FAILED_LOADS",
-    "TRTLLM_WITHOUT_RECOMPUTE",
 ]
 
 _CANDIDATE_MODULES = (
@@ -146,8 +156,9 @@ class _KvCacheConnectorScheduler(ABC):
     def build_connector_meta(self, scheduler_output: _SchedulerOutput) -> object:
         """Build this iteration's metadata for the workers.
 
-        Called: every iteration, after ``update_state_after_alloc`` of the iteration's new
-        requests, on the scheduler rank; no lock held.
+        Called: every iteration that schedules a batch (never on an idle one), after
+        ``update_state_after_alloc`` of the iteration's new requests, on the scheduler rank; no lock
+        held. An exception here stops the executor.
         Returns: any picklable object; it is broadcast and handed to every worker's
         ``bind_connector_meta`` before ``start_load_kv``.
         """
@@ -184,7 +195,8 @@ class _KvCacheConnectorScheduler(ABC):
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """The request finished generating (or failed); its blocks are about to be freed.
 
-        Called: once per request, before the blocks are released; no lock held.
+        Called: once per request, before the blocks are released; no lock held. Not called for
+        every request: see the module docstring. An exception here stops the executor.
         Returns: True to keep the blocks allocated (an asynchronous save is running) until every
         worker lists the id in ``get_finished(...)[0]`` — the only way to pin blocks; False to let
         the runtime free them now.
@@ -256,8 +268,10 @@ class _KvCacheConnectorWorker(ABC):
     def start_load_kv(self, stream: Any) -> None:
         """Begin loading the blocks named in the bound metadata.
 
-        Called: every iteration after ``bind_connector_meta``, before the forward (even when no
-        request is scheduled). An exception here fails the iteration's requests.
+        Called: every iteration that schedules a batch, after ``bind_connector_meta``, before the
+        forward (2026 main may then skip the forward, when every context request was parked for an
+        async load). An exception here STOPS THE EXECUTOR (``_executor_loop`` calls it outside any
+        try).
         """
 
     @abstractmethod
@@ -265,7 +279,8 @@ class _KvCacheConnectorWorker(ABC):
         """Block until layer ``layer_idx`` of every promised block is loaded.
 
         Called: immediately before the layer's work is enqueued, once per layer per forward.
-        Attention reads the layer's KV only after this returns.
+        Attention reads the layer's KV only after this returns. An exception here fails every
+        active request, whose blocks are then stored for reuse.
         """
 
     @abstractmethod
@@ -281,9 +296,11 @@ class _KvCacheConnectorWorker(ABC):
                      started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
         """Report requests whose asynchronous saves / loads completed.
 
-        Called: every iteration. Each id is passed exactly once: in ``finished_gen_req_ids`` when
+        Called: every iteration that is not blocked idle, including the one that called
+        ``request_finished``. Each id is passed exactly once: in ``finished_gen_req_ids`` when
         ``request_finished`` returned True, in ``started_loading_req_ids`` when the load was
-        async; the worker must remember pending ids.
+        async; the worker must remember pending ids. An exception here, or an id returned that was
+        never passed in, stops the executor.
         Returns: ``(done_saving_ids, done_loading_ids)``; an id may only be returned after it was
         passed in, and the runtime acts on it only once ALL workers holding the request returned it.
         """
@@ -303,16 +320,3 @@ else:
                             ("KvCacheConnectorWorker", _KvCacheConnectorWorker),
                             ("SchedulerOutput", _SchedulerOutput), ("RequestData", _RequestData)):
         _local.__name__ = _local.__qualname__ = _public
-
-ENGINE_RECOMPUTES_FAILED_LOADS: bool = (hasattr(KvCacheConnectorScheduler, "request_reset")
-                                        or hasattr(KvCacheConnectorScheduler, "cancel_load"))
-"""The engine's scheduler base offers ``cancel_load``/``request_reset``: a failed load is recomputed."""
-TRTLLM_WITHOUT_RECOMPUTE: bool = TRTLLM_AVAILABLE and not ENGINE_RECOMPUTES_FAILED_LOADS
-"""TensorRT-LLM without those hooks (1.1/1.2), where a failed plan is an incident: an exception from
-``start_load_kv`` stops the executor (called outside the forward's error handling), and one from
-``wait_for_layer_load`` (inside the forward) makes ``PyExecutor._handle_errors`` fail every request of
-the batch, whose blocks ``KVCacheManager::removeSequence`` then stores for reuse without checking
-their prefill completed (NVIDIA/TensorRT-LLM tensorrt_llm/_torch/pyexecutor/py_executor.py,
-cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp). There the worker loads before the forward and
-the scheduler leases before it answers (the defaults of ``load_before_forward`` and
-``lease_before_answer``)."""

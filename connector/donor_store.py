@@ -25,6 +25,12 @@ Guarantees:
 * Lifecycle facts go to the ledger: ``donor_saved`` after publish, ``donor_evicted`` on eviction.
 * Reads verify: :meth:`open` checks the header against the expected checksum, and
   :meth:`DonorReader.read_layer` checks each layer before returning it.
+* Secured entries (:meth:`FileDonorStore.secure`): the store keeps the file it checksummed open
+  (one descriptor per verified entry, up to :data:`MAX_OPEN_VERIFIED`), so a promise can hold THAT
+  file without a system call on the engine's thread; whatever happens to its path afterwards
+  (eviction here or by another process, an operator's ``rm``, a new file renamed over it), the
+  promise reads the bytes that were verified. Only a write into the same file (in place) can still
+  change them, and the per-layer checksums catch that.
 """
 
 from __future__ import annotations
@@ -46,8 +52,8 @@ import xxhash
 
 from ledger.errors import EventRejected
 
-__all__ = ["ChecksumMismatch", "DonorReader", "DonorStore", "DonorStoreError", "EntryHeader", "EntryMissing",
-           "FileDonorStore", "StoreFull", "StoredEntry"]
+__all__ = ["MAX_OPEN_VERIFIED", "ChecksumMismatch", "DonorReader", "DonorStore", "DonorStoreError", "EntryHeader",
+           "EntryMissing", "FileDonorStore", "SecuredEntry", "StoreFull", "StoredEntry"]
 
 log = logging.getLogger(__name__)
 MAGIC = b"SEMKVDS1"
@@ -55,6 +61,11 @@ _ALIGN = 4096
 _SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
 _TMP_MAX_AGE_S = 600.0
+MAX_OPEN_VERIFIED = 1024
+"""Verified entries whose file a process keeps open (per store directory), so that securing one for a
+promise costs no system call; an entry beyond it is secured by opening it (one ``open`` and one
+``fstat`` on the engine's thread). A quarter of the process's soft descriptor limit when that is
+smaller (:func:`_open_budget`)."""
 
 
 class DonorStoreError(Exception):
@@ -151,8 +162,9 @@ class DonorReader:
         EntryMissing: the file became unreadable.
     """
 
-    def __init__(self, path: Path, header: EntryHeader, data_offset: int, fd: int) -> None:
+    def __init__(self, path: Path, header: EntryHeader, data_offset: int, fd: int, *, owns_fd: bool = True) -> None:
         self.path, self.header, self._offset, self._fd = path, header, data_offset, fd
+        self._owns_fd = owns_fd
 
     def read_layer(self, layer_idx: int, *, verify: bool = True) -> bytearray:
         """Bytes of layer ``layer_idx``: ``[num_blocks, kv_factor, block_elems]`` elements, verified."""
@@ -172,10 +184,16 @@ class DonorReader:
         """The open entry's descriptor (the file that was checked, even if the path changed since)."""
         return self._fd
 
+    def detach(self) -> int:
+        """Give up the descriptor without closing it (the caller owns it now); the reader is closed."""
+        fd, self._fd = self._fd, -1
+        return fd
+
     def close(self) -> None:
-        if self._fd >= 0:
+        """Close the entry (a reader over a :class:`SecuredEntry` leaves its descriptor to it)."""
+        if self._fd >= 0 and self._owns_fd:
             os.close(self._fd)
-            self._fd = -1
+        self._fd = -1
 
     def __enter__(self) -> DonorReader:
         return self
@@ -195,37 +213,100 @@ def _identity(st: os.stat_result) -> _Identity:
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
+def _open_budget() -> int:
+    """How many verified files one store directory may keep open (:data:`MAX_OPEN_VERIFIED`)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return MAX_OPEN_VERIFIED
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN_VERIFIED
+    return max(0, min(MAX_OPEN_VERIFIED, soft // 4))
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Verified:
+    """One checksummed file: what it was (:data:`_Identity`), its checksum, and its open descriptor
+    (None: over the open budget). ``holders`` counts the :class:`SecuredEntry` objects reading
+    through ``fd``; a forgotten record closes ``fd`` when the last of them lets go."""
+
+    identity: _Identity
+    checksum: str
+    fd: int | None
+    holders: int = 0
+    forgotten: bool = False
+
+
 class _VerifiedFiles:
-    """The entries of one store directory this process checksummed, as the file they were then
-    (:data:`_Identity`), shared by every :class:`FileDonorStore` on the directory in the process
-    (the worker's eviction is seen by the scheduler's store at once). ``get`` takes no lock (one
-    dict read: the lookup's path); rechecks go round robin through a queue, so a bounded recheck
-    reaches every entry within ``ceil(entries / limit)`` calls."""
+    """The entries of one store directory this process checksummed, as the file they were then,
+    shared by every :class:`FileDonorStore` on the directory in the process (the worker's eviction
+    is seen by the scheduler's store at once). ``get`` takes no lock (one dict read: the lookup's
+    path); ``hold`` takes an uncontended lock, which does not release the GIL. Rechecks go round
+    robin through a queue, so a bounded recheck reaches every entry within ``ceil(entries / limit)``
+    calls. Descriptors are opened and closed only under :attr:`_lock`, and closed only when no
+    :class:`SecuredEntry` reads through them, so a descriptor number is never reused under a reader."""
 
     def __init__(self) -> None:
-        self._known: dict[str, tuple[_Identity, str]] = {}
+        self._known: dict[str, _Verified] = {}
         self._queue: deque[str] = deque()  # recheck order: every known entry once (forgotten ones until reached)
         self._queued: set[str] = set()
         self._lock = threading.Lock()
+        self._open = 0
+        self._budget = _open_budget()
 
     def get(self, ref: str) -> tuple[_Identity, str] | None:
-        return self._known.get(ref)
+        known = self._known.get(ref)
+        return None if known is None else (known.identity, known.checksum)
 
-    def remember(self, ref: str, identity: _Identity, checksum: str) -> None:
+    def remember(self, ref: str, identity: _Identity, checksum: str, fd: int | None = None) -> None:
+        """Record ``ref`` as checksummed; ``fd`` (open on that very file) is taken over: kept when the
+        open budget allows, else closed."""
         with self._lock:
             if ref not in self._queued:
                 self._queue.append(ref)
                 self._queued.add(ref)
-            self._known[ref] = (identity, checksum)
+            old = self._known.get(ref)
+            if old is not None and old.identity == identity and old.checksum == checksum:
+                if old.fd is None and fd is not None and self._open < self._budget:
+                    old.fd, fd = fd, None
+                    self._open += 1
+                if fd is not None:  # the same file is open already: one descriptor is enough
+                    os.close(fd)
+                return
+            if old is not None:
+                self._retire(ref, old)
+            keep = fd if fd is not None and self._open < self._budget else None
+            if fd is not None and keep is None:
+                os.close(fd)
+            self._known[ref] = _Verified(identity, checksum, keep)
+            self._open += keep is not None
 
     def forget(self, ref: str, identity: _Identity | None = None) -> bool:
         """Forget ``ref`` (only if it is still known as ``identity``, when given)."""
         with self._lock:
             known = self._known.get(ref)
-            if known is None or (identity is not None and known[0] != identity):
+            if known is None or (identity is not None and known.identity != identity):
                 return False
-            del self._known[ref]
+            self._retire(ref, known)
             return True
+
+    def hold(self, ref: str, checksum: str) -> _Verified | None:
+        """The record of ``ref`` with one more holder, if it was verified with ``checksum`` and its
+        file is open; None otherwise. No system call."""
+        with self._lock:
+            known = self._known.get(ref)
+            if known is None or known.checksum != checksum or known.fd is None:
+                return None
+            known.holders += 1
+            return known
+
+    def let_go(self, record: _Verified) -> None:
+        """A holder is done with ``record.fd``; the last one closes it if the record was forgotten."""
+        with self._lock:
+            record.holders -= 1
+            self._close_if_unused(record)
 
     def next_to_recheck(self, limit: int | None) -> list[tuple[str, _Identity]]:
         """Up to ``limit`` known entries (None: all), each moved to the back of the queue; forgotten
@@ -241,11 +322,64 @@ class _VerifiedFiles:
                     self._queued.discard(ref)
                     continue
                 self._queue.append(ref)
-                out.append((ref, known[0]))
+                out.append((ref, known.identity))
             return out
+
+    def _retire(self, ref: str, record: _Verified) -> None:
+        """Under the lock: drop ``record`` from the known entries; its descriptor closes once unheld."""
+        if self._known.get(ref) is record:
+            del self._known[ref]
+        record.forgotten = True
+        self._close_if_unused(record)
+
+    def _close_if_unused(self, record: _Verified) -> None:
+        """Under the lock."""
+        if record.forgotten and record.holders <= 0 and record.fd is not None:
+            os.close(record.fd)
+            record.fd = None
+            self._open -= 1
+
+
+class SecuredEntry:
+    """A donor store entry held for a promise: the file that was checksummed, open, whatever happens
+    to its path from now on (see the module docstring). Read it with :meth:`reader`; :meth:`release`
+    once (idempotent) when the load is done or abandoned.
+
+    Args:
+        ref, checksum: the entry and the header checksum the ledger recorded for it.
+        path: where the entry was (for messages).
+        fd: an open descriptor of the verified file.
+        release: called once by :meth:`release` (gives the descriptor back).
+    """
+
+    __slots__ = ("ref", "checksum", "path", "fd", "_release")
+
+    def __init__(self, ref: str, checksum: str, path: str, fd: int, release: Any) -> None:
+        self.ref, self.checksum, self.path, self.fd, self._release = ref, checksum, path, fd, release
+
+    def reader(self) -> DonorReader:
+        """A reader over the secured file (its header checked against :attr:`checksum` again).
+
+        Raises:
+            ChecksumMismatch: the file was changed in place since it was checksummed.
+            EntryMissing: it cannot be read any more.
+        """
+        if self._release is None:
+            raise EntryMissing(f"secured entry {self.ref} was already released")
+        try:
+            header, data_offset = _read_header(self.fd, self.ref, self.checksum)
+        except OSError as exc:
+            raise EntryMissing(f"{self.ref}: {exc}") from exc
+        return DonorReader(Path(self.path), header, data_offset, self.fd, owns_fd=False)
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 _VERIFIED: dict[str, _VerifiedFiles] = {}  # store directory -> its verified entries in this process
+_HANDED_OVER: dict[str, dict[str, SecuredEntry]] = {}  # store directory -> lease id -> entry for the worker
 
 
 class FileDonorStore:
@@ -267,9 +401,10 @@ class FileDonorStore:
         self.ledger = ledger
         # Pins are shared by every store on the same directory in this process: TensorRT-LLM's
         # scheduler pins before it answers, and its worker's saves evict (another instance).
+        self._root_key = str(self.root.resolve())
         with _PINS_LOCK:
-            self._pins = _PINS.setdefault(str(self.root.resolve()), {})
-            self._verified = _VERIFIED.setdefault(str(self.root.resolve()), _VerifiedFiles())
+            self._pins = _PINS.setdefault(self._root_key, {})
+            self._verified = _VERIFIED.setdefault(self._root_key, _VerifiedFiles())
         self._lock = _PINS_LOCK
         self.sweep_temp()
 
@@ -363,11 +498,18 @@ class FileDonorStore:
         Raises:
             EntryMissing, ChecksumMismatch.
         """
-        with self.open(ref, checksum) as reader:
+        reader = self.open(ref, checksum)
+        try:
             for layer in range(reader.header.num_layers):
                 reader.read_layer(layer)
-            # the file that was read (its open descriptor), not whatever the path names by now
-            self._verified.remember(reader.path.name, _identity(os.fstat(reader.fileno())), checksum)
+            # the file that was read (its open descriptor), not whatever the path names by now;
+            # the record keeps that descriptor (secure() hands it to promises)
+            fd = reader.fileno()
+            identity = _identity(os.fstat(fd))
+        except BaseException:
+            reader.close()
+            raise
+        self._verified.remember(reader.path.name, identity, checksum, reader.detach())
 
     def verified(self, ref: str, checksum: str) -> bool | None:
         """Cheap check (one ``stat``): True if this process verified exactly this file with this
@@ -390,6 +532,58 @@ class FileDonorStore:
     def forget_verified(self, ref: str) -> None:
         """Stop trusting ``ref`` without a full check (a load found it missing or corrupt)."""
         self._verified.forget(ref)
+
+    def secure(self, ref: str, checksum: str) -> SecuredEntry | None:
+        """Hold the file this process checksummed as ``ref`` with ``checksum`` for a promise.
+
+        No system call while the file is among the :data:`MAX_OPEN_VERIFIED` this process keeps open
+        (the lookup's path); otherwise one ``open`` and one ``fstat``, and the file must still be
+        the one that was checksummed. None: not verified here, gone, or changed since.
+        """
+        record = self._verified.hold(ref, checksum)
+        path = self._path_str(ref)  # a str: pathlib costs microseconds on the lookup's path
+        if record is not None:
+            assert record.fd is not None  # held: it stays open until let go
+            return SecuredEntry(ref, checksum, path, record.fd, lambda: self._verified.let_go(record))
+        known = self._verified.get(ref)
+        if known is None or known[1] != checksum:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            same = _identity(os.fstat(fd)) == known[0]
+        except OSError:
+            same = False
+        if not same:
+            os.close(fd)
+            return None
+        return SecuredEntry(ref, checksum, path, fd, lambda: os.close(fd))
+
+    def hand_over(self, lease_id: str, entry: SecuredEntry) -> None:
+        """Leave ``entry`` for the worker of this process that will load the plan ``lease_id``
+        (:meth:`claim`); the scheduler and the worker of one TensorRT-LLM engine share a process."""
+        with _PINS_LOCK:
+            _HANDED_OVER.setdefault(self._root_key, {})[lease_id] = entry
+
+    def claim(self, lease_id: str) -> SecuredEntry | None:
+        """The entry handed over for plan ``lease_id`` (now the caller's to release), or None."""
+        with _PINS_LOCK:
+            return _HANDED_OVER.get(self._root_key, {}).pop(lease_id, None)
+
+    def drop_unclaimed(self, lease_id: str) -> bool:
+        """Release the entry handed over for ``lease_id`` if no worker claimed it; True if one was."""
+        entry = self.claim(lease_id)
+        if entry is None:
+            return False
+        entry.release()
+        return True
+
+    def handed_over(self) -> int:
+        """Entries handed over and not yet claimed (tests count them: none may be left behind)."""
+        with _PINS_LOCK:
+            return len(_HANDED_OVER.get(self._root_key, {}))
 
     def recheck_verified(self, limit: int | None = None) -> int:
         """One ``stat`` per entry this process verified: forget those whose file is gone, cannot be
@@ -537,11 +731,17 @@ class FileDonorStore:
             os.close(fd)
 
     def _remember_verified(self, path: Path, checksum: str) -> None:
+        """Remember a file this process just wrote and checksummed (kept open for :meth:`secure`)."""
         try:
-            st = os.stat(path)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # evicted by another process already
             return
-        self._verified.remember(path.name, _identity(st), checksum)
+        try:
+            identity = _identity(os.fstat(fd))
+        except OSError:
+            os.close(fd)
+            return
+        self._verified.remember(path.name, identity, checksum, fd)
 
 
 def _read_header(fd: int, ref: str, checksum: str | None) -> tuple[EntryHeader, int]:

@@ -31,7 +31,7 @@ from connector.settings import ConnectorSettings
 from ledger import events as ev
 from ledger.errors import LedgerError
 
-__all__ = ["DonorRegistrar", "LedgerBusy", "v1_hashes"]
+__all__ = ["DonorRegistrar", "LedgerBusy", "prefill_completed", "v1_hashes"]
 
 
 class LedgerBusy(LedgerError):
@@ -46,8 +46,31 @@ class DonorRegistrar:
         self.settings, self.namespace, self.ledger, self.reader = settings, namespace, ledger, reader
         self.metrics, self.tokens_per_block, self.window_size = metrics, tokens_per_block, window_size
 
+    def candidate(self, request: Any, block_ids: list[int], namespace: Any = None) -> tuple[Namespace, int] | None:
+        """``(namespace, whole prompt blocks)`` when ``request`` can become a donor once its prefill
+        completes (an engine id, at least ``min_donor_blocks`` whole prompt blocks allocated, a known
+        namespace and layout); None otherwise. No ledger access."""
+        n = int(request.prompt_len) // self.tokens_per_block
+        if self.settings.engine_id is None or n < self.settings.min_donor_blocks or len(block_ids) < n:
+            return None
+        ns = namespace if isinstance(namespace, Namespace) else self.namespace.for_request(request)
+        if not isinstance(ns, Namespace) or self.namespace.layout is None:
+            return None
+        return ns, n
+
+    def instruction(self, request: Any, block_ids: list[int], ns: Namespace, n: int, *, donor_id: str,
+                    on_finish: bool = False) -> SaveInstruction:
+        """What the worker saves for donor ``donor_id``: the request's first ``n`` blocks."""
+        assert self.namespace.layout is not None  # candidate() checked it
+        prompt = request.get_tokens(0)[: int(request.prompt_len)]
+        return SaveInstruction(
+            request_id=request.request_id, donor_id=donor_id, block_ids=tuple(int(b) for b in block_ids[:n]),
+            num_blocks=n, tokens_per_block=self.tokens_per_block, namespace=ns.digest,
+            layout=self.namespace.layout.describe(), probe=probe_key(prompt), namespace_fields=dict(ns.fields),
+            on_finish=on_finish)
+
     def register(self, request: Any, block_ids: list[int], *, namespace: Any = None, keys: list[bytes] | None = None,
-                 block_hashes: list[int] | None = None,
+                 block_hashes: list[int] | None = None, donor_id: str | None = None,
                  ledger_access: Callable[[], AbstractContextManager[Any]] | None = None) -> SaveInstruction | None:
         """Register ``request`` as a donor; returns what the worker must save, or None (not a donor).
 
@@ -55,6 +78,7 @@ class DonorRegistrar:
             block_ids: the request's blocks in token order (``cache_block_ids`` of ``request_finished``).
             namespace, keys: what the lookup already computed for this request, if anything.
             block_hashes: the engine's hashes of the request's full blocks (``RequestData.block_hashes``).
+            donor_id: the id to register under (an armed save's); default a new one.
             ledger_access: entered once the request qualifies, around every ledger access (the
                 caller bounds the write lock's wait there, or raises :class:`LedgerBusy` while it
                 backs off a busy ledger).
@@ -63,49 +87,45 @@ class DonorRegistrar:
             PersistenceError, EventRejected: the ledger refused (the caller treats it as "no donor").
             LedgerBusy: from ``ledger_access``.
         """
-        s, tpb = self.settings, self.tokens_per_block
-        prompt_len = int(request.prompt_len)
-        n = prompt_len // tpb
-        if s.engine_id is None or n < s.min_donor_blocks or len(block_ids) < n:
+        found = self.candidate(request, block_ids, namespace)
+        if found is None or not prefill_completed(request):
             return None
-        tokens = request.get_tokens(0)
-        if len(tokens) <= prompt_len:  # no token generated: the prefill did not complete
-            return None
-        ns = namespace if isinstance(namespace, Namespace) else self.namespace.for_request(request)
-        if not isinstance(ns, Namespace) or self.namespace.layout is None:
-            return None
-        prompt = tokens[:prompt_len]
-        keys = list((keys if keys is not None and len(keys) >= n else content_keys(ns, prompt, tpb, n))[:n])
+        ns, n = found
+        prompt = request.get_tokens(0)[: int(request.prompt_len)]
+        keys = list((keys if keys is not None and len(keys) >= n else content_keys(ns, prompt, self.tokens_per_block, n))[:n])
+        donor_id = donor_id or uuid.uuid4().hex
         with ledger_access() if ledger_access is not None else contextlib.nullcontext():
-            donor_id = self._write(request, ns, keys, block_hashes)
-        if donor_id is None:
-            return None
+            if not self._write(request, ns, keys, block_hashes, donor_id):
+                return None
         self.metrics.donors_registered.inc()
-        return SaveInstruction(
-            request_id=request.request_id, donor_id=donor_id, block_ids=tuple(int(b) for b in block_ids[:n]),
-            num_blocks=n, tokens_per_block=tpb, namespace=ns.digest, layout=self.namespace.layout.describe(),
-            probe=probe_key(prompt), namespace_fields=dict(ns.fields))
+        return self.instruction(request, block_ids, ns, n, donor_id=donor_id)
 
-    def _write(self, request: Any, ns: Namespace, keys: list[bytes], block_hashes: list[int] | None) -> str | None:
-        """Register the donor in the ledger; its id, or None when the same span already is a
-        fresh donor (or its engine block hashes cannot be known)."""
+    def _write(self, request: Any, ns: Namespace, keys: list[bytes], block_hashes: list[int] | None,
+               donor_id: str) -> bool:
+        """Register the donor in the ledger; False when the same span already is a fresh donor (or
+        its engine block hashes cannot be known)."""
         s, n, tpb = self.settings, len(keys), self.tokens_per_block
         existing = self.reader.find_span(ns.digest, keys, time.time(), min_blocks=n)
         if existing is not None and existing.num_blocks >= n and (
                 s.freshness_policy != "engine" or self.reader.live_prefix(existing, n) >= n):
-            return None  # the same bytes are already a fresh donor
+            return False  # the same bytes are already a fresh donor
         hashes = block_hashes[:n] if block_hashes and len(block_hashes) >= n else v1_hashes(request, tpb, n)
         if hashes is None:
-            return None
+            return False
         engine = self.ledger.engine(s.engine_id)
-        donor_id = uuid.uuid4().hex
         self.ledger.register_donor(ev.DonorRegistered(
             donor_id=donor_id, namespace=ns.digest, engine_id=s.engine_id,
             generation=engine.generation if engine else 1, content_keys=keys, block_hashes=hashes,
             num_tokens=n * tpb, tokens_per_block=tpb,
             expires_at=time.time() + s.donor_ttl_s if s.donor_ttl_s else None,
             attention_dp_rank=s.attention_dp_rank, window_size=self.window_size))
-        return donor_id
+        return True
+
+
+def prefill_completed(request: Any) -> bool:
+    """At least one token was generated: the prompt's KV is complete (a request that failed before
+    that, e.g. in its first forward, may hold partial KV)."""
+    return len(request.get_tokens(0)) > int(request.prompt_len)
 
 
 def v1_hashes(request: Any, tpb: int, n: int) -> list[int] | None:

@@ -16,9 +16,12 @@ Counters are distinct, never collapsed into one "hit" (DESIGN §8):
   ``semkv_backend_declined_total{reason}`` (everything the connector declines by itself);
 * ``semkv_exact_materialized_total`` / ``semkv_materialized_tokens_total`` count only after the
   worker copied EVERY layer of a plan; ``semkv_experimental_materialized_total`` exists and stays 0;
-* ``semkv_load_failures_total{reason}``: plans that failed after the promise (the request failed or
-  was recomputed), ``semkv_leases_held`` (gauge, leases this process holds: a promise's store pin from the answer,
-  with its ledger lease once the blocks are allocated).
+* ``semkv_load_failures_total{reason}``: plans that failed after the promise (vLLM recomputes
+  them; on TensorRT-LLM only the bytes' own checks can fail a plan, and that stops the executor);
+  ``semkv_stale_after_promise_total{reason}``: TensorRT-LLM promises the ledger called stale after
+  the answer, loaded from their secured bytes; ``semkv_orphaned_requests_total``: requests the
+  engine dropped without ``request_finished``; ``semkv_leases_held`` (gauge, promises this process
+  holds: a store pin from the answer, with its ledger lease once the blocks are allocated).
 
 Histograms (seconds): lookup, metadata build, load by cache level (the donor store is host memory
 or disk: level 1), revalidation (ledger re-checks in the worker), donor save.
@@ -107,6 +110,15 @@ class ConnectorMetrics:
         self.promises_broken = Counter("semkv_promises_broken_total",
                                        "Promises whose ledger lease was refused or late; their plan ships failed",
                                        ("reason",), registry=r)
+        self.stale_after_promise = Counter(
+            "semkv_stale_after_promise_total",
+            "TensorRT-LLM: the ledger said a donor was stale (or could not say) after its promise; the "
+            "secured, checksummed bytes were loaded anyway (a freshness signal, not a failure)", ("reason",),
+            registry=r)
+        self.orphans_released = Counter(
+            "semkv_orphaned_requests_total",
+            "Requests the engine dropped without request_finished, released after request_orphan_timeout_s",
+            registry=r)
         self.leases_held = Gauge("semkv_leases_held", "Leases this process holds", registry=r)
         self.leases_released = Counter("semkv_leases_released_total", "Leases released, by reason", ("reason",),
                                        registry=r)

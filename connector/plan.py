@@ -27,6 +27,11 @@ class LoadPlan:
     ``[num_blocks, num_layers, kv_factor, block_elems]``), one per promised block, in token order.
     ``failed`` is set on a plan that must NOT be loaded: the worker fails the request with that
     reason (a promise could not be honoured after the fact, e.g. allocation did not match).
+    ``binding`` marks a plan the engine cannot retract (TensorRT-LLM: no recompute path): the
+    scheduler secured the donor's checksummed file before it answered and handed it to this
+    process's worker under ``lease_id``; after the promise, what the ledger says is a freshness
+    signal, counted, and only the bytes' own checks (header, per-layer checksums) can stop the load
+    (connector/README.md, "What a promise means").
     """
 
     request_id: int
@@ -48,6 +53,7 @@ class LoadPlan:
     """:meth:`connector.namespace.KvLayout.describe` the scheduler expects the worker's pool to have."""
     freshness_policy: str
     failed: str | None = None
+    binding: bool = False
 
     @property
     def donor_block_end(self) -> int:
@@ -57,11 +63,15 @@ class LoadPlan:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SaveInstruction:
-    """Save the KV of a finished request's first ``num_blocks`` blocks as donor ``donor_id``.
+    """Save the KV of a request's first ``num_blocks`` blocks as donor ``donor_id``.
 
     ``block_ids`` are the request's blocks (kept allocated until the worker reports the save
     through ``get_finished``). ``namespace_fields`` and ``probe`` go into the store entry's header
-    so misses can be explained later (telemetry only).
+    so misses can be explained later (telemetry only). ``on_finish``: an ARMED save, shipped with
+    the request's first report; the worker gathers the bytes only when ``get_finished`` passes the
+    request among the finished ones whose ``request_finished`` returned True (TensorRT-LLM), in the
+    same executor iteration, so an engine that then goes idle still saves it. Otherwise the save
+    ships after ``request_finished`` and is gathered at the next forward's end (vLLM).
     """
 
     request_id: int
@@ -73,18 +83,21 @@ class SaveInstruction:
     layout: str
     probe: str | None = None
     namespace_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    on_finish: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ConnectorMetadata:
-    """One iteration's work for the workers: loads to perform and donors to save."""
+    """One iteration's work for the workers: loads to perform, donors to save, and the armed saves
+    to drop (``disarmed``: request ids whose request finished without becoming a donor, or vanished)."""
 
     loads: tuple[LoadPlan, ...] = ()
     saves: tuple[SaveInstruction, ...] = ()
     iteration: int = 0
+    disarmed: tuple[int | str, ...] = ()
 
     def approx_size_bytes(self) -> int:
         """Rough pickled size (bytes), for the bound documented above."""
         loads = sum(320 + 8 * len(p.target_block_ids) for p in self.loads)
         saves = sum(400 + 8 * len(s.block_ids) + 64 * len(s.namespace_fields) for s in self.saves)
-        return 64 + loads + saves
+        return 64 + loads + saves + 16 * len(self.disarmed)

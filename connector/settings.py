@@ -117,25 +117,25 @@ class ConnectorSettings(BaseSettings):
     """Hard deadline of the ledger/store part of ``get_num_new_matched_tokens`` (seconds)."""
     lease_ttl_s: float = Field(60.0, gt=0, le=86_400)
     """A lease (pin on a donor) expires after this long even if never released (seconds)."""
-    lease_before_answer: bool | None = None
-    """Write the ledger lease BEFORE answering the engine (on the lookup thread, under the deadline), so a
-    donor that went stale since the donor view's last catch-up is a miss instead of a promise whose plan
-    then ships failed (and the store entry is stat'ed in the lookup). Costs a ledger write transaction in
-    every hit (~0.3-1 ms on SQLite, more while the consumer holds the write lock), which DESIGN §7's lookup
-    budget does not allow. None: on exactly where a failed plan cannot be recomputed — TensorRT-LLM
-    without ``cancel_load``/``request_reset`` (1.1/1.2), where it stops the executor (connector/README.md,
-    "TensorRT-LLM 1.1/1.2"); off on engines that recompute (newer releases, vLLM, the harness)."""
+    lease_before_answer: bool = False
+    """Write the ledger lease BEFORE answering the engine (on a lookup thread, under
+    ``lease_in_lookup_timeout_s``), so a donor that went stale since the donor view's last catch-up is a
+    miss rather than a promise the ledger then calls stale (on vLLM its plan fails and is recomputed; on
+    TensorRT-LLM it is loaded from its secured bytes and counted in ``semkv_stale_after_promise_total``).
+    Costs a ledger write transaction in every hit (~0.3-8 ms on SQLite, ~3-20 ms on PostgreSQL here),
+    which DESIGN §7's lookup budget does not allow; off by default on every engine."""
     lease_in_lookup_timeout_s: float = Field(0.05, gt=0, le=10)
     """With ``lease_before_answer``: the lookup's hard deadline (seconds) for finding the span AND writing its
     lease, instead of ``lookup_timeout_s``. A lease write takes ~0.3-8 ms on SQLite and ~3-20 ms on PostgreSQL
     here (tools/results/connector-*.md), so the 2 ms lookup deadline would miss every hit there; the engine
     waits this long at most, to save a prefill of seconds."""
     lease_confirm_timeout_s: float = Field(0.5, gt=0, le=60)
-    """A promise's ledger lease is written off the engine's path; ``build_connector_meta`` waits this long
-    for it before shipping the plan (seconds). A lease refused or not committed by then ships the plan
-    failed: the request fails closed (counted in ``semkv_promises_broken_total``). While the connector's
-    ledger thread has been busy or backed up for half of this, lookups miss (``ledger_busy``) instead of
-    promising (with ``lease_before_answer`` off; with it on, the lease is written inside the lookup)."""
+    """vLLM: a promise's ledger lease is written off the engine's path; ``build_connector_meta`` waits this
+    long for it before shipping the plan (seconds). A lease refused or not committed by then ships the plan
+    failed and vLLM recomputes it (counted in ``semkv_promises_broken_total``). While the connector's ledger
+    thread has been busy or backed up for half of this, lookups miss (``ledger_busy``) instead of promising.
+    TensorRT-LLM does not wait: its promises hold their secured bytes, and a lease the ledger refuses is a
+    freshness signal (``semkv_stale_after_promise_total``); leases are skipped while the ledger is busy."""
     donor_view_refresh_s: float = Field(0.005, ge=0)
     """The scheduler answers lookups from an in-memory view of the ledger's fresh donors (those whose bytes
     this host's store holds, with their block liveness), caught up from the ledger this often (seconds).
@@ -154,6 +154,12 @@ class ConnectorSettings(BaseSettings):
     for the ledger's write lock (SQLite's database lock, PostgreSQL's lock on the log), instead of 30 s on
     SQLite and no limit on PostgreSQL; past it the request is simply not a donor (counted in
     ``semkv_donors_not_registered_total{reason="ledger_busy"}``)."""
+    request_orphan_timeout_s: float = Field(120.0, gt=0, le=86_400)
+    """TensorRT-LLM: a request no connector hook named for this long (seconds) is released — its promise,
+    store pin, ledger lease and armed save — because the engine dropped it without ``request_finished``
+    (a cancelled or failed request, in the AsyncTransferManager-era executor). A live request is named in
+    every iteration that schedules it; checked every quarter of this on the connector's ledger thread, so
+    a dropped request is released within 1.25 times it (``semkv_orphaned_requests_total``)."""
     donor_ttl_s: float | None = Field(3600.0, gt=0)
     """Registered donors expire after this long (seconds); None: never."""
     min_match_blocks: int = Field(1, ge=1)
@@ -171,20 +177,20 @@ class ConnectorSettings(BaseSettings):
     most this big; bigger ones are verified in the background (and missed until then)."""
     store_recheck_s: float = Field(0.05, ge=0)
     """How often (seconds) a periodic job on the connector's ledger thread stats donor store entries this
-    scheduler has checksummed (up to 256 per run, round robin) and forgets any whose file changed or vanished, so that the lookup
-    trusts its record without a ``stat`` on the engine's thread. An entry changed outside the store is
-    caught by the lookup within ``ceil(entries / 256)`` runs; before that a promise on it fails at the
-    worker's checksum or open (the plan fails: recomputed, or an incident on TensorRT-LLM 1.1/1.2, whose
-    default ``lease_before_answer`` stats the entry in the lookup anyway), and that failure makes the
-    store stop trusting the entry at once. 0: stat the entry in every lookup."""
+    process has checksummed (up to 256 per run, round robin) and forgets any whose file changed or vanished,
+    so that the lookup trusts its record without a ``stat`` on the engine's thread. On TensorRT-LLM a
+    promise holds the checksummed file itself (kept open), so a path removed or replaced after the check
+    cannot reach it; a file written IN PLACE is caught within ``ceil(entries / 256)`` runs, and before that
+    by the worker's per-layer checksums (connector/README.md, "What a promise means"). 0: stat the entry in
+    every lookup (vLLM; TensorRT-LLM then secures the entry with an ``open`` in the lookup)."""
     save_queue_max: int = Field(64, ge=1)
     """Donor saves waiting for the background writer; beyond it a save is dropped (and counted)."""
     load_before_forward: bool | None = None
-    """Copy every layer of every plan in ``start_load_kv``, before the forward, instead of layer by layer
-    in ``wait_for_layer_load``: every check and copy that can fail then fails before any layer runs. None:
-    on exactly where a failed plan cannot be recomputed and an error inside the forward fails the whole
-    batch and keeps its blocks reusable (TensorRT-LLM 1.1/1.2; connector/README.md); off otherwise (the
-    load then overlaps the forward)."""
+    """vLLM: copy every layer of every plan in ``start_load_kv``, before the forward, instead of layer by
+    layer in ``wait_for_layer_load`` (then the load overlaps the forward). None: layer by layer. TensorRT-LLM
+    always loads before the forward, whatever this says: an exception inside its forward fails the whole
+    batch and stores the batch's blocks for reuse, so every check that can fail must run before it
+    (connector/README.md, "What a promise means")."""
     per_layer_block_check: bool = False
     """Also re-check donor block liveness (policy ``engine``) before every layer, not only layer 0."""
     window_size: int | None = Field(None, ge=1)

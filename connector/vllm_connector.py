@@ -54,6 +54,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from connector._vllm import VLLM_VERSION, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from connector.engine_contract import VLLM
 from connector.metrics import serve_metrics
 from connector.namespace import KvLayout, NamespaceUnknown
 from connector.plan import ConnectorMetadata
@@ -235,15 +236,8 @@ def layer_views(kv_caches: dict[str, Any], layer_names: list[str], num_blocks: i
 
 
 def _settings(vllm_config: Any) -> ConnectorSettings:
-    """The connector settings of a vLLM engine; vLLM recomputes blocks whose load failed, so the
-    worker loads layer by layer during the forward unless ``load_before_forward`` says otherwise."""
-    settings = _settings_from_config(vllm_config)
-    if settings.load_before_forward is None:
-        settings = settings.model_copy(update={"load_before_forward": False})
-    return settings
-
-
-def _settings_from_config(vllm_config: Any) -> ConnectorSettings:
+    """The connector settings of a vLLM engine (vLLM recomputes blocks whose load failed, so the
+    worker loads layer by layer during the forward unless ``load_before_forward`` says otherwise)."""
     extra = dict(getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {})
     environ = dict(os.environ)
     if extra.get(EXTRA_CONFIG_KEY):
@@ -295,14 +289,14 @@ class SemKvVllmConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from connector.scheduler import SemKvScheduler  # imports torch-free code only
 
-            self.scheduler = SemKvScheduler(self.deployment, settings=settings)
+            self.scheduler = SemKvScheduler(self.deployment, settings=settings, engine=VLLM)
             self._requests: dict[str, Any] = {}
             self._promised: dict[str, int] = {}
         else:
             from connector.scheduler import process_rank
             from connector.worker import SemKvWorker
 
-            self.worker = SemKvWorker(self.deployment, settings=settings)
+            self.worker = SemKvWorker(self.deployment, settings=settings, engine=VLLM)
             if settings.metrics_port is not None:  # the scheduler serves metrics_port in its own process
                 serve_metrics(self.worker.metrics, settings.metrics_port + 1 + process_rank())
             self._layer_index: dict[str, int] = {}
@@ -321,7 +315,7 @@ class SemKvVllmConnector(KVConnectorBase_V1):
         view = VllmRequest(request)
         if num_external_tokens == 0:
             if self._promised.pop(request.request_id, 0):
-                self.scheduler._reset(view, "not_allocated")
+                self.scheduler.release(view, "not_allocated")
             return
         block_ids = blocks.get_block_ids()
         self.scheduler.update_state_after_alloc(view, list(block_ids[0]) if len(block_ids) == 1 else [])

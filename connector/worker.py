@@ -6,37 +6,41 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
   Other engines' adapters (``connector/vllm_connector.py``) call :meth:`SemKvWorker.register_layer_views`
   with one block-major view ``[num_blocks, kv_factor, block_elems]`` per layer instead; everything
   below works on those per-layer views, so the core is the same for every engine.
-* ``start_load_kv(stream)`` — every iteration, after ``bind_connector_meta``. For each
-  :class:`~connector.plan.LoadPlan`: a failed plan, a layout that differs from the pool, a ledger
-  revalidation that fails (freshness, generation, lease, namespace — DESIGN §2 rule 6: after
-  allocation and before the first copy) or a donor store header that does not match the ledger's
-  checksum fails the plan. Nothing is copied here.
-* ``wait_for_layer_load(layer_idx, stream)`` — before each decoder layer: for every active plan,
-  revalidate against the ledger again (state, generation, lease, namespace, expiry; block liveness
-  too with ``per_layer_block_check``), read that layer's donor bytes, verify their checksum, copy
-  them into the target blocks ``kv[target_block_ids, layer_idx]``, and only then return — a layer is
-  released to attention only when copied. A layer asked for while an earlier one was never
-  loaded (attention ran on it unloaded), or a forward that ends before the last layer was asked
-  for (``wait_for_save``), fails the plan (``layer_skipped``). After the last layer,
-  with every layer copied, the plan counts as materialized (DESIGN §2 rule 8). With
-  ``load_before_forward`` (TensorRT-LLM 1.1/1.2 by default) all of that
-  runs in ``start_load_kv`` for every layer, before the forward, so nothing can fail inside it.
-* ``wait_for_save(stream)`` / ``get_finished(...)`` — donors to save (from ``request_finished``)
-  are gathered from the pool (device → host) after the forward's stream is synchronized, then
-  written to the donor store by a background thread (checksummed, atomically published,
-  ``donor_saved`` in the ledger). The request's id is reported in ``get_finished(...)[0]`` once its
-  bytes are gathered, so the engine keeps the blocks exactly as long as it must.
+* ``start_load_kv(stream)`` — every scheduled iteration, after ``bind_connector_meta``. For each
+  :class:`~connector.plan.LoadPlan`: the plan, the pool layout, a ledger revalidation (freshness,
+  generation, namespace — DESIGN §2 rule 6: after allocation and before the first copy) and the
+  donor store header against the ledger's checksum. On TensorRT-LLM every layer is then copied here,
+  before the forward.
+* ``wait_for_layer_load(layer_idx, stream)`` — before each decoder layer: on vLLM, for every active
+  plan, revalidate against the ledger again, read that layer's donor bytes, verify their checksum,
+  copy them into the target blocks ``kv[target_block_ids, layer_idx]``, and only then return — a
+  layer is released to attention only when copied. A layer asked for while an earlier one was never
+  loaded, or a forward that ends before the last layer was asked for (``wait_for_save``), fails the
+  plan (``layer_skipped``). After the last layer, with every layer copied, the plan counts as
+  materialized (DESIGN §2 rule 8).
+* ``wait_for_save(stream)`` / ``get_finished(...)`` — donor saves. An ARMED save (TensorRT-LLM,
+  shipped with the request's first report) is gathered from the pool (device → host) in the
+  ``get_finished`` that names its request among the finished ones, in the iteration that finished
+  it, and reported done at once; other saves are gathered at the next forward's end (or the next
+  ``get_finished`` when no forward ran). A background thread writes the store entry (checksummed,
+  atomically published, ``donor_saved`` in the ledger).
 
-Failure policy (documented choice): any failed validation or copy fails the WHOLE plan — the
-hook raises :class:`SemKvLoadError`, so the layer is never run on partially loaded KV. On releases
-that offer ``cancel_load``/``request_reset`` the engine discards the load and recomputes the tokens.
-TensorRT-LLM 1.1/1.2 has no such path, and its source (connector/README.md, "TensorRT-LLM 1.1/1.2")
-shows that an exception from ``start_load_kv`` stops its executor, and one from
-``wait_for_layer_load`` fails every request of the batch and then stores their blocks for reuse
-without checking their prefill completed. So on those releases the worker loads before the forward
-(``load_before_forward``): a failure is raised by ``start_load_kv`` (the executor stops: an
-incident, fail closed), never inside the forward. Either way it is counted in
-``semkv_load_failures_total{reason}`` and the lease is released by the scheduler.
+What a failure after the promise does depends on whether the engine can retract a promise
+(:mod:`connector.engine_contract`), and is written on the plan (``LoadPlan.binding``):
+
+* vLLM (not binding): any failed validation or copy fails the WHOLE plan — the hook raises
+  :class:`SemKvLoadError` (the adapter reports the plan's blocks; vLLM recomputes them), so no layer
+  ever runs on partially loaded KV.
+* TensorRT-LLM (binding): the scheduler secured the donor's checksummed file before it answered and
+  handed it to this process's worker. What the LEDGER says after the promise (stale donor, blocks
+  removed, engine restarted, lease missing, ledger unreachable) is a freshness signal: counted in
+  ``semkv_stale_after_promise_total{reason}``, logged, and the load goes on from the secured bytes.
+  Only the bytes' own checks — the header against the checksum the ledger recorded, the layout,
+  every layer's checksum — can stop it, and they all run in ``start_load_kv`` before anything is
+  read by attention: a failure raises there, which stops TensorRT-LLM's executor (fail closed: no
+  block computed on, none stored for reuse). That is the residual case with no safe path in
+  TensorRT-LLM: the secured file written in place between the answer and the read
+  (connector/README.md, "What a promise means").
 """
 
 from __future__ import annotations
@@ -46,13 +50,16 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import torch
 
-from connector._trtllm import TRTLLM_WITHOUT_RECOMPUTE, KvCacheConnectorWorker
-from connector.donor_store import ChecksumMismatch, DonorReader, DonorStoreError, EntryMissing, FileDonorStore
+from connector._trtllm import KvCacheConnectorWorker
+from connector.donor_store import (ChecksumMismatch, DonorReader, DonorStoreError, EntryMissing, FileDonorStore,
+                                   SecuredEntry)
+from connector.engine_contract import TENSORRT_LLM, EngineContract
+from connector.lookup import stale_reason_name
 from connector.metrics import ConnectorMetrics, process_metrics
 from connector.namespace import KvLayout
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
@@ -66,6 +73,9 @@ log = logging.getLogger(__name__)
 _STORE_CACHE_LEVEL = "1"  # host memory / local disk
 _SAVE_REPORT_TIMEOUT_S = 120.0
 _FAILED_PLANS_KEPT = 4096  # TensorRT-LLM never drains them (the hook raises instead)
+_ARMED_KEPT = 65_536
+"""Armed saves the worker keeps at most (oldest dropped first); the scheduler disarms those of
+requests that finish without becoming donors, so only requests alive at once count."""
 
 
 class SemKvLoadError(RuntimeError):
@@ -73,20 +83,31 @@ class SemKvLoadError(RuntimeError):
 
     def __init__(self, plan: LoadPlan, reason: str, detail: str, layer_idx: int | None = None) -> None:
         where = f" at layer {layer_idx}" if layer_idx is not None else " before the first layer"
+        outcome = ("the executor must stop: TensorRT-LLM cannot recompute a promised load, and no block may be "
+                   "computed on or kept for reuse with these bytes" if plan.binding
+                   else "the engine recomputes the request's blocks")
         super().__init__(f"semkv connector: load of request {plan.request_id} from donor {plan.donor_id} failed"
-                         f"{where} ({reason}: {detail}); the request fails rather than run on partially "
-                         "loaded KV (engines with cancel_load/request_reset recompute it instead)")
+                         f"{where} ({reason}: {detail}); {outcome}")
         self.plan, self.reason, self.layer_idx = plan, reason, layer_idx
 
 
 @dataclasses.dataclass(slots=True)
 class _ActiveLoad:
     plan: LoadPlan
-    reader: DonorReader
-    targets: torch.Tensor
     started: float
+    secured: SecuredEntry | None = None
+    """The scheduler's secured entry this load reads through (released when the load ends)."""
+    reader: DonorReader | None = None
+    """Set by ``_begin`` before the load becomes active."""
+    targets: torch.Tensor | None = None
+    """The target block ids as a tensor on the pool's device; set with :attr:`reader`."""
     next_layer: int = 0
     """Layers ``[0, next_layer)`` are copied; a layer past it asked for means one was skipped."""
+    signals: set[str] = dataclasses.field(default_factory=set)
+    """Freshness signals already counted for this binding plan (each once)."""
+    ledger_down: bool = False
+    """A revalidation of this binding plan found the ledger unreachable: later layers skip it (each
+    would wait for the same error on the engine's thread)."""
 
 
 class SemKvWorker(KvCacheConnectorWorker):
@@ -95,12 +116,16 @@ class SemKvWorker(KvCacheConnectorWorker):
     Args:
         llm_args: TensorRT-LLM's ``TorchLlmArgs`` (or the harness's).
         settings, ledger, store, metrics: injected for tests; by default built from the settings.
+        engine: the engine hosting the connector (default TensorRT-LLM: every layer is loaded in
+            ``start_load_kv``; the vLLM adapter passes :data:`~connector.engine_contract.VLLM`).
     """
 
     def __init__(self, llm_args: Any, *, settings: ConnectorSettings | None = None, ledger: LedgerClient | None = None,
-                 store: FileDonorStore | None = None, metrics: ConnectorMetrics | None = None) -> None:
+                 store: FileDonorStore | None = None, metrics: ConnectorMetrics | None = None,
+                 engine: EngineContract = TENSORRT_LLM) -> None:
         super().__init__(llm_args)
         self.settings = s = settings or load_connector_settings()
+        self.engine = engine
         self.metrics = metrics or process_metrics()
         self.ledger = ledger or LedgerClient(s.db, statement_timeout_s=s.ledger_statement_timeout_s)
         self.store = store or FileDonorStore(s.store_dir, s.store_capacity_bytes, ledger=self.ledger)
@@ -112,9 +137,10 @@ class SemKvWorker(KvCacheConnectorWorker):
         """Plans whose load failed or was abandoned, oldest first; an engine adapter that reports
         failed blocks to its engine (vLLM's ``get_block_ids_with_load_errors``) drains it."""
         self._stream: Any = None
-        self._to_gather: dict[int, SaveInstruction] = {}
-        self._gathered: set[int] = set()
-        self._awaiting: dict[int, float] = {}  # finished ids passed in -> when
+        self._armed: OrderedDict[Any, SaveInstruction] = OrderedDict()
+        self._to_gather: dict[Any, SaveInstruction] = {}
+        self._gathered: set[Any] = set()
+        self._awaiting: dict[Any, float] = {}  # finished ids passed in -> when
         self._queue: queue.Queue[tuple[SaveInstruction, list[Any], float] | None] = queue.Queue(s.save_queue_max)
         self._idle = threading.Condition()
         self._in_flight = 0
@@ -122,9 +148,9 @@ class SemKvWorker(KvCacheConnectorWorker):
         self._saver.start()
         self.revalidation_seconds = 0.0  # cumulative, for benchmarks
         self.copy_seconds = 0.0
-        self.load_before_forward = (TRTLLM_WITHOUT_RECOMPUTE if s.load_before_forward is None
-                                    else s.load_before_forward)
-        """Copy every layer in ``start_load_kv`` (see ``ConnectorSettings.load_before_forward``)."""
+        self.load_before_forward = bool(s.load_before_forward) or not engine.recomputes_failed_loads
+        """Copy every layer in ``start_load_kv`` (always on TensorRT-LLM; see
+        ``ConnectorSettings.load_before_forward``)."""
 
     # ============================================================ layout
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
@@ -157,24 +183,27 @@ class SemKvWorker(KvCacheConnectorWorker):
 
     # ============================================================ loads
     def start_load_kv(self, stream: Any) -> None:
-        """Validate this iteration's plans (ledger + store header) and, with
-        :attr:`load_before_forward`, copy all their layers now; raises SemKvLoadError on failure."""
+        """Take this iteration's saves and plans; validate the plans (ledger + store header) and,
+        with :attr:`load_before_forward`, copy all their layers now.
+
+        Raises:
+            SemKvLoadError: a plan failed (see the module docstring for what that means per engine).
+        """
         self._stream = stream
         self._abandon_active()
         meta = self.get_connector_meta()
         if not isinstance(meta, ConnectorMetadata):
             return
-        for instruction in meta.saves:
-            self._to_gather[instruction.request_id] = instruction
+        self._take_saves(meta)
         for plan in meta.loads:
             try:
                 self._active.append(self._begin(plan))
             except SemKvLoadError as exc:
-                self._fail_all(exc)
+                self._fail_all(exc, meta.loads)
                 raise
             except Exception as exc:  # an unexpected error still fails the plan, counted
                 error = SemKvLoadError(plan, "internal_error", repr(exc))
-                self._fail_all(error)
+                self._fail_all(error, meta.loads)
                 raise error from exc
         if self.load_before_forward and self._active:
             for layer_idx in range(self.layout.num_layers):  # type: ignore[union-attr]
@@ -190,42 +219,71 @@ class SemKvWorker(KvCacheConnectorWorker):
         if len(plan.target_block_ids) != plan.num_blocks or (
                 plan.target_block_ids and max(plan.target_block_ids) >= self.num_blocks):
             raise SemKvLoadError(plan, "bad_targets", f"{len(plan.target_block_ids)} target blocks")
-        self._revalidate(plan, None, full=True)
+        load = _ActiveLoad(plan, time.perf_counter(), self.store.claim(plan.lease_id) if plan.binding else None)
+        self.store.lease(plan.donor_id)  # pinned here until _close
         try:
-            reader = self.store.open(plan.store_ref, plan.checksum)
+            self._revalidate(load, None, full=True)
+            load.reader = reader = self._open(plan, load.secured)
+            h = reader.header
+            if (h.namespace != plan.namespace or h.layout() != plan.layout or h.num_blocks < plan.donor_block_end
+                    or h.donor_id != plan.donor_id):
+                raise SemKvLoadError(plan, "header_mismatch",
+                                     f"entry {h.donor_id} {h.layout()} {h.num_blocks} blocks")
+        except BaseException:
+            self._close(load)
+            raise
+        load.targets = torch.tensor(plan.target_block_ids, dtype=torch.long, device=self.layers[0].device)
+        return load
+
+    def _open(self, plan: LoadPlan, secured: SecuredEntry | None) -> DonorReader:
+        """A reader of the plan's bytes: the secured file (binding plans), else the entry by path."""
+        try:
+            return secured.reader() if secured is not None else self.store.open(plan.store_ref, plan.checksum)
         except EntryMissing as exc:
             self.store.forget_verified(plan.store_ref)  # lookups check it in full again
             raise SemKvLoadError(plan, "store_missing", str(exc)) from exc
         except ChecksumMismatch as exc:
             self.store.forget_verified(plan.store_ref)
             raise SemKvLoadError(plan, "checksum_mismatch", str(exc)) from exc
-        h = reader.header
-        if (h.namespace != plan.namespace or h.layout() != plan.layout or h.num_blocks < plan.donor_block_end
-                or h.donor_id != plan.donor_id):
-            reader.close()
-            raise SemKvLoadError(plan, "header_mismatch", f"entry {h.donor_id} {h.layout()} {h.num_blocks} blocks")
-        self.store.lease(plan.donor_id)
-        targets = torch.tensor(plan.target_block_ids, dtype=torch.long, device=self.layers[0].device)
-        return _ActiveLoad(plan, reader, targets, time.perf_counter())
 
-    def _revalidate(self, plan: LoadPlan, layer_idx: int | None, *, full: bool) -> None:
+    def _revalidate(self, load: _ActiveLoad, layer_idx: int | None, *, full: bool) -> None:
         """The ledger's ``donor_freshness``: ``full`` includes block liveness (policy ``engine``,
         one statement over the plan's blocks); otherwise state, namespace, expiry, generation and
         lease only, one prepared statement (~20 µs on SQLite), so a re-check per layer stays a
-        small share of the copy (DESIGN §7: ≤ 5 %)."""
+        small share of the copy (DESIGN §7: ≤ 5 %). A binding plan's outcome is a signal; its lease
+        is not asked for (the scheduler writes it in the background and the bytes do not depend on it)."""
+        plan = load.plan
+        if load.ledger_down:
+            return
         started = time.perf_counter()
         try:
             stale = self.ledger.donor_freshness(
                 plan.donor_id, namespace=plan.namespace, num_blocks=plan.donor_block_end if full else 0,
-                policy=FreshnessPolicy(plan.freshness_policy), lease_id=plan.lease_id)
+                policy=FreshnessPolicy(plan.freshness_policy), lease_id=None if plan.binding else plan.lease_id)
         except Exception as exc:  # the ledger unreachable is a failed validation, not a pass
-            raise SemKvLoadError(plan, "ledger_error", repr(exc), layer_idx) from exc
+            if not plan.binding:
+                raise SemKvLoadError(plan, "ledger_error", repr(exc), layer_idx) from exc
+            load.ledger_down = True
+            self._signal(load, "ledger_error", repr(exc))
+            return
         finally:
             elapsed = time.perf_counter() - started
             self.revalidation_seconds += elapsed
             self.metrics.revalidation_seconds.observe(elapsed)
-        if stale is not None:
+        if stale is None:
+            return
+        if not plan.binding:
             raise SemKvLoadError(plan, f"ledger_{stale}", f"donor no longer fresh: {stale}", layer_idx)
+        self._signal(load, stale_reason_name(stale), f"donor no longer fresh: {stale}")
+
+    def _signal(self, load: _ActiveLoad, reason: str, detail: str) -> None:
+        """A freshness signal on a binding plan: counted and logged once per plan and reason."""
+        if reason in load.signals:
+            return
+        load.signals.add(reason)
+        self.metrics.stale_after_promise.labels(reason=reason).inc()
+        log.warning("semkv: request %s: donor %s %s after the promise; loading its secured, checksummed bytes",
+                    load.plan.request_id, load.plan.donor_id, detail)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """Revalidate, verify and copy layer ``layer_idx`` of every active plan, then return (with
@@ -253,8 +311,10 @@ class SemKvWorker(KvCacheConnectorWorker):
             self._active = []
 
     def _copy_layer(self, load: _ActiveLoad, layer_idx: int) -> None:
-        plan, h, kv = load.plan, load.reader.header, self.layers[layer_idx]
-        self._revalidate(plan, layer_idx, full=self.settings.per_layer_block_check)
+        plan, kv = load.plan, self.layers[layer_idx]
+        assert load.reader is not None and load.targets is not None  # set by _begin
+        h = load.reader.header
+        self._revalidate(load, layer_idx, full=self.settings.per_layer_block_check)
         started = time.perf_counter()
         try:
             raw = load.reader.read_layer(layer_idx)
@@ -270,21 +330,34 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.copy_seconds += time.perf_counter() - started
 
     def _materialized(self, load: _ActiveLoad) -> None:
-        load.reader.close()
-        self.store.release(load.plan.donor_id)
+        self._close(load)
         self.metrics.materialized.inc()
         self.metrics.materialized_tokens.inc(load.plan.token_count)
         self.metrics.materialized_tokens_hist.observe(load.plan.token_count)
         self.metrics.load_seconds.labels(cache_level=_STORE_CACHE_LEVEL).observe(time.perf_counter() - load.started)
 
-    def _fail_all(self, error: SemKvLoadError) -> None:
+    def _close(self, load: _ActiveLoad) -> None:
+        """The load is over: its reader, its pin here and the secured entry it read through go."""
+        if load.reader is not None:
+            load.reader.close()
+        self.store.release(load.plan.donor_id)
+        if load.secured is not None:
+            load.secured.release()
+            load.secured = None
+
+    def _fail_all(self, error: SemKvLoadError, plans: tuple[LoadPlan, ...] = ()) -> None:
+        """``error``'s plan failed: every active plan (and the iteration's other ``plans``) fails."""
         log.error("%s", error)
         self.metrics.load_failures.labels(reason=error.reason).inc()
         self.failed_plans.append(error.plan)
         self.failed_plans.extend(load.plan for load in self._active if load.plan is not error.plan)
+        begun = {id(load.plan) for load in self._active} | {id(error.plan)}
+        for plan in plans:  # the iteration's plans: none is loaded now
+            if id(plan) not in begun:
+                self.failed_plans.append(plan)
+            self.store.drop_unclaimed(plan.lease_id)  # a secured entry handed over for it (no-op once claimed)
         for load in self._active:
-            load.reader.close()
-            self.store.release(load.plan.donor_id)
+            self._close(load)
         self._active = []
 
     def _abandon_active(self) -> None:
@@ -292,11 +365,23 @@ class SemKvWorker(KvCacheConnectorWorker):
         for load in self._active:
             self.metrics.load_failures.labels(reason="abandoned").inc()
             self.failed_plans.append(load.plan)
-            load.reader.close()
-            self.store.release(load.plan.donor_id)
+            self._close(load)
         self._active = []
 
     # ============================================================ saves
+    def _take_saves(self, meta: ConnectorMetadata) -> None:
+        """Arm the metadata's armed saves, queue the others for the next gather, drop disarmed ones."""
+        for rid in meta.disarmed:
+            self._armed.pop(rid, None)
+        for instruction in meta.saves:
+            if instruction.on_finish:
+                self._armed[instruction.request_id] = instruction
+                while len(self._armed) > _ARMED_KEPT:
+                    dropped, _ = self._armed.popitem(last=False)
+                    log.warning("semkv: armed save of request %s dropped (more than %d armed)", dropped, _ARMED_KEPT)
+            else:
+                self._to_gather[instruction.request_id] = instruction
+
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """No-op: donors are saved whole once their request finished (see wait_for_save)."""
 
@@ -318,13 +403,19 @@ class SemKvWorker(KvCacheConnectorWorker):
             stream.synchronize()
             self._gather()
 
-    def get_finished(self, finished_gen_req_ids: list[int],
-                     started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
-        """``(ids whose donor bytes are gathered, [])``: loads are synchronous, never reported here."""
+    def get_finished(self, finished_gen_req_ids: list[Any],
+                     started_loading_req_ids: list[Any]) -> tuple[list[Any], list[Any]]:
+        """``(ids whose donor bytes are gathered, [])``: loads are synchronous, never reported here.
+
+        An id passed in whose save is armed is gathered now (the iteration that finished it), so
+        the engine frees its blocks at once, idle afterwards or not."""
         now = time.monotonic()
         for rid in finished_gen_req_ids:
+            armed = self._armed.pop(rid, None)
+            if armed is not None:
+                self._to_gather[rid] = armed
             self._awaiting[rid] = now
-        if self._to_gather:  # no forward ran this iteration: gather now
+        if self._to_gather:  # no forward ran since, or an armed save: gather now
             if self._stream is not None:
                 self._stream.synchronize()
             self._gather()

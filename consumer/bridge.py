@@ -516,6 +516,9 @@ class PollingBridge:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self.events_seen = self.batches_published = self.poll_errors = 0
+        self.seq_gaps_marked = 0
+        """Seqs consumed for polls that may have lost events: one per run of consecutive such polls."""
+        self._gap_open = False  # a seq was marked lost for the current run of failed polls
 
     def start(self) -> PollingBridge:
         self._thread.start()
@@ -559,6 +562,25 @@ class PollingBridge:
         """One poll; the number of events published, or None when the poll failed."""
         raise NotImplementedError
 
+    def _mark_possible_loss(self) -> bool:
+        """A failed poll may have taken events out of the engine's queue that never reached us:
+        consume one seq without sending anything (once per run of such polls), so subscribers see a
+        gap the engine's replay cannot fill and the ledger bumps the engine's generation. True when
+        a seq was marked now."""
+        if self._gap_open:
+            return False
+        try:
+            self.publisher.mark_lost()
+        except RuntimeError:  # publisher closed (close() timed out): nobody left to tell
+            return False
+        self.seq_gaps_marked += 1
+        self._gap_open = True
+        return True
+
+    def _poll_succeeded(self) -> None:
+        """A poll came back whole: the next lost one opens a new gap."""
+        self._gap_open = False
+
     def _publish_drain(self, events: Sequence[Any]) -> int | None:
         """Publish one drain as one batch per attention-DP rank; the number of events, or None
         when the publisher is already closed (the events are then lost, and logged)."""
@@ -582,7 +604,13 @@ class LlmEventBridge(PollingBridge):
     list[dict]`` that drains a queue (reference/WIRE.md §A). Each non-empty drain becomes one
     batch per attention-DP rank. The engine never waits on the bridge: TensorRT-LLM queues events
     itself, and :meth:`KvEventPublisher.publish` never blocks.
-    Errors raised by the LLM are counted and logged, then retried after a back-off.
+    An exception from the drain is a possible LOSS, never a silent skip: the engine's queue may
+    already have been drained into it (TensorRT-LLM's ``KVCacheEventSerializer._updated_to_json``
+    raises ``AttributeError`` on the ``updated`` event of a host offload, whose ``priority`` diff is
+    None, after the C++ queue was emptied; NVIDIA/TensorRT-LLM ``tensorrt_llm/_utils.py``). It is
+    counted (``poll_errors``), logged, marked as a seq gap (:meth:`KvEventPublisher.mark_lost`, once
+    per run of failed polls: the ledger bumps the engine's generation and quarantines what it knew),
+    then retried after a back-off.
     """
 
     def __init__(
@@ -613,6 +641,8 @@ class LlmEventBridge(PollingBridge):
             events = self._llm.get_kv_cache_events(timeout=timeout_s)
         except Exception as exc:  # boundary: an executor error must not kill the bridge
             self.poll_errors += 1
-            log.error("bridge.poll_failed", error=repr(exc), errors_total=self.poll_errors)
+            marked = self._mark_possible_loss()
+            log.error("bridge.poll_failed", error=repr(exc), errors_total=self.poll_errors, seq_marked_lost=marked)
             return None
+        self._poll_succeeded()
         return self._publish_drain(events or [])

@@ -136,7 +136,6 @@ class ServeEventBridge(PollingBridge):
                                               headers={"accept": "application/json"})
         self._stats = ServeBridgeStats()
         self._served_ok = False  # a 2xx seen: the server's event queue exists (5xx may now lose events)
-        self._gap_open = False  # a seq was marked lost for the current run of lost polls
         self._consecutive_failures = 0
 
     def start(self) -> ServeEventBridge:
@@ -193,7 +192,7 @@ class ServeEventBridge(PollingBridge):
         if self._consecutive_failures:
             log.info("serve_bridge.recovered", url=self.events_url, failed_polls=self._consecutive_failures)
         self._consecutive_failures = 0
-        self._gap_open = False
+        self._poll_succeeded()
         return self._publish_drain(events)
 
     def _failed(self, kind: str, error: str, *, maybe_lost: bool, status: int | None = None) -> None:
@@ -203,14 +202,8 @@ class ServeEventBridge(PollingBridge):
         n = self._consecutive_failures
         if maybe_lost:
             self._stats.polls_lost += 1
-            if not self._gap_open:
-                try:
-                    self.publisher.mark_lost()
-                except RuntimeError:  # publisher closed (close() timed out): nobody left to tell
-                    pass
-                else:
-                    self._stats.seq_gaps_marked += 1
-                    self._gap_open = True
+            if self._mark_possible_loss():
+                self._stats.seq_gaps_marked += 1
         if n & (n - 1) == 0 or n % 100 == 0:  # 1st, 2nd, 4th, 8th... and every 100th of a run
             hint = None
             if status is not None and status >= 500 and not self._served_ok:

@@ -25,7 +25,7 @@ from sqlalchemy import select
 
 from connector.harness import HarnessLLM, KvCacheConfig, ModelConfig
 from connector.metrics import ConnectorMetrics
-from connector.scheduler import ResetHooksMixin, SemKvScheduler
+from connector.scheduler import SemKvScheduler
 from connector.settings import ConnectorSettings, load_connector_settings
 from connector.worker import SemKvWorker
 from consumer.bridge import KvEventPublisher
@@ -46,18 +46,16 @@ def doc_tokens(n: int, seed: int = 1) -> list[int]:
     return torch.randint(1, MODEL.vocab_size, (n,), generator=gen).tolist()
 
 
-def bind_connector(settings: ConnectorSettings, metrics: ConnectorMetrics, *, reset_hooks: bool = False
-                   ) -> tuple[type, type]:
+def bind_connector(settings: ConnectorSettings, metrics: ConnectorMetrics) -> tuple[type, type]:
     """Scheduler/worker classes that the harness constructs with its ``llm_args``, bound to settings."""
-    base = type("SemKvSchedulerWithReset", (ResetHooksMixin, SemKvScheduler), {}) if reset_hooks else SemKvScheduler
 
     def sched_init(self, llm_args):  # noqa: ANN001, ANN202
-        base.__init__(self, llm_args, settings=settings, metrics=metrics)
+        SemKvScheduler.__init__(self, llm_args, settings=settings, metrics=metrics)
 
     def worker_init(self, llm_args):  # noqa: ANN001, ANN202
         SemKvWorker.__init__(self, llm_args, settings=settings, metrics=metrics)
 
-    return (type("BoundScheduler", (base,), {"__init__": sched_init}),
+    return (type("BoundScheduler", (SemKvScheduler,), {"__init__": sched_init}),
             type("BoundWorker", (SemKvWorker,), {"__init__": worker_init}))
 
 
@@ -162,21 +160,19 @@ class Fleet:
         return load_connector_settings(values, environ={})
 
     def engine(self, engine_id: str, *, connector: bool = True, model: ModelConfig = MODEL,
-               kv_cache_config: KvCacheConfig | None = None, reset_hooks: bool = False,
-               trtllm_hook_errors: bool = False, **overrides: Any) -> Engine:
-        """A new engine on ``engine_id``'s publisher (replaces a previous one: an engine restart).
-        ``trtllm_hook_errors``: the harness handles worker hook exceptions as TensorRT-LLM 1.1/1.2 does."""
+               kv_cache_config: KvCacheConfig | None = None, **overrides: Any) -> Engine:
+        """A new engine on ``engine_id``'s publisher (replaces a previous one: an engine restart)."""
         kvc = kv_cache_config or KvCacheConfig(tokens_per_block=model.tokens_per_block, event_buffer_max_size=4096,
                                                max_tokens=4 * model.max_context)
         settings = metrics = spec = None
         if connector:
             settings, metrics = self.connector_settings(engine_id, **overrides), ConnectorMetrics()
-            spec = bind_connector(settings, metrics, reset_hooks=reset_hooks)
+            spec = bind_connector(settings, metrics)
         old = self.engines.get(engine_id)
         if old is not None:
             self.close_engine(old)
         llm = HarnessLLM(model, kv_cache_config=kvc, kv_connector=spec, max_num_tokens=256,
-                         model=_shared_model(model), trtllm_hook_errors=trtllm_hook_errors)
+                         model=_shared_model(model))
         engine = Engine(engine_id, llm, self.publishers[engine_id], metrics, settings,
                         last_seq=old.last_seq if old else -1)
         self.engines[engine_id] = engine

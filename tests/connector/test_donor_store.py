@@ -201,3 +201,81 @@ def test_capacity_evicts_oldest_unleased_and_records_it_in_the_ledger(tmp_path: 
     store.release("newest")
     assert store.evict("leased", "test") and store.evict("new", "test")
     ledger.close()
+
+
+# -- secured entries: what a TensorRT-LLM promise holds ------------------------------------------------
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def read_all(secured: donor_store.SecuredEntry) -> list[np.ndarray]:
+    with secured.reader() as reader:
+        return [np.frombuffer(reader.read_layer(l), np.float32).reshape(BLOCKS, 2, ELEMS) for l in range(LAYERS)]
+
+
+def test_a_secured_entry_keeps_the_verified_bytes_whatever_happens_to_its_path(tmp_path: Path) -> None:
+    """Evicted, replaced by another file under the same name: the secured file is still the one checksummed."""
+    store = FileDonorStore(tmp_path, 2**20)
+    data = layers(3)
+    entry = store.put("d1", data, header())
+    evicted, replaced = store.secure(entry.ref, entry.checksum), store.secure(entry.ref, entry.checksum)
+    assert evicted is not None and replaced is not None
+    assert store.evict("d1", "test", force=True) and not (tmp_path / entry.ref).exists()
+    assert all(np.array_equal(got, want) for got, want in zip(read_all(evicted), data, strict=True))
+    other = FileDonorStore(tmp_path, 2**20).put("d1", layers(4), header())  # a new file, same name
+    assert other.checksum != entry.checksum
+    assert all(np.array_equal(got, want) for got, want in zip(read_all(replaced), data, strict=True))
+    assert store.secure(entry.ref, entry.checksum) is None  # the path names another file now
+    evicted.release()
+    replaced.release()
+    replaced.release()  # idempotent
+
+
+def test_a_file_written_in_place_fails_the_secured_read_the_residual_case(tmp_path: Path) -> None:
+    store = FileDonorStore(tmp_path, 2**20)
+    entry = store.put("d1", layers(5), header())
+    secured = store.secure(entry.ref, entry.checksum)
+    assert secured is not None
+    path = tmp_path / entry.ref
+    with open(path, "r+b") as f:  # same file, new bytes: only the checksums can tell
+        f.seek(os.path.getsize(path) - 4)
+        f.write(b"\x00\x00\x80\x7f")
+    with pytest.raises(ChecksumMismatch, match="layer 2"), secured.reader() as reader:
+        reader.read_layer(2)
+    secured.release()
+    assert store.recheck_verified() == 1 and store.secure(entry.ref, entry.checksum) is None
+
+
+def test_descriptors_close_when_forgotten_and_unheld_and_stay_bounded(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(donor_store, "_VERIFIED", {})
+    monkeypatch.setattr(donor_store, "_open_budget", lambda: 1)
+    store = FileDonorStore(tmp_path, 2**20)
+    before = open_fds()
+    first = store.put("d1", layers(6), header())  # kept open
+    second = store.put("d2", layers(7), header())  # over the budget: remembered, not kept open
+    assert open_fds() == before + 1
+    held = store.secure(first.ref, first.checksum)
+    opened = store.secure(second.ref, second.checksum)  # secured by opening it: its own descriptor
+    assert held is not None and opened is not None and open_fds() == before + 2
+    store.forget_verified(first.ref)  # held: the descriptor stays until the holder lets go
+    assert open_fds() == before + 2 and len(read_all(held)) == LAYERS
+    held.release()
+    opened.release()
+    assert open_fds() == before
+    os.utime(tmp_path / second.ref, ns=(1, 1))  # changed since its checksum: not secured by opening
+    assert store.secure(second.ref, second.checksum) is None
+
+
+def test_secured_entries_are_handed_over_once_and_dropped_if_unclaimed(tmp_path: Path) -> None:
+    store, worker_store = FileDonorStore(tmp_path, 2**20), FileDonorStore(tmp_path, 2**20)
+    entry = store.put("d1", layers(8), header())
+    for lease_id in ("l1", "l2"):
+        secured = store.secure(entry.ref, entry.checksum)
+        assert secured is not None
+        store.hand_over(lease_id, secured)
+    assert store.handed_over() == 2
+    claimed = worker_store.claim("l1")  # the worker's store on the same directory, in this process
+    assert claimed is not None and worker_store.claim("l1") is None
+    claimed.release()
+    assert store.drop_unclaimed("l2") and not store.drop_unclaimed("l2") and store.handed_over() == 0

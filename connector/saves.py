@@ -1,0 +1,163 @@
+"""Donor saves: when a request becomes a donor, and how its bytes reach the worker.
+
+Chosen once per engine (:mod:`connector.engine_contract`):
+
+* :class:`ArmedSaves` (TensorRT-LLM). TensorRT-LLM calls ``build_connector_meta`` only in an
+  iteration that schedules a batch, and its loop blocks, calling no connector hook at all, once no
+  request is active (NVIDIA/TensorRT-LLM ``py_executor.py``, every connector-era version): a save
+  instruction queued at ``request_finished`` for "the next metadata" waits for the next request, with
+  the donor's blocks pinned — forever on an idle engine. So the instruction is ARMED instead: made at
+  ``update_state_after_alloc`` (the request's blocks are all allocated then), shipped with the
+  request's first report, kept by the worker. ``request_finished`` registers the donor under the
+  armed id and returns True; the same iteration's ``get_finished`` passes the request id to the
+  worker among the finished saves (``KvCacheConnectorManager.get_finished``: exactly the requests
+  whose ``request_finished`` returned True), and the worker gathers the bytes right there and
+  reports them done. A request that finishes without becoming a donor, or that the engine drops,
+  is disarmed with the next metadata (the worker also bounds what it keeps).
+* :class:`SavesAfterFinish` (vLLM): ``request_finished`` registers the donor and queues its
+  instruction; it ships with the next step's metadata (vLLM builds one every step) and the worker
+  gathers it at that step's end.
+
+Either way the donor is registered only when its prefill completed, on the engine's thread, waiting
+at most ``register_lock_wait_s`` for the ledger's write lock and not at all while the ledger backs
+off (:class:`~connector.promises.LedgerBackoff`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from connector.donors import DonorRegistrar, LedgerBusy, prefill_completed
+from connector.metrics import ConnectorMetrics
+from connector.plan import SaveInstruction
+from connector.promises import LedgerBackoff, RequestState
+from connector.settings import ConnectorSettings
+from ledger.errors import LedgerError, PersistenceError, lock_timed_out
+from ledger.queries import LedgerClient
+
+__all__ = ["ArmedSaves", "SavesAfterFinish"]
+
+log = logging.getLogger(__name__)
+
+
+class _DonorSaves:
+    """What both protocols share: the registration's bounded ledger access, and the queues of
+    instructions and disarmed ids the next metadata carries."""
+
+    def __init__(self, settings: ConnectorSettings, registrar: DonorRegistrar, ledger: LedgerClient,
+                 metrics: ConnectorMetrics, backoff: LedgerBackoff) -> None:
+        self.settings, self.registrar, self.ledger = settings, registrar, ledger
+        self.metrics, self.backoff = metrics, backoff
+        self._to_ship: deque[SaveInstruction] = deque()
+        self._disarmed: deque[Any] = deque()
+
+    def to_ship(self) -> tuple[tuple[SaveInstruction, ...], tuple[Any, ...]]:
+        """This iteration's ``(saves, disarmed ids)``, each at most ``max_plans_per_iteration``
+        (the rest wait for the next metadata)."""
+        limit = self.settings.max_plans_per_iteration
+        saves = tuple(self._to_ship.popleft() for _ in range(min(len(self._to_ship), limit)))
+        disarmed = tuple(self._disarmed.popleft() for _ in range(min(len(self._disarmed), limit)))
+        return saves, disarmed
+
+    def register(self, request: Any, cache_block_ids: list[int], state: RequestState,
+                 donor_id: str | None = None) -> SaveInstruction | None:
+        """Register ``request`` as a donor (under ``donor_id`` when armed); None: not a donor."""
+        try:
+            save = self.registrar.register(request, list(cache_block_ids), namespace=state.namespace,
+                                           keys=state.keys, block_hashes=state.block_hashes, donor_id=donor_id,
+                                           ledger_access=self._ledger_access)
+            if save is not None:  # written: the ledger takes writes again
+                self.backoff.succeeded()
+            return save
+        except LedgerBusy:
+            self.metrics.donors_not_registered.labels(reason="ledger_busy").inc()
+            return None
+        except LedgerError as exc:
+            busy = isinstance(exc, PersistenceError) and lock_timed_out(exc)
+            if busy:
+                self.backoff.failed()
+            self.metrics.donors_not_registered.labels(reason="ledger_busy" if busy else "ledger_error").inc()
+            log.warning("semkv: request %s not registered as a donor: %s", request.request_id, exc)
+            return None
+
+    @contextlib.contextmanager
+    def _ledger_access(self) -> Iterator[None]:
+        """Around a registration's ledger access: skipped while writes are paused or the ledger
+        thread is backed up (:class:`LedgerBusy`), else the write lock waited for at most
+        ``register_lock_wait_s``."""
+        if not self.backoff.writable():
+            raise LedgerBusy("the ledger is busy: registration skipped")
+        with self.ledger.lock_wait(self.settings.register_lock_wait_s):
+            yield
+
+
+class ArmedSaves(_DonorSaves):
+    """TensorRT-LLM: instructions armed at allocation, gathered in ``get_finished`` (module docstring)."""
+
+    def arm(self, request: Any, block_ids: list[int], state: RequestState) -> None:
+        """At ``update_state_after_alloc``: arm a save for a request that may become a donor."""
+        found = self.registrar.candidate(request, block_ids, state.namespace)
+        if found is None:
+            return
+        ns, n = found
+        state.armed = self.registrar.instruction(request, block_ids, ns, n, donor_id=uuid.uuid4().hex, on_finish=True)
+        state.armed_shipped = False
+        self._to_ship.append(state.armed)
+
+    def shipped(self, saves: tuple[SaveInstruction, ...], state_of: Any) -> None:
+        """Mark the armed instructions of this metadata as shipped (only those can be saved)."""
+        for save in saves:
+            state = state_of(save.request_id)
+            if state is not None and state.armed is save:
+                state.armed_shipped = True
+
+    def finished(self, request: Any, cache_block_ids: list[int], state: RequestState) -> SaveInstruction | None:
+        """At ``request_finished``: the armed save, registered, when the request is a donor (True to
+        the engine: the worker gathers it in this iteration's ``get_finished``); None otherwise (and
+        the worker's armed instruction is dropped with the next metadata)."""
+        armed = state.armed
+        if armed is None:
+            return None
+        if not state.armed_shipped:  # still queued: it never reaches the worker now
+            with contextlib.suppress(ValueError):
+                self._to_ship.remove(armed)
+            self.metrics.donors_not_registered.labels(reason="not_armed").inc()
+            return None
+        same_blocks = tuple(int(b) for b in cache_block_ids[: armed.num_blocks]) == armed.block_ids
+        save = None
+        if same_blocks and prefill_completed(request):
+            save = self.register(request, cache_block_ids, state, donor_id=armed.donor_id)
+        if save is None:
+            self._disarmed.append(armed.request_id)
+            return None
+        return armed
+
+    def forget(self, state: RequestState) -> None:
+        """A request released without ``request_finished`` (orphaned): drop its armed save."""
+        if state.armed is not None and state.armed_shipped:
+            self._disarmed.append(state.armed.request_id)
+
+
+class SavesAfterFinish(_DonorSaves):
+    """vLLM: the instruction ships after ``request_finished`` (module docstring)."""
+
+    def arm(self, request: Any, block_ids: list[int], state: RequestState) -> None:
+        """Nothing is armed: vLLM's ``get_finished`` passes every finished request."""
+
+    def shipped(self, saves: tuple[SaveInstruction, ...], state_of: Any) -> None:
+        """Nothing to mark."""
+
+    def finished(self, request: Any, cache_block_ids: list[int], state: RequestState) -> SaveInstruction | None:
+        """Register the donor and queue its instruction for the next metadata."""
+        save = self.register(request, cache_block_ids, state)
+        if save is not None:
+            self._to_ship.append(save)
+        return save
+
+    def forget(self, state: RequestState) -> None:
+        """Nothing was armed."""
