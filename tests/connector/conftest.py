@@ -165,7 +165,7 @@ class Fleet:
                kv_cache_config: KvCacheConfig | None = None, reset_hooks: bool = False,
                trtllm_hook_errors: bool = False, **overrides: Any) -> Engine:
         """A new engine on ``engine_id``'s publisher (replaces a previous one: an engine restart).
-        ``trtllm_hook_errors``: the harness handles worker hook exceptions as TensorRT-LLM 1.1/1.2 does."""
+        ``trtllm_hook_errors``: ignored — the harness always handles hook exceptions as TensorRT-LLM does."""
         kvc = kv_cache_config or KvCacheConfig(tokens_per_block=model.tokens_per_block, event_buffer_max_size=4096,
                                                max_tokens=4 * model.max_context)
         settings = metrics = spec = None
@@ -176,7 +176,7 @@ class Fleet:
         if old is not None:
             self.close_engine(old)
         llm = HarnessLLM(model, kv_cache_config=kvc, kv_connector=spec, max_num_tokens=256,
-                         model=_shared_model(model), trtllm_hook_errors=trtllm_hook_errors)
+                         model=_shared_model(model))
         engine = Engine(engine_id, llm, self.publishers[engine_id], metrics, settings,
                         last_seq=old.last_seq if old else -1)
         self.engines[engine_id] = engine
