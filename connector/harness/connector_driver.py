@@ -1,50 +1,68 @@
-"""REFERENCE ENGINE HARNESS — drives a KV Cache Connector the way TensorRT-LLM's runtime does.
+"""REFERENCE ENGINE HARNESS — the runtime side of the KV Cache Connector API (TensorRT-LLM's manager).
 
-Test and demo infrastructure only; never an engine for serving. Mirrors ``KvCacheConnectorManager``
-and ``KvCacheConnectorSchedulerOutputManager`` in NVIDIA/TensorRT-LLM
-``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` (1.x:
-``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py``):
+Test and demo infrastructure only; never an engine for serving. :class:`ConnectorDriver` plays
+``KvCacheConnectorManager`` and ``KvCacheConnectorSchedulerOutputManager`` of the modelled
+:class:`~.trtllm_versions.TrtllmVersion` (NVIDIA/TensorRT-LLM
+``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py`` @ 00fdcbff5ad82a6438b3e0c9dbc5480b6ee52bdc,
+read_file id 19460767766; ``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` @
+035ab91cad04b7b77a479a9526edecfbc742c661, read_file id 68382362537) for one scheduler and one worker
+per simulated rank:
 
-- ``query`` = ``get_num_new_matched_tokens``: rejects generation-only requests, ``(0, True)``
-  (same ``RuntimeError`` message), negative counts, a promise reaching the last prompt token
-  (C++ ``setPrepopulatedPromptLen``: prepopulated < prompt length) and — stricter than TensorRT-LLM,
-  which does not check it — a count that is not a whole number of blocks.
+- ``get_num_new_matched_tokens``: rejects generation-only requests, ``(0, True)`` (same message),
+  negative counts, a promise reaching the last prompt token (C++ ``setPrepopulatedPromptLen``:
+  prepopulated < prompt length) and — stricter than TensorRT-LLM, which does not check it — a count
+  that is not a whole number of blocks. Records the async load and the connector's tokens.
 - ``build_scheduler_output``: new vs cached requests, cumulative deltas of tokens and block ids,
-  ``computed_position`` minus the connector's tokens on the first report, requests whose load just
-  went async are left out of that iteration, ``block_hashes``/``priorities``/``cache_salt``.
-- ``get_finished``: ids are passed once; per-worker pending sets; the runtime acts on an id only
-  when EVERY worker has returned it (the ``mpi_allgather`` intersection).
+  ``computed_position`` minus the connector's tokens on the first report only (the record is
+  cleared by every build), requests whose load just went async left out; only the ``RequestData``
+  / ``SchedulerOutput`` fields the modelled version defines.
+- ``handle_metadata``: ``build_connector_meta`` on the scheduler, ``bind_connector_meta`` on every
+  worker.
+- ``get_finished``: each id is passed to each worker exactly once; per-rank pending sets; an id a
+  worker returns that is not pending on that rank (never passed in, or already returned) raises
+  ``KeyError`` (``AsyncRequests.extract_by_id``); the runtime acts on an id only when EVERY worker
+  has returned it (the ``mpi_allgather`` intersection).
+
+Where the source lets an exception escape the executor loop (every call outside ``_forward_step``'s
+``try``: the scheduler hooks, ``bind_connector_meta``, ``start_load_kv``, ``get_finished``, the
+manager's own checks) the driver raises :class:`ExecutorStopped` from the original exception. The
+forward's worker hooks (``wait_for_layer_load``, ``save_kv_layer``, ``wait_for_save``) raise
+:class:`ConnectorWorkerError`, which the engine hands to ``_handle_errors``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, TypeVar
 
 from .._trtllm import RequestData, SchedulerOutput
 from .kv_cache_manager import KVCacheManager, KVSequence
 from .request import LlmRequest, LlmRequestState
+from .trtllm_versions import TRTLLM_MAIN_2026, TrtllmVersion
 
 __all__ = [
     "AttentionOrderError",
     "ConnectorContractError",
     "ConnectorDriver",
     "ConnectorWorkerError",
+    "ExecutorStopped",
     "HarnessStream",
 ]
 
+T = TypeVar("T")
+
 
 class ConnectorContractError(RuntimeError):
-    """The connector broke a rule of the runtime; the request fails."""
+    """The connector broke a rule of the runtime (raised by the manager's checks)."""
 
 
 class ConnectorWorkerError(RuntimeError):
-    """A worker hook raised; the request of that forward fails (with ``trtllm_hook_errors``, as
-    TensorRT-LLM 1.1/1.2 handles it: see :mod:`connector.harness.engine`).
+    """A worker hook inside the forward raised; ``_handle_errors`` fails every active request with it.
 
     Attributes:
-        hook: the worker method that raised (``start_load_kv``, ``wait_for_layer_load``, ...).
+        hook: the worker method that raised (``wait_for_layer_load``, ``save_kv_layer``,
+            ``wait_for_save``).
         layer_idx: the layer, for per-layer hooks.
     """
 
@@ -52,6 +70,25 @@ class ConnectorWorkerError(RuntimeError):
         super().__init__(message)
         self.hook = hook
         self.layer_idx = layer_idx
+
+
+class ExecutorStopped(RuntimeError):
+    """The executor loop ended: a connector call outside the forward's error handling raised.
+
+    TensorRT-LLM's ``_event_loop_wrapper`` logs and re-raises, ``_executor_loop_cleanup`` marks
+    the executor shut down, and no request is served any more; an operator restarts the engine
+    (its cache starts empty). ``__cause__`` is the exception the hook (or the manager's check)
+    raised.
+
+    Attributes:
+        hook: the connector method during which the loop ended (``get_num_new_matched_tokens``,
+            ``update_state_after_alloc``, ``build_connector_meta``, ``bind_connector_meta``,
+            ``start_load_kv``, ``request_finished``, ``get_finished``).
+    """
+
+    def __init__(self, message: str, *, hook: str) -> None:
+        super().__init__(message)
+        self.hook = hook
 
 
 class AttentionOrderError(AssertionError):
@@ -78,10 +115,24 @@ class _Reported:
     num_block_ids: int = 0
 
 
-def _request_data(**values: Any) -> Any:
-    """Build ``RequestData`` passing only fields the installed class has (1.2 lacks newer ones)."""
-    names = {f.name for f in fields(RequestData)}
-    return RequestData(**{k: v for k, v in values.items() if k in names})
+@dataclass
+class _RankState:
+    """One rank's ``pending_async_requests`` and ``local_finished_async_requests`` ids."""
+
+    pending: dict[str, set[int]] = field(default_factory=lambda: {"saving": set(), "loading": set()})
+    done: dict[str, set[int]] = field(default_factory=lambda: {"saving": set(), "loading": set()})
+
+
+def _narrowed(cls: type, names: tuple[str, ...]) -> type:
+    """``cls`` itself when it has exactly ``names``; else a dataclass of the same name with only
+    those of ``names`` that ``cls`` has, so the modelled version's missing attributes are missing."""
+    have = {f.name: f for f in fields(cls)}
+    keep = [n for n in names if n in have]
+    if keep == list(have):
+        return cls
+    spec = [(n, have[n].type, field(default=have[n].default, default_factory=have[n].default_factory))
+            for n in keep]
+    return make_dataclass(cls.__name__, spec, namespace={"__doc__": cls.__doc__})
 
 
 class ConnectorDriver:
@@ -91,33 +142,45 @@ class ConnectorDriver:
         scheduler: the connector's scheduler object.
         workers: one worker per simulated rank (all see the same KV pool).
         manager: the engine's KV cache manager.
-        attention_dp_rank: set on every ``SchedulerOutput`` when not None.
+        attention_dp_rank: set on every ``SchedulerOutput`` when not None (and the version has it).
+        version: the modelled TensorRT-LLM version.
     """
 
     def __init__(self, scheduler: Any, workers: list[Any], manager: KVCacheManager,
-                 attention_dp_rank: int | None = None) -> None:
+                 attention_dp_rank: int | None = None, version: TrtllmVersion = TRTLLM_MAIN_2026) -> None:
         if not workers:
             raise ValueError("at least one connector worker is required")
         self.scheduler = scheduler
         self.workers = workers
         self.manager = manager
         self.attention_dp_rank = attention_dp_rank
+        self.version = version
         self.stream = HarnessStream()
+        self.request_data_class = _narrowed(RequestData, version.request_data_fields)
+        output_fields = ("new_requests", "cached_requests") + (
+            ("attention_dp_rank",) if version.scheduler_output_has_attention_dp_rank else ())
+        self.scheduler_output_class = _narrowed(SchedulerOutput, output_fields)
         self._reported: dict[int, _Reported] = {}
         self._external_loads: dict[int, int] = {}
         self.new_loading: dict[int, LlmRequest] = {}
+        """Async loads recorded since the last ``get_finished`` (``new_async_requests.loading``)."""
         self.new_saving: dict[int, LlmRequest] = {}
-        self._pending: list[dict[str, set[int]]] = [{"saving": set(), "loading": set()} for _ in workers]
-        self._waiting = {"saving": set(), "loading": set()}
+        """Async saves recorded since the last ``get_finished`` (``new_async_requests.saving``)."""
+        self._ranks = [_RankState() for _ in workers]
 
     # ------------------------------------------------------------------ scheduler side
-    def query(self, request: LlmRequest, num_computed_tokens: int) -> int:
-        """``get_num_new_matched_tokens`` plus the runtime's checks; call under the manager lock.
+    def get_num_new_matched_tokens(self, request: LlmRequest, num_computed_tokens: int) -> int:
+        """The connector's count plus the runtime's checks; call under the manager lock.
 
         Raises:
-            RuntimeError: generation-only request (as TensorRT-LLM).
-            ConnectorContractError: ``(0, True)``, negative, not whole blocks, or no token left.
+            ExecutorStopped: the hook raised, or a check failed (``__cause__``: RuntimeError for a
+                generation-only request, ConnectorContractError for ``(0, True)``, negative, not
+                whole blocks, or no prompt token left to compute).
         """
+        return self._stopping("get_num_new_matched_tokens",
+                              lambda: self._checked_match(request, num_computed_tokens))
+
+    def _checked_match(self, request: LlmRequest, num_computed_tokens: int) -> int:
         if request.is_generation_only_request:
             raise RuntimeError("Connector API is not supported for generation-only requests!")
         num_tokens, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -135,20 +198,30 @@ class ConnectorDriver:
                 f"request {request.request_id}: connector promised {num_tokens} tokens after "
                 f"num_computed_tokens={num_computed_tokens}; promises must be whole blocks of "
                 f"{tpb} tokens (TensorRT-LLM would leave a partly filled block)")
-        if load_async and num_tokens:
+        if load_async:
             self.new_loading[request.request_id] = request
         self._external_loads[request.request_id] = num_tokens
-        request.py_num_connector_matched_tokens = num_tokens
+        if self.version.sets_py_num_connector_matched_tokens:
+            request.py_num_connector_matched_tokens = num_tokens
         return num_tokens
 
     def update_state_after_alloc(self, request: LlmRequest, block_ids: list[int]) -> None:
-        """Hand the request's block ids to the scheduler (lock released)."""
-        self.scheduler.update_state_after_alloc(request, list(block_ids))
+        """Hand the request's block ids to the scheduler (lock released).
+
+        Raises:
+            ExecutorStopped: the hook raised.
+        """
+        self._stopping("update_state_after_alloc",
+                       lambda: self.scheduler.update_state_after_alloc(request, list(block_ids)))
+
+    def is_loading_async(self, request_id: int) -> bool:
+        """Whether the request's lookup this iteration answered an async load (to be parked)."""
+        return request_id in self.new_loading
 
     def build_scheduler_output(self, context: list[tuple[LlmRequest, KVSequence]],
                                generation: list[tuple[LlmRequest, KVSequence]]) -> Any:
         """This iteration's ``SchedulerOutput`` (clears the recorded connector loads)."""
-        output = SchedulerOutput()
+        output = self.scheduler_output_class()
         for request, seq in context:
             if request.request_id in self.new_loading:
                 continue
@@ -174,107 +247,142 @@ class ConnectorDriver:
             scheduled = min(request.context_remaining_length, request.context_chunk_size)
         else:
             computed, scheduled = len(tokens) - 1, 1
-        priorities = None
-        if request.kv_cache_retention_config is not None:
-            priorities = [self.manager.get_priority_by_block_id(b) for b in new_block_ids]
-        return _request_data(
-            request_id=request.request_id, new_tokens=new_tokens, new_block_ids=new_block_ids,
-            computed_position=computed, num_scheduled_tokens=scheduled,
-            block_hashes=self.manager.block_hashes(seq), priorities=priorities,
-            cache_salt=request.cache_salt, new_block_ids_by_layer_group=[])
-
-    def reset_request(self, request_id: int) -> None:
-        """Forget a request's deltas so a recompute is reported as a new request."""
-        self._reported.pop(request_id, None)
-        self._external_loads.pop(request_id, None)
+        values: dict[str, Any] = {
+            "request_id": request.request_id, "new_tokens": new_tokens, "new_block_ids": new_block_ids,
+            "computed_position": computed, "num_scheduled_tokens": scheduled,
+            "cache_salt": request.cache_salt, "new_block_ids_by_layer_group": []}
+        names = {f.name for f in fields(self.request_data_class)}
+        if "block_hashes" in names:
+            values["block_hashes"] = self.manager.block_hashes(seq)
+        if "priorities" in names and request.kv_cache_retention_config is not None:
+            values["priorities"] = [self.manager.get_priority_by_block_id(b) for b in new_block_ids]
+        return self.request_data_class(**{k: v for k, v in values.items() if k in names})
 
     def handle_metadata(self, scheduler_output: Any) -> None:
-        """``build_connector_meta`` on the scheduler, ``bind_connector_meta`` on every worker."""
-        metadata = self.scheduler.build_connector_meta(scheduler_output)
-        for worker in self.workers:
-            worker.bind_connector_meta(metadata)
+        """``build_connector_meta`` on the scheduler, then ``bind_connector_meta`` on every worker.
+
+        Raises:
+            ExecutorStopped: either hook raised.
+        """
+        if scheduler_output is None and self.version.handle_metadata_needs_scheduler_output:
+            return
+        metadata = self._stopping("build_connector_meta",
+                                  lambda: self.scheduler.build_connector_meta(scheduler_output))
+        self._on_every_worker("bind_connector_meta", lambda w: w.bind_connector_meta(metadata))
 
     def request_finished(self, request: LlmRequest, block_ids: list[int]) -> bool:
-        """``request_finished``; True pins the blocks until every worker reports the save done."""
-        saving = bool(self.scheduler.request_finished(request, list(block_ids)))
+        """``request_finished``; True records an async save (state ``DISAGG_CONTEXT_TRANS_IN_PROGRESS``).
+
+        Raises:
+            ExecutorStopped: the hook raised.
+        """
+        saving = bool(self._stopping("request_finished",
+                                     lambda: self.scheduler.request_finished(request, list(block_ids))))
         if saving:
             self.new_saving[request.request_id] = request
             request.state = LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS
         return saving
 
     # ------------------------------------------------------------------ worker side
-    def _call_workers(self, hook: str, call: Callable[[Any], Any], layer_idx: int | None = None,
-                      request_ids: list[int] | None = None) -> None:
-        for rank, worker in enumerate(self.workers):
-            try:
-                call(worker)
-            except Exception as exc:  # boundary: any worker failure fails the forward's requests
-                where = f" layer {layer_idx}" if layer_idx is not None else ""
-                raise ConnectorWorkerError(
-                    f"connector worker rank {rank} raised in {hook}{where} for requests "
-                    f"{request_ids or []}: {type(exc).__name__}: {exc}", hook=hook, layer_idx=layer_idx,
-                ) from exc
+    def start_load_kv(self) -> None:
+        """``start_load_kv(stream)`` on every worker.
 
-    def start_load_kv(self, request_ids: list[int]) -> None:
-        """``start_load_kv(stream)`` on every worker."""
-        self._call_workers("start_load_kv", lambda w: w.start_load_kv(self.stream), None, request_ids)
+        Raises:
+            ExecutorStopped: a worker raised (the call is outside ``_forward_step``'s ``try``).
+        """
+        self._on_every_worker("start_load_kv", lambda w: w.start_load_kv(self.stream))
 
     def wait_for_layer_load(self, layer_idx: int, request_ids: list[int]) -> None:
-        """``wait_for_layer_load(layer_idx, stream)`` on every worker."""
-        self._call_workers("wait_for_layer_load",
-                           lambda w: w.wait_for_layer_load(layer_idx, self.stream), layer_idx, request_ids)
+        """``wait_for_layer_load(layer_idx, stream)`` on every worker.
+
+        Raises:
+            ConnectorWorkerError: a worker raised.
+        """
+        self._in_forward("wait_for_layer_load",
+                         lambda w: w.wait_for_layer_load(layer_idx, self.stream), layer_idx, request_ids)
 
     def save_kv_layer(self, layer_idx: int, request_ids: list[int]) -> None:
-        """``save_kv_layer(layer_idx, stream)`` on every worker."""
-        self._call_workers("save_kv_layer",
-                           lambda w: w.save_kv_layer(layer_idx, self.stream), layer_idx, request_ids)
+        """``save_kv_layer(layer_idx, stream)`` on every worker.
+
+        Raises:
+            ConnectorWorkerError: a worker raised.
+        """
+        self._in_forward("save_kv_layer", lambda w: w.save_kv_layer(layer_idx, self.stream),
+                         layer_idx, request_ids)
 
     def wait_for_save(self, request_ids: list[int]) -> None:
-        """``wait_for_save(stream)`` on every worker (end of a forward)."""
-        self._call_workers("wait_for_save", lambda w: w.wait_for_save(self.stream), None, request_ids)
+        """``wait_for_save(stream)`` on every worker (end of a forward, still in its ``try``).
+
+        Raises:
+            ConnectorWorkerError: a worker raised.
+        """
+        self._in_forward("wait_for_save", lambda w: w.wait_for_save(self.stream), None, request_ids)
 
     def get_finished(self) -> tuple[list[int], list[int]]:
         """``get_finished`` on every worker; returns ``(saved_ids, loaded_ids)`` done on ALL workers.
 
         Raises:
-            ConnectorContractError: a worker returned an id it was never given.
-            ConnectorWorkerError: a worker raised.
+            ExecutorStopped: a worker raised, or returned an id not pending on its rank
+                (``__cause__`` KeyError).
         """
         started_loading, finished_gen = list(self.new_loading), list(self.new_saving)
-        self._waiting["loading"].update(started_loading)
-        self._waiting["saving"].update(finished_gen)
         self.new_loading, self.new_saving = {}, {}
         for rank, worker in enumerate(self.workers):
-            pending = self._pending[rank]
-            pending["loading"].update(started_loading)
-            pending["saving"].update(finished_gen)
-            try:
-                done_saving, done_loading = worker.get_finished(list(finished_gen), list(started_loading))
-            except Exception as exc:  # boundary: a worker failure surfaces as ConnectorWorkerError
-                raise ConnectorWorkerError(
-                    f"connector worker rank {rank} raised in get_finished: {type(exc).__name__}: {exc}",
-                    hook="get_finished") from exc
-            for kind, ids in (("saving", done_saving), ("loading", done_loading)):
-                unknown = set(ids) - pending[kind] - self._local_done(rank, kind)
-                if unknown:
-                    raise ConnectorContractError(
-                        f"worker rank {rank} reported {kind} done for ids never passed in: {sorted(unknown)}")
-                pending[kind].difference_update(ids)
-                self._local_done(rank, kind).update(ids)
+            state = self._ranks[rank]
+            state.pending["loading"].update(started_loading)
+            state.pending["saving"].update(finished_gen)
+            done_saving, done_loading = self._stopping(
+                "get_finished", lambda w=worker: w.get_finished(list(finished_gen), list(started_loading)),
+                rank)
+            self._stopping("get_finished", lambda s=state, ds=done_saving, dl=done_loading:
+                           self._extract(s, ds, dl, rank), rank)
         return self._intersect("saving"), self._intersect("loading")
 
-    def _local_done(self, rank: int, kind: str) -> set[int]:
-        return self._pending[rank].setdefault(f"done_{kind}", set())
+    @staticmethod
+    def _extract(state: _RankState, done_saving: list[int], done_loading: list[int], rank: int) -> None:
+        for kind, ids in (("saving", done_saving), ("loading", done_loading)):
+            for request_id in ids:
+                if request_id not in state.pending[kind]:
+                    raise KeyError(f"worker rank {rank} reported {kind} done for request {request_id}, "
+                                   "which is not pending on that rank (never passed in, or already returned)")
+                state.pending[kind].discard(request_id)
+                state.done[kind].add(request_id)
 
     def _intersect(self, kind: str) -> list[int]:
-        done = set.intersection(*(self._local_done(r, kind) for r in range(len(self.workers))))
-        done &= self._waiting[kind]
-        for rank in range(len(self.workers)):
-            self._local_done(rank, kind).difference_update(done)
-        self._waiting[kind].difference_update(done)
+        done = set.intersection(*(state.done[kind] for state in self._ranks))
+        for state in self._ranks:
+            state.done[kind].difference_update(done)
         return sorted(done)
 
     def has_pending(self) -> bool:
-        """Whether any async load or save is still outstanding."""
-        return bool(self.new_loading or self.new_saving or self._waiting["loading"]
-                    or self._waiting["saving"])
+        """Whether any async load or save is still outstanding on some rank."""
+        return bool(self.new_loading or self.new_saving or any(
+            s.pending["saving"] or s.pending["loading"] or s.done["saving"] or s.done["loading"]
+            for s in self._ranks))
+
+    # ------------------------------------------------------------------ error boundaries
+    @staticmethod
+    def _stopping(hook: str, call: Callable[[], T], rank: int | None = None) -> T:
+        try:
+            return call()
+        except Exception as exc:  # boundary: outside _forward_step's try the executor loop ends
+            where = f"connector worker rank {rank}" if rank is not None else "connector"
+            raise ExecutorStopped(
+                f"executor stopped: {where} raised in {hook}: {type(exc).__name__}: {exc}", hook=hook,
+            ) from exc
+
+    def _on_every_worker(self, hook: str, call: Callable[[Any], Any]) -> None:
+        for rank, worker in enumerate(self.workers):
+            self._stopping(hook, lambda w=worker: call(w), rank)
+
+    def _in_forward(self, hook: str, call: Callable[[Any], Any], layer_idx: int | None,
+                    request_ids: list[int]) -> None:
+        for rank, worker in enumerate(self.workers):
+            try:
+                call(worker)
+            except Exception as exc:  # boundary: inside _forward_step's try → _handle_errors
+                where = f" layer {layer_idx}" if layer_idx is not None else ""
+                raise ConnectorWorkerError(
+                    f"connector worker rank {rank} raised in {hook}{where} for requests "
+                    f"{request_ids}: {type(exc).__name__}: {exc}", hook=hook, layer_idx=layer_idx,
+                ) from exc

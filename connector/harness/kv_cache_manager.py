@@ -25,9 +25,16 @@ from NVIDIA/TensorRT-LLM ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`` u
   subtree (``removed``). A matched host block is onboarded back (``updated`` 1→0).
 - **Events** through :class:`.events.KvEventBuffer` (``created`` first, event ids consecutive).
 
+- **Release.** ``remove_sequence`` (``free_resources`` → ``removeSequence`` → ``releaseBlocks``)
+  stores the sequence's blocks for reuse whatever ended the request — completion, cancel, or an
+  error inside the forward — without checking that its prefill completed: blocks of a request that
+  failed mid-prefill (or while a connector was still filling them) enter the reuse tree as they
+  are. ``store_blocks_for_reuse`` stores without releasing (``storeBlocksForReuse(..., pin)``: the
+  sequence's references keep the blocks from eviction until it is removed).
+
 Deviations (deliberate, documented): only full blocks are ever matched (``enable_partial_reuse`` and
-copy-on-partial-reuse are not modelled, so ``num_computed_tokens`` is always block-aligned); a
-request that failed is released WITHOUT storing its blocks for reuse; no ``duration_ms`` expiry.
+copy-on-partial-reuse are not modelled, so ``num_computed_tokens`` is always block-aligned); no
+``duration_ms`` expiry.
 """
 
 from __future__ import annotations
@@ -237,6 +244,18 @@ class KVCacheManager:
         """Release ``seq``'s blocks; when ``store_for_reuse``, first store ``tokens[:-1]`` (partial ok)."""
         with self.lock:
             self._release(seq, store_for_reuse=store_for_reuse)
+
+    def store_blocks_for_reuse(self, seq: KVSequence) -> None:
+        """Store ``tokens[:-1]`` of ``seq`` (partial last block included) without releasing it.
+
+        ``storeBlocksForReuse(request, pin=True)`` when an async connector save starts: the blocks
+        become reusable at once, and the sequence's references keep them from eviction until
+        :meth:`remove_sequence`.
+        """
+        with self.lock:
+            if not seq.released and seq.tokens:
+                self._store(seq, chop_into_blocks(seq.tokens, len(seq.tokens) - 1, self.tokens_per_block,
+                                                  allow_partial=True))
 
     def block_hashes(self, seq: KVSequence) -> list[int]:
         """Chained hashes of every FULL block of ``seq.tokens`` (``commit_and_get_block_hashes``).

@@ -10,8 +10,11 @@ Paged attention: the K/V of every token lives in the pool ``[num_blocks, num_lay
 num_kv_heads * head_dim * tokens_per_block]`` (viewed per block as NHD ``[tokens_per_block,
 num_kv_heads, head_dim]``); a chunk of queries at positions ``[start, start + T)`` writes its K/V
 into the blocks of its block table, then gathers K/V for positions ``[0, start + T)`` through the
-block table and attends causally. :meth:`HarnessTransformer.forward_dense` is the single-pass
-reference the paged path is tested against.
+block table and attends causally. :meth:`HarnessTransformer.forward_paged_batch` runs one chunk per
+request through every layer together, layer by layer, as an engine's batched forward does (the
+connector's layer hooks run once per layer for the whole batch); :meth:`HarnessTransformer.forward_paged`
+is a batch of one. :meth:`HarnessTransformer.forward_dense` is the single-pass reference the paged
+path is tested against.
 
 Bit-identity: the same chunk (same tokens, same ``start``, same length) over the same KV values
 produces the same bits whatever block ids hold the KV, so reuse can be checked bit for bit.
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HarnessTransformer", "LayerHooks", "ModelConfig"]
+__all__ = ["HarnessTransformer", "LayerHooks", "ModelConfig", "PagedChunk"]
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,33 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> to
     return torch.cat(out, dim=2)[0].transpose(0, 1)
 
 
+@dataclass(frozen=True)
+class PagedChunk:
+    """One request's chunk in a paged forward.
+
+    Attributes:
+        token_ids: the chunk's ``T`` tokens.
+        start: position of the first token (tokens already in the cache before it).
+        block_table: the sequence's block ids, covering at least ``start + T`` tokens.
+    """
+
+    token_ids: list[int] | torch.Tensor
+    start: int
+    block_table: list[int] | torch.Tensor
+
+
+@dataclass(frozen=True)
+class _ChunkPlan:
+    ids: torch.Tensor
+    start: int
+    end: int
+    write_blocks: torch.Tensor
+    write_offsets: torch.Tensor
+    read_blocks: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 @contextmanager
 def _intra_op_threads(num_threads: int | None) -> Iterator[None]:
     previous = torch.get_num_threads()
@@ -277,33 +307,69 @@ class HarnessTransformer(nn.Module):
         Raises:
             ValueError: the block table is too short or positions exceed ``max_context``.
         """
-        with _intra_op_threads(self.num_threads):
-            return self._forward_paged(token_ids, start, block_table, kv_cache, hooks)
+        return self.forward_paged_batch([PagedChunk(token_ids, start, block_table)], kv_cache, hooks)[0]
 
-    def _forward_paged(self, token_ids, start, block_table, kv_cache, hooks) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward_paged_batch(
+        self,
+        items: list[PagedChunk],
+        kv_cache: torch.Tensor,
+        hooks: LayerHooks | None = None,
+    ) -> list[torch.Tensor]:
+        """One forward over a batch of chunks (one per request) through the paged KV cache.
+
+        Layer-major like an engine's batched forward: per layer, ``hooks.before_layer`` once, every
+        item's K/V written, ``hooks.before_attention_read`` once, every item's attention, then
+        ``hooks.after_layer`` once. Each item is computed with exactly the operations and shapes
+        of a single-item forward, so its logits are bit-identical to :meth:`forward_paged` of the
+        same chunk over the same KV (items never share a block they write).
+
+        Args:
+            items: the chunks; each item's block table must cover ``start + T`` tokens.
+            kv_cache: the pool (see :meth:`forward_paged`).
+            hooks: per-layer callbacks for the whole batch.
+
+        Returns:
+            logits ``[T_i, vocab]`` per item, in order.
+
+        Raises:
+            ValueError: a block table is too short or positions exceed ``max_context``.
+        """
+        with _intra_op_threads(self.num_threads):
+            return self._forward_paged_batch(items, kv_cache, hooks)
+
+    def _forward_paged_batch(self, items, kv_cache, hooks) -> list[torch.Tensor]:
         cfg, tpb = self.cfg, self.cfg.tokens_per_block
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
-        table = torch.as_tensor(block_table, dtype=torch.long)
-        end = start + ids.shape[0]
-        if table.shape[0] * tpb < end:
-            raise ValueError(f"block table covers {table.shape[0] * tpb} tokens, need {end}")
         pool = kv_cache.view(kv_cache.shape[0], cfg.num_layers, 2, tpb, cfg.num_kv_heads, cfg.head_dim)
-        positions = torch.arange(start, end)
-        write_blocks, write_offsets = table[positions // tpb], positions % tpb
-        read_blocks = table[: -(-end // tpb)]
-        cos, sin = self._rope_tables(start, ids.shape[0])
-        x = self.embed(ids)
+        plans = [self._plan_chunk(item) for item in items]
+        xs = [self.embed(plan.ids) for plan in plans]
         for layer_idx, layer in enumerate(self.layers):
             if hooks is not None:
                 hooks.before_layer(layer_idx)
-            q, k, v = layer.qkv(x, cos, sin)
-            pool[write_blocks, layer_idx, 0, write_offsets] = k
-            pool[write_blocks, layer_idx, 1, write_offsets] = v
+            queries = []
+            for plan, x in zip(plans, xs):
+                q, k, v = layer.qkv(x, plan.cos, plan.sin)
+                pool[plan.write_blocks, layer_idx, 0, plan.write_offsets] = k
+                pool[plan.write_blocks, layer_idx, 1, plan.write_offsets] = v
+                queries.append(q)
             if hooks is not None:
                 hooks.before_attention_read(layer_idx)
-            keys = pool[read_blocks, layer_idx, 0].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:end]
-            values = pool[read_blocks, layer_idx, 1].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:end]
-            x = layer.finish(x, _attend(q, keys, values, start))
+            for i, (plan, q) in enumerate(zip(plans, queries)):
+                keys = pool[plan.read_blocks, layer_idx, 0].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:plan.end]
+                values = pool[plan.read_blocks, layer_idx, 1].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:plan.end]
+                xs[i] = layer.finish(xs[i], _attend(q, keys, values, plan.start))
             if hooks is not None:
                 hooks.after_layer(layer_idx)
-        return self.lm_head(self.norm(x))
+        return [self.lm_head(self.norm(x)) for x in xs]
+
+    def _plan_chunk(self, item: PagedChunk) -> _ChunkPlan:
+        tpb = self.cfg.tokens_per_block
+        ids = torch.as_tensor(item.token_ids, dtype=torch.long)
+        table = torch.as_tensor(item.block_table, dtype=torch.long)
+        end = item.start + ids.shape[0]
+        if table.shape[0] * tpb < end:
+            raise ValueError(f"block table covers {table.shape[0] * tpb} tokens, need {end}")
+        positions = torch.arange(item.start, end)
+        cos, sin = self._rope_tables(item.start, ids.shape[0])
+        return _ChunkPlan(ids, item.start, end, table[positions // tpb], positions % tpb,
+                          table[: -(-end // tpb)], cos, sin)

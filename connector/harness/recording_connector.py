@@ -3,8 +3,8 @@
 Test and demo infrastructure only; never a connector for serving. :func:`make_recording_connector`
 returns ``(scheduler_cls, worker_cls)`` bound to one :class:`RecordingPlan`, which both records the
 calls (``plan.calls``, in order, shared by scheduler and worker) and steers behaviour: promise ``n``
-tokens, load asynchronously, copy donor blocks layer by layer, raise in a given hook (at a given
-layer), save asynchronously, implement the newer ``cancel_load``/``request_reset`` hooks.
+tokens, load asynchronously, copy donor blocks layer by layer, raise in any scheduler or worker hook
+(at a given layer), save asynchronously, report ids a worker was never given.
 
 It keys nothing on content: the test decides what to promise and where the bytes come from
 (``plan.donor``), so it can never be mistaken for a real connector.
@@ -34,17 +34,24 @@ class RecordingPlan:
 
     Attributes:
         promise: tokens to promise, or ``f(request, num_computed_tokens) -> tokens``.
-        load_async: answer ``(n, True)``; the worker reports the load done after
+        load_async: answer ``(n, True)`` when ``n > 0``; the worker reports the load done after
             ``async_ready_after`` ``get_finished`` calls.
         force_async_flag: return this as ``load_is_async`` whatever ``n`` is (to provoke (0, True)).
         layerwise: copy donor blocks per layer in ``wait_for_layer_load`` (else all in
             ``start_load_kv``).
         donor: source of the promised blocks' bytes; None writes nothing.
-        fail_hook / fail_layer / fail_times: raise ``RuntimeError`` in that worker hook (at that layer),
-            for the first ``fail_times`` matching calls.
-        save_async / save_ready_after: ``request_finished`` returns True; the save is reported done
-            after that many ``get_finished`` calls.
+        fail_hook / fail_layer / fail_times: raise ``RuntimeError`` in that hook — scheduler
+            (``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
+            ``request_finished``) or worker (``start_load_kv``, ``wait_for_layer_load``,
+            ``save_kv_layer``, ``wait_for_save``, ``get_finished``) — at that layer, for the first
+            ``fail_times`` matching calls (on any worker rank).
+        save_async / save_ready_after: ``request_finished`` returns True (or ``save_async(request)``);
+            the save is reported done after that many ``get_finished`` calls (counted from the call
+            that passed the id).
+        extra_finished: ``(saved_ids, loaded_ids)`` every worker adds to its next ``get_finished``
+            answer, once (ids never passed in, or already returned: a contract breach).
         worker_delays: per worker rank, overrides ``async_ready_after`` (a slow rank).
+        save_worker_delays: per worker rank, overrides ``save_ready_after``.
         lock_probe: called inside ``get_num_new_matched_tokens``; its result is recorded.
         calls: ``(hook, *details)`` tuples in call order.
         scheduler_outputs: every ``SchedulerOutput`` given to ``build_connector_meta``.
@@ -59,9 +66,11 @@ class RecordingPlan:
     fail_hook: str | None = None
     fail_layer: int | None = None
     fail_times: int = 1
-    save_async: bool = False
+    save_async: bool | Callable[[Any], bool] = False
     save_ready_after: int = 1
     worker_delays: list[int] | None = None
+    save_worker_delays: list[int] | None = None
+    extra_finished: tuple[list[int], list[int]] | None = None
     lock_probe: Callable[[], bool] | None = None
     calls: list[tuple[Any, ...]] = field(default_factory=list)
     scheduler_outputs: list[Any] = field(default_factory=list)
@@ -77,6 +86,10 @@ class RecordingPlan:
     def load_delay(self, rank: int) -> int:
         """``get_finished`` calls worker ``rank`` waits before reporting an async load done."""
         return self.worker_delays[rank] if self.worker_delays else self.async_ready_after
+
+    def save_delay(self, rank: int) -> int:
+        """``get_finished`` calls worker ``rank`` takes to report an async save done."""
+        return self.save_worker_delays[rank] if self.save_worker_delays else self.save_ready_after
 
     def record(self, *entry: Any) -> None:
         """Append one call record (thread-safe)."""
@@ -97,12 +110,8 @@ class RecordingPlan:
         raise RuntimeError(f"injected failure in {hook} (layer {layer_idx})")
 
 
-def make_recording_connector(plan: RecordingPlan, *, with_reset_hooks: bool = False) -> tuple[type, type]:
-    """Build ``(scheduler_cls, worker_cls)`` sharing ``plan``; both take ``llm_args``.
-
-    With ``with_reset_hooks`` the scheduler also has ``cancel_load(request, start, end)`` and
-    ``request_reset(request)`` (newer TensorRT-LLM), which lets the harness recompute a failed load.
-    """
+def make_recording_connector(plan: RecordingPlan) -> tuple[type, type]:
+    """Build ``(scheduler_cls, worker_cls)`` sharing ``plan``; both take ``llm_args``."""
 
     class RecordingScheduler(KvCacheConnectorScheduler):
         def __init__(self, llm_args: Any) -> None:
@@ -115,14 +124,16 @@ def make_recording_connector(plan: RecordingPlan, *, with_reset_hooks: bool = Fa
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
             lock = plan.lock_probe() if plan.lock_probe else None
             n = plan.promise(request, num_computed_tokens) if callable(plan.promise) else plan.promise
-            flag = plan.load_async if plan.force_async_flag is None else plan.force_async_flag
+            flag = plan.load_async and n > 0 if plan.force_async_flag is None else plan.force_async_flag
             plan.record("get_num_new_matched_tokens", request.request_id, num_computed_tokens, n, lock)
+            plan.maybe_fail("get_num_new_matched_tokens")
             self.promised[request.request_id] = (num_computed_tokens, n)
             return n, flag
 
         def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
             lock = plan.lock_probe() if plan.lock_probe else None
             plan.record("update_state_after_alloc", request.request_id, list(block_ids), lock)
+            plan.maybe_fail("update_state_after_alloc")
             start, n = self.promised.get(request.request_id, (0, 0))
             tpb = self.tokens_per_block
             self.targets[request.request_id] = block_ids[start // tpb : (start + n) // tpb]
@@ -132,6 +143,7 @@ def make_recording_connector(plan: RecordingPlan, *, with_reset_hooks: bool = Fa
             plan.record("build_connector_meta",
                         [r.request_id for r in scheduler_output.new_requests],
                         [r.request_id for r in scheduler_output.cached_requests])
+            plan.maybe_fail("build_connector_meta")
             loads = []
             for request_id, targets in self.targets.items():
                 start, n = self.promised[request_id]
@@ -142,15 +154,8 @@ def make_recording_connector(plan: RecordingPlan, *, with_reset_hooks: bool = Fa
 
         def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
             plan.record("request_finished", request.request_id, list(cache_block_ids))
-            return plan.save_async
-
-    class RecordingResetScheduler(RecordingScheduler):
-        def cancel_load(self, request: Any, start: int, end: int) -> None:
-            plan.record("cancel_load", request.request_id, start, end)
-
-        def request_reset(self, request: Any) -> None:
-            plan.record("request_reset", request.request_id)
-            self.targets.pop(request.request_id, None)
+            plan.maybe_fail("request_finished")
+            return plan.save_async(request) if callable(plan.save_async) else plan.save_async
 
     class RecordingWorker(KvCacheConnectorWorker):
         def __init__(self, llm_args: Any) -> None:
@@ -160,6 +165,7 @@ def make_recording_connector(plan: RecordingPlan, *, with_reset_hooks: bool = Fa
             self.active: list[dict[str, Any]] = []
             self.pending_loads: dict[int, int] = {}
             self.pending_saves: dict[int, int] = {}
+            self.extra_sent = False
 
         def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
             plan.record("register_kv_caches", tuple(kv_cache_tensor.shape), self.rank)
@@ -208,17 +214,20 @@ def make_recording_connector(plan: RecordingPlan, *, with_reset_hooks: bool = Fa
         def get_finished(self, finished_gen_req_ids: list[int],
                          started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
             for request_id in finished_gen_req_ids:
-                self.pending_saves[request_id] = plan.save_ready_after
+                self.pending_saves[request_id] = plan.save_delay(self.rank)
             for request_id in started_loading_req_ids:
                 self.pending_loads.setdefault(request_id, plan.load_delay(self.rank))
             saved = _count_down(self.pending_saves)
             loaded = _count_down(self.pending_loads)
+            if plan.extra_finished is not None and not self.extra_sent:
+                self.extra_sent = True
+                saved, loaded = saved + list(plan.extra_finished[0]), loaded + list(plan.extra_finished[1])
             plan.record("get_finished", list(finished_gen_req_ids), list(started_loading_req_ids),
                         saved, loaded, self.rank)
+            plan.maybe_fail("get_finished")
             return saved, loaded
 
-    scheduler_cls = RecordingResetScheduler if with_reset_hooks else RecordingScheduler
-    return scheduler_cls, RecordingWorker
+    return RecordingScheduler, RecordingWorker
 
 
 def _count_down(pending: dict[int, int]) -> list[int]:

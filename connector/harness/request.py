@@ -32,6 +32,8 @@ class LlmRequestState(enum.Enum):
     """Parked: waiting for an asynchronous connector load."""
     DISAGG_CONTEXT_TRANS_IN_PROGRESS = "DISAGG_CONTEXT_TRANS_IN_PROGRESS"
     """Finished, blocks pinned: waiting for an asynchronous connector save."""
+    DISAGG_CONTEXT_COMPLETE = "DISAGG_CONTEXT_COMPLETE"
+    """Finished; every worker reported its asynchronous save (``end_transfer``)."""
 
 
 @dataclass(eq=False)
@@ -107,15 +109,18 @@ class GenerationResult:
     Attributes:
         request_id: the engine-local request id.
         token_ids: generated tokens (greedy), ``max_new_tokens`` of them.
-        prefill_logits: logits ``[num_prompt_tokens - prefill_start, vocab]`` of the prompt
-            positions this request COMPUTED (reused and connector-loaded positions have none).
+        prefill_logits: logits ``[num_computed_prompt_tokens, vocab]`` of the prompt positions
+            this request COMPUTED, from ``prefill_start`` on (reused and connector-loaded
+            positions have none; a request cancelled mid-prefill has fewer rows).
         prefill_start: first computed prompt position = ``num_reused_tokens +
             num_connector_tokens`` (tokens).
         num_reused_tokens: prompt tokens served by the engine's own block reuse (device match).
         num_connector_tokens: prompt tokens the connector promised and loaded.
-        prefill_seconds: wall time of the context phase (scheduling, loads, all chunks), seconds.
-        block_ids: the request's GPU block ids at the end of generation.
-        recomputed_after_load_failure: the connector load failed and the harness recomputed.
+        prefill_seconds: wall time from submission to the end of the context phase (queueing,
+            scheduling, loads, all chunks), seconds; 0 when the prefill never completed.
+        block_ids: the request's GPU block ids when it finished.
+        finish_reason: ``"length"`` (``max_new_tokens`` reached) or ``"cancelled"``. A request
+            that failed raises instead of returning a result (``"error"`` is reserved for it).
     """
 
     request_id: int
@@ -126,7 +131,7 @@ class GenerationResult:
     num_connector_tokens: int
     prefill_seconds: float
     block_ids: list[int]
-    recomputed_after_load_failure: bool = False
+    finish_reason: str = "length"
 
     @property
     def last_logits(self) -> torch.Tensor:

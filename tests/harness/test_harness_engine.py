@@ -1,4 +1,5 @@
-"""REFERENCE ENGINE HARNESS tests: ``HarnessLLM`` without a connector — reuse, logits, events."""
+"""REFERENCE ENGINE HARNESS tests: ``HarnessLLM`` without a connector — reuse, logits, events,
+batching, capacity, cancel."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from connector.harness import (
     HarnessLLM,
+    KvCacheCapacityError,
     KvCacheConfig,
     KvCacheRetentionConfig,
     ModelConfig,
@@ -125,3 +127,48 @@ def test_input_validation() -> None:
         HarnessLLM(CFG, max_num_tokens=12)
     with pytest.raises(ValueError):
         KvCacheConfig(enable_partial_reuse=True)
+
+
+def test_requests_beyond_max_batch_size_wait_their_turn_fifo() -> None:
+    llm = HarnessLLM(CFG, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=1024),
+                     max_num_tokens=CHUNK, max_batch_size=2)
+    ids = [llm.submit(_prompt(20, seed=30 + i), max_new_tokens=3) for i in range(3)]
+    assert llm.active_request_ids() == []  # nothing runs before step()
+    assert llm.step() and llm.active_request_ids() == ids[:2]
+    llm.run_until_idle()
+    assert llm.active_request_ids() == [] and llm.step() is False
+    for i, request_id in enumerate(ids):
+        alone = _engine().generate(_prompt(20, seed=30 + i), max_new_tokens=3)
+        assert torch.equal(llm.result(request_id).prefill_logits, alone.prefill_logits)
+
+
+def test_a_request_waits_for_blocks_and_one_the_pool_can_never_hold_fails() -> None:
+    llm = HarnessLLM(CFG, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=80,
+                                                        enable_block_reuse=False), max_num_tokens=CHUNK)
+    first, second = llm.submit(_prompt(60, seed=40), 4), llm.submit(_prompt(60, seed=41), 4)
+    llm.step()
+    assert llm.active_request_ids() == [first, second]  # both active, only the first scheduled
+    assert llm.kv_cache_manager.num_available_blocks() == 10 - 8
+    llm.run_until_idle()
+    assert llm.result(second).token_ids == _engine().generate(_prompt(60, seed=41), 4).token_ids
+    with pytest.raises(KvCacheCapacityError):
+        llm.generate(_prompt(100, seed=42))
+
+
+def test_cancel_and_result_api() -> None:
+    llm = _engine()
+    request_id = llm.submit(_prompt(70, seed=43), max_new_tokens=5)
+    with pytest.raises(RuntimeError, match="not done"):
+        llm.result(request_id)
+    llm.step()  # first chunk of three
+    llm.cancel(request_id)
+    llm.run_until_idle()
+    result = llm.result(request_id)
+    assert result.finish_reason == "cancelled" and result.token_ids == []
+    assert (result.prefill_start, result.prefill_logits.shape[0]) == (0, 2 * CHUNK)  # cancelled mid-prefill
+    assert llm.kv_cache_manager.num_available_blocks() == 128
+    llm.cancel(request_id)  # finished: no-op
+    llm.cancel(12345)  # unknown: no-op
+    with pytest.raises(KeyError):
+        llm.result(12345)
+    assert llm.step() is False

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.harness.model import HarnessTransformer, ModelConfig
+from connector.harness.model import HarnessTransformer, ModelConfig, PagedChunk
 
 CFG = ModelConfig(vocab_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=64, tokens_per_block=8, max_context=512)
@@ -60,6 +60,40 @@ def test_same_chunk_over_same_kv_is_bit_identical_whatever_the_block_ids(model: 
     out_a = model.forward_paged(tokens[48:], 48, list(range(8)), pool_a)
     out_b = model.forward_paged(tokens[48:], 48, [7, 6, 5, 4, 3, 2, 1, 0], pool_b)
     assert torch.equal(out_a, out_b)
+
+
+class _LayerLog:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def before_layer(self, layer_idx: int) -> None:
+        self.calls.append(("before_layer", layer_idx))
+
+    def before_attention_read(self, layer_idx: int) -> None:
+        self.calls.append(("before_attention_read", layer_idx))
+
+    def after_layer(self, layer_idx: int) -> None:
+        self.calls.append(("after_layer", layer_idx))
+
+
+def test_batched_forward_is_bit_identical_to_one_request_at_a_time(model: HarnessTransformer) -> None:
+    """Three requests at different phases (first chunk, later chunk, decode step) in one batch
+    give each the bits a single-request forward gives, in KV and logits; hooks run once per layer."""
+    a, b, c = _prompt(40, seed=6), _prompt(70, seed=7), _prompt(30, seed=8)
+    tables = {"a": [0, 1, 2, 3, 4], "b": [9, 8, 7, 6, 5, 10, 11, 12, 13], "c": [14, 15, 16, 17]}
+    solo, batched = _pool(18), _pool(18)
+    for pool in (solo, batched):  # shared history: b's first chunk and c's prompt are in the cache
+        model.forward_paged(b[:32], 0, tables["b"], pool)
+        model.forward_paged(c, 0, tables["c"], pool)
+    chunks = [PagedChunk(a[:24], 0, tables["a"]), PagedChunk(b[32:64], 32, tables["b"]),
+              PagedChunk([c[-1]], 30, tables["c"])]
+    expected = [model.forward_paged(ch.token_ids, ch.start, ch.block_table, solo) for ch in chunks]
+    log = _LayerLog()
+    got = model.forward_paged_batch(chunks, batched, log)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert torch.equal(solo, batched)
+    per_layer = [("before_layer", 0), ("before_attention_read", 0), ("after_layer", 0)]
+    assert log.calls == per_layer + [(name, 1) for name, _ in per_layer]
 
 
 def test_weights_are_seeded_and_deterministic() -> None:
