@@ -468,6 +468,9 @@ class _LeaseAfterAlloc:
             raise span
         if span.num_blocks <= start_block:  # cannot happen: find() honours min_match_blocks
             raise LookupMiss("too_short")
+        promised_at = time.time()
+        if promised_at + book.settings.lease_ttl_s <= time.time():  # a TTL shorter than this very call
+            raise LookupMiss("lease_expired")
         return book.hold(span, ns, start_block, book.secure(span))
 
 

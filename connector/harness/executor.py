@@ -331,7 +331,9 @@ class ExecutorLoop:
                                                     self.manager.kv_cache, hooks)
             if self.driver is not None:
                 self.driver.wait_for_save(batch.ids)
-        except ConnectorWorkerError as error:  # _forward_step's except: _handle_errors
+        except AssertionError:  # the harness's own ordering self-check (AttentionOrderError): a bug, not an engine event
+            raise
+        except Exception as error:  # _forward_step's `except Exception`: _handle_errors (a worker hook or the model)
             self._handle_errors(error)
             return None
         self._notify("after_forward", batch.ids)

@@ -299,6 +299,18 @@ class KVCacheManager:
             queued = sum(len(q) for q in self._queues[GPU_LEVEL].values())
             return len(self._free[GPU_LEVEL]) + queued
 
+    def stored_block_hashes(self) -> list[int]:
+        """Hashes of every block in the reuse tree (GPU and host), parents before children."""
+        with self.lock:
+            return sorted((b.block_hash for b in self._walk_tree() if b.block_hash is not None),
+                          key=lambda h: self._depth(self._by_hash[h]))
+
+    def _depth(self, block: KVBlock) -> int:
+        depth = 0
+        while block.parent is not None:
+            block, depth = block.parent, depth + 1
+        return depth
+
     def num_stored_blocks(self, cache_level: int | None = None) -> int:
         """Blocks currently in the reuse tree (optionally at one cache level)."""
         with self.lock:

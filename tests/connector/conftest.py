@@ -24,6 +24,8 @@ import torch
 from sqlalchemy import select
 
 from connector.harness import HarnessLLM, KvCacheConfig, ModelConfig
+from connector.harness.trtllm_versions import TRTLLM_MAIN_2026, TrtllmVersion
+from connector.engine_contract import VLLM
 from connector.metrics import ConnectorMetrics
 from connector.scheduler import SemKvScheduler
 from connector.settings import ConnectorSettings, load_connector_settings
@@ -84,7 +86,9 @@ class Engine:
         return result
 
     def settle(self) -> None:
-        """Let pending donor saves finish (idle iterations + the worker's background writer)."""
+        """Let donor saves finish: none may be pending in the engine once it is idle (TensorRT-LLM
+        runs no iteration then: ``wait_for_pending_transfers`` raises), then the worker's background
+        writer and the scheduler's background work."""
         if self.llm.connector is None:
             return
         self.llm.wait_for_pending_transfers()
@@ -160,8 +164,10 @@ class Fleet:
         return load_connector_settings(values, environ={})
 
     def engine(self, engine_id: str, *, connector: bool = True, model: ModelConfig = MODEL,
-               kv_cache_config: KvCacheConfig | None = None, **overrides: Any) -> Engine:
-        """A new engine on ``engine_id``'s publisher (replaces a previous one: an engine restart)."""
+               kv_cache_config: KvCacheConfig | None = None, version: TrtllmVersion = TRTLLM_MAIN_2026,
+               **overrides: Any) -> Engine:
+        """A new engine on ``engine_id``'s publisher (replaces a previous one: an engine restart),
+        running the executor of TensorRT-LLM ``version``; ``overrides`` are connector settings."""
         kvc = kv_cache_config or KvCacheConfig(tokens_per_block=model.tokens_per_block, event_buffer_max_size=4096,
                                                max_tokens=4 * model.max_context)
         settings = metrics = spec = None
@@ -172,11 +178,19 @@ class Fleet:
         if old is not None:
             self.close_engine(old)
         llm = HarnessLLM(model, kv_cache_config=kvc, kv_connector=spec, max_num_tokens=256,
-                         model=_shared_model(model))
+                         model=_shared_model(model), trtllm_version=version)
         engine = Engine(engine_id, llm, self.publishers[engine_id], metrics, settings,
                         last_seq=old.last_seq if old else -1)
         self.engines[engine_id] = engine
         return engine
+
+    def vllm_connector(self, engine_id: str, llm_args: Any, **overrides: Any) -> tuple[SemKvScheduler, SemKvWorker]:
+        """A scheduler and a worker built as the vLLM adapter builds them (a promise may fail after
+        the answer: vLLM recomputes), on this fleet's ledger and store; the test drives them in
+        vLLM's call order and closes them (:func:`close_connector`)."""
+        settings, metrics = self.connector_settings(engine_id, **overrides), ConnectorMetrics()
+        return (SemKvScheduler(llm_args, settings=settings, metrics=metrics, engine=VLLM),
+                SemKvWorker(llm_args, settings=settings, metrics=metrics, engine=VLLM))
 
     def restart(self, engine_id: str, **kw: Any) -> Engine:
         """Replace an engine by a new process-equivalent (its first event is ``created``)."""
@@ -241,6 +255,11 @@ class Fleet:
         for publisher in self.publishers.values():
             publisher.close()
         self._reader.dispose()
+
+
+def close_connector(scheduler: SemKvScheduler, worker: SemKvWorker) -> None:
+    scheduler.close()
+    worker.close()
 
 
 _MODELS: dict[ModelConfig, Any] = {}

@@ -1,25 +1,36 @@
-"""Failures between the promise and the copy: the request fails closed (TensorRT-LLM 1.2) or is
-recomputed (engines with ``cancel_load``/``request_reset``); attention never reads a layer the
-connector did not finish; no lease leaks; nothing counts as materialized (DESIGN §2 rules 3, 6-8)."""
+"""Failures between the promise and the copy that are not in the TensorRT-LLM fault matrix
+(test_trtllm_fault_matrix.py), and the same faults on an engine that recomputes (vLLM).
+
+TensorRT-LLM cannot retract a promise: a failure the bytes themselves cannot explain away (a device
+copy error, an allocation that disagrees with the promise) stops its executor in ``start_load_kv``
+before attention reads anything, and nothing is stored for reuse. vLLM recomputes a failed plan:
+there every failure — the ledger's staleness included — fails the WHOLE plan before the layer it
+concerns is released to attention, and nothing counts as materialized (DESIGN §2 rules 3, 6-8). The
+vLLM cases drive the same scheduler and worker core the vLLM adapter wraps, in vLLM's call order.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from connector.harness import ConnectorWorkerError
-from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model, doc_tokens
-from tests.connector.test_two_engines import native_engine
+from connector._trtllm import RequestData, SchedulerOutput
+from connector.harness import ExecutorStopped, LlmRequest
+from connector.harness.connector_driver import HarnessStream
+from connector.plan import ConnectorMetadata
+from connector.worker import SemKvLoadError, SemKvWorker
+from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model, close_connector, doc_tokens
 
 TPB = MODEL.tokens_per_block
 DOC = doc_tokens(10 * TPB, seed=21)
 PROMPT = DOC + doc_tokens(20, seed=22)
 
 
-def setup(fleet: Fleet, **b_settings) -> tuple[Engine, list[tuple[str, int]]]:
+def setup(fleet: Fleet, **b_settings: Any) -> tuple[Engine, list[tuple[str, int]]]:
     a = fleet.engine("A")
     a.generate(DOC)
     fleet.sync()
@@ -29,36 +40,112 @@ def setup(fleet: Fleet, **b_settings) -> tuple[Engine, list[tuple[str, int]]]:
     return b, reads
 
 
-def after_promise(b: Engine, inject: Callable[[], None]) -> None:
-    """Run ``inject`` once, after B's next plan shipped (its ledger lease held) and before its worker
-    copies anything: only the worker's revalidation stands between the change and the copy."""
-    original = b.scheduler.build_connector_meta
-    pending = [inject]
+def fail_copy_at(worker: SemKvWorker, failing_layer: int) -> None:
+    """The worker raises when it copies ``failing_layer`` (an injected device copy error)."""
+    copy_layer = worker._copy_layer
 
-    def hooked(scheduler_output):  # noqa: ANN001, ANN202
-        meta = original(scheduler_output)
-        if pending and meta.loads:
-            assert all(plan.failed is None for plan in meta.loads), meta.loads
-            pending.pop()()
-        return meta
+    def failing(load: Any, layer_idx: int) -> None:
+        if layer_idx == failing_layer:
+            raise RuntimeError("injected: device copy failed")
+        copy_layer(load, layer_idx)
 
-    b.scheduler.build_connector_meta = hooked  # type: ignore[method-assign]
+    worker._copy_layer = failing  # type: ignore[method-assign]
 
 
-def assert_failed_closed(fleet: Fleet, b: Engine, reads: list[tuple[str, int]], exc: pytest.ExceptionInfo,
-                         reason: str, first_unread_layer: int) -> None:
-    assert "semkv connector: load of request" in str(exc.value) and reason in str(exc.value)
-    read_layers = [layer for event, layer in reads if event == "attention_read"]
-    assert all(layer < first_unread_layer for layer in read_layers), read_layers
+def assert_stopped_before_any_read(b: Engine, reads: list[tuple[str, int]], stop: pytest.ExceptionInfo,
+                                   reason: str) -> None:
+    assert stop.value.hook == "start_load_kv" and not reads  # no layer ran, nothing was read
+    assert reason in str(stop.value.__cause__)
     assert b.metrics.value("semkv_load_failures_total", reason=reason) == 1
     assert b.metrics.value("semkv_exact_materialized_total") == 0
-    assert b.metrics.value("semkv_promises_total") == 1
-    b.scheduler.flush()
-    assert b.metrics.value("semkv_leases_held") == 0
-    assert fleet.held_leases() == 0
-    # the engine and the cache are intact: the next request is served (and right)
-    again = b.generate(doc_tokens(3 * TPB, seed=23) + [1, 2, 3])
-    assert again.num_connector_tokens == 0
+    assert b.llm.kv_cache_manager.stored_block_hashes() == []  # nothing entered the reuse tree
+
+
+# ------------------------------------------------------------------------------ TensorRT-LLM
+def test_on_trtllm_a_device_copy_error_stops_the_executor_before_attention_reads(fleet: Fleet) -> None:
+    b, reads = setup(fleet)
+    fail_copy_at(b.worker, 1)
+    with pytest.raises(ExecutorStopped) as stop:
+        b.llm.generate(PROMPT)
+    assert_stopped_before_any_read(b, reads, stop, "copy_error")
+    restarted = fleet.restart("B")  # the operator restarts the engine: it serves the prompt right
+    got = restarted.generate(PROMPT)
+    cold = _shared_model(MODEL).forward_dense(PROMPT)
+    assert torch.allclose(got.prefill_logits, cold[got.prefill_start:], rtol=1e-4, atol=1e-4)
+
+
+def test_on_trtllm_an_allocation_that_disagrees_with_the_promise_stops_the_executor(fleet: Fleet) -> None:
+    """update_state_after_alloc gets fewer blocks than promised (TensorRT-LLM's C++ path allocates
+    the whole prompt, so this is a broken engine): never a compute on blocks nobody filled."""
+    b, reads = setup(fleet)
+    original = b.scheduler.update_state_after_alloc
+    b.scheduler.update_state_after_alloc = lambda request, block_ids: original(request, block_ids[:2])
+    with pytest.raises(ExecutorStopped) as stop:
+        b.llm.generate(PROMPT)
+    assert "allocation gave 2 target blocks" in str(stop.value.__cause__)
+    assert b.metrics.value("semkv_leases_released_total", reason="alloc_mismatch") == 1
+    assert_stopped_before_any_read(b, reads, stop, "plan_failed")
+
+
+# ------------------------------------------------------------------------------ vLLM
+class VllmOrder:
+    """Engine B's connector as the vLLM adapter builds it, driven in vLLM's call order over B's
+    real KV pool: lookup, allocation, metadata, ``start_load_kv``, ``wait_for_layer_load`` per
+    layer (through :attr:`wait`, which a test may replace), ``wait_for_save``."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.pool = fleet.engine("B", connector=False).llm
+        self.scheduler, self.worker = fleet.vllm_connector("B", self.pool.llm_args)
+        self.worker.register_kv_caches(self.pool.kv_cache)
+        self.wait: Callable[[int, Any], None] = self.worker.wait_for_layer_load
+
+    def run(self, rid: int = 1, after_meta: Callable[[], None] | None = None) -> list[int]:
+        """One promised request; returns the layers whose wait returned (released to attention)."""
+        request = LlmRequest(rid, PROMPT, 1)
+        n, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
+        assert n == len(DOC)
+        block_ids = list(range(100, 100 + len(PROMPT) // TPB + 1))
+        self.scheduler.update_state_after_alloc(request, block_ids)
+        data = RequestData(request_id=rid, new_tokens=PROMPT, new_block_ids=block_ids, computed_position=0,
+                           num_scheduled_tokens=len(PROMPT))
+        meta: ConnectorMetadata = self.scheduler.build_connector_meta(SchedulerOutput(new_requests=[data]))
+        if after_meta is not None:
+            after_meta()
+        released: list[int] = []
+        try:
+            self.worker.bind_connector_meta(meta)
+            self.worker.start_load_kv(HarnessStream())
+            for layer in range(MODEL.num_layers):
+                self.wait(layer, HarnessStream())
+                released.append(layer)
+            self.worker.wait_for_save(HarnessStream())
+        finally:
+            self.scheduler.request_finished(request, block_ids)  # vLLM finishes (or recomputes) it
+            self.scheduler.flush()
+        return released
+
+    def assert_failed(self, reason: str) -> None:
+        metrics = self.worker.metrics
+        assert metrics.value("semkv_load_failures_total", reason=reason) == 1
+        assert metrics.value("semkv_exact_materialized_total") == 0
+        assert [plan.request_id for plan in self.worker.failed_plans] == [1]  # reported: vLLM recomputes it
+        assert metrics.value("semkv_leases_held") == 0 and self.fleet.held_leases() == 0
+
+    def close(self) -> None:
+        close_connector(self.scheduler, self.worker)
+
+
+@pytest.fixture
+def vllm(fleet: Fleet) -> Iterator[VllmOrder]:
+    a = fleet.engine("A")
+    a.generate(DOC)
+    fleet.sync()
+    order = VllmOrder(fleet)
+    try:
+        yield order
+    finally:
+        order.close()
 
 
 def donor_file(fleet: Fleet) -> Path:
@@ -66,127 +153,70 @@ def donor_file(fleet: Fleet) -> Path:
     return entry
 
 
-def test_rule_6_ledger_says_stale_between_promise_and_copy(fleet: Fleet) -> None:
-    b, reads = setup(fleet)
-    after_promise(b, lambda: (fleet.restart("A"), fleet.sync()))  # A restarts: generation bump
-    with pytest.raises(ConnectorWorkerError) as exc:
-        b.generate(PROMPT)
-    assert exc.value.hook == "start_load_kv"
-    assert_failed_closed(fleet, b, reads, exc, "ledger_quarantined", first_unread_layer=0)
+def test_on_vllm_the_plan_of_a_donor_gone_stale_after_the_promise_fails(fleet: Fleet, vllm: VllmOrder) -> None:
+    with pytest.raises(SemKvLoadError, match="ledger_quarantined"):
+        vllm.run(after_meta=lambda: (fleet.restart("A"), fleet.sync()))  # A restarts: generation bump
+    vllm.assert_failed("ledger_quarantined")
 
 
-def test_store_entry_vanishes_between_promise_and_copy(fleet: Fleet) -> None:
-    b, reads = setup(fleet)
-    after_promise(b, lambda: donor_file(fleet).unlink())
-    with pytest.raises(ConnectorWorkerError) as exc:
-        b.generate(PROMPT)
-    assert_failed_closed(fleet, b, reads, exc, "store_missing", first_unread_layer=0)
+def test_on_vllm_a_store_entry_vanishing_fails_the_plan(fleet: Fleet, vllm: VllmOrder) -> None:
+    with pytest.raises(SemKvLoadError, match="store_missing"):
+        vllm.run(after_meta=lambda: donor_file(fleet).unlink())
+    vllm.assert_failed("store_missing")
 
 
-def fail_copy_at(b: Engine, failing_layer: int) -> None:
-    """B's worker raises when it copies ``failing_layer`` (an injected device copy error)."""
-    copy_layer = b.worker._copy_layer
-
-    def failing(load, layer_idx):  # noqa: ANN001, ANN202
-        if layer_idx == failing_layer:
-            raise RuntimeError("injected: device copy failed")
-        copy_layer(load, layer_idx)
-
-    b.worker._copy_layer = failing  # type: ignore[method-assign]
-
-
-def test_rule_8_copy_raises_at_layer_k_nothing_counts_as_materialized(fleet: Fleet) -> None:
-    b, reads = setup(fleet)
-    fail_copy_at(b, 1)
-    with pytest.raises(ConnectorWorkerError) as exc:
-        b.generate(PROMPT)
-    assert exc.value.hook == "wait_for_layer_load" and exc.value.layer_idx == 1
-    assert ("attention_read", 0) in reads  # layer 0 was copied and used; layer 1 never read
-    assert_failed_closed(fleet, b, reads, exc, "copy_error", first_unread_layer=1)
+def test_on_vllm_a_copy_error_at_layer_k_releases_no_layer_from_k_on(vllm: VllmOrder) -> None:
+    fail_copy_at(vllm.worker, 1)
+    released: list[int] = []
+    original = vllm.wait
+    vllm.wait = lambda layer, stream: (original(layer, stream), released.append(layer))  # type: ignore[assignment]
+    with pytest.raises(SemKvLoadError, match="copy_error"):
+        vllm.run()
+    assert released == [0]  # layer 0 was copied and released; layer 1 never
+    vllm.assert_failed("copy_error")
 
 
-def test_ledger_turns_stale_after_layer_0(fleet: Fleet) -> None:
-    b, reads = setup(fleet)
+def test_on_vllm_the_ledger_turning_stale_after_layer_0_fails_the_plan(fleet: Fleet, vllm: VllmOrder) -> None:
+    original = vllm.wait
     ledger = fleet.ledger()
 
-    def evict_after_layer_0(event: str, layer: int, ids: list[int]) -> None:
-        if event == "wait_for_layer_load_returned" and layer == 0 and b.worker._active:
-            plan = b.worker._active[0].plan
-            ledger.evict_donor(plan.donor_id, "test")
+    def evict_after_layer_0(layer: int, stream: Any) -> None:
+        original(layer, stream)
+        if layer == 0:
+            ledger.evict_donor(vllm.worker._active[0].plan.donor_id, "test")
 
-    b.llm.add_forward_observer(evict_after_layer_0)
+    vllm.wait = evict_after_layer_0  # type: ignore[assignment]
     try:
-        with pytest.raises(ConnectorWorkerError) as exc:
-            b.generate(PROMPT)
+        with pytest.raises(SemKvLoadError, match="ledger_evicted"):
+            vllm.run()
     finally:
         ledger.close()
-    assert_failed_closed(fleet, b, reads, exc, "ledger_evicted", first_unread_layer=1)
+    vllm.assert_failed("ledger_evicted")
 
 
-def test_newer_engine_recomputes_a_failed_load(fleet: Fleet) -> None:
-    """With cancel_load/request_reset the engine discards the load and recomputes: same bits as cold."""
-    b, reads = setup(fleet, reset_hooks=True)
-    after_promise(b, lambda: donor_file(fleet).unlink())
-    got = b.generate(PROMPT)
-    assert got.recomputed_after_load_failure and got.num_connector_tokens == 0
-    cold = native_engine().generate(PROMPT, 1)
-    assert torch.equal(got.prefill_logits, cold.prefill_logits)
-    assert torch.allclose(got.prefill_logits, _shared_model(MODEL).forward_dense(PROMPT), rtol=1e-4, atol=1e-4)
-    assert b.metrics.value("semkv_load_failures_total", reason="store_missing") == 1
-    assert b.metrics.value("semkv_leases_released_total", reason="cancel_load") == 1
-    assert b.metrics.value("semkv_exact_materialized_total") == 0
-    b.scheduler.flush()
-    assert fleet.held_leases() == 0
-
-
-def test_allocation_that_does_not_match_the_promise_fails_closed(fleet: Fleet) -> None:
-    """update_state_after_alloc gets fewer blocks than promised: the lease is released and the
-    request fails instead of computing on blocks nobody filled."""
-    b, reads = setup(fleet)
-    original = b.scheduler.update_state_after_alloc
-    b.scheduler.update_state_after_alloc = lambda request, block_ids: original(request, block_ids[:2])
-    with pytest.raises(ConnectorWorkerError) as exc:
-        b.generate(PROMPT)
-    assert "allocation gave 2 target blocks" in str(exc.value)
-    b.scheduler.update_state_after_alloc = original
-    assert b.metrics.value("semkv_leases_released_total", reason="alloc_mismatch") == 1
-    assert_failed_closed(fleet, b, reads, exc, "plan_failed", first_unread_layer=0)
-
-
-def test_rule_8_an_engine_that_skips_a_layers_wait_fails_the_plan(fleet: Fleet) -> None:
+def test_on_vllm_an_engine_that_skips_a_layers_wait_fails_the_plan(vllm: VllmOrder) -> None:
     """An engine that never waits on layer 0 (attention then read it unloaded) and asks for layer 1:
-    the worker sees the skip, fails the plan, and nothing counts as materialized."""
-    b, _ = setup(fleet)
-    worker_wait = b.worker.wait_for_layer_load
-
-    def skip_layer_0(layer_idx: int, stream) -> None:  # noqa: ANN001
-        if layer_idx != 0:
-            worker_wait(layer_idx, stream)
-
-    b.worker.wait_for_layer_load = skip_layer_0  # type: ignore[method-assign]
-    with pytest.raises(ConnectorWorkerError, match="layer_skipped") as exc:
-        b.generate(PROMPT)
-    assert exc.value.hook == "wait_for_layer_load" and exc.value.layer_idx == 1
-    assert b.metrics.value("semkv_load_failures_total", reason="layer_skipped") == 1
-    assert b.metrics.value("semkv_exact_materialized_total") == 0
-    b.scheduler.flush()
-    assert fleet.held_leases() == 0 and b.metrics.value("semkv_leases_held") == 0
+    the worker sees the skip, fails the plan, and nothing counts as materialized (rule 8)."""
+    original = vllm.wait
+    vllm.wait = lambda layer, stream: original(layer, stream) if layer != 0 else None  # type: ignore[assignment]
+    with pytest.raises(SemKvLoadError, match="layer_skipped"):
+        vllm.run()
+    vllm.assert_failed("layer_skipped")
 
 
-def test_rule_8_an_engine_that_never_waits_on_the_last_layer_fails_the_plan(fleet: Fleet) -> None:
+def test_on_vllm_an_engine_that_never_waits_on_the_last_layer_fails_the_plan(vllm: VllmOrder) -> None:
     """The mirror case: no later layer is asked for, so the forward's end (``wait_for_save``) is
     where the worker sees the last layer was never loaded."""
-    b, _ = setup(fleet)
-    worker_wait, last = b.worker.wait_for_layer_load, MODEL.num_layers - 1
+    original, last = vllm.wait, MODEL.num_layers - 1
+    vllm.wait = lambda layer, stream: original(layer, stream) if layer != last else None  # type: ignore[assignment]
+    with pytest.raises(SemKvLoadError, match="layer_skipped"):
+        vllm.run()
+    vllm.assert_failed("layer_skipped")
 
-    def skip_last_layer(layer_idx: int, stream) -> None:  # noqa: ANN001
-        if layer_idx != last:
-            worker_wait(layer_idx, stream)
 
-    b.worker.wait_for_layer_load = skip_last_layer  # type: ignore[method-assign]
-    with pytest.raises(ConnectorWorkerError, match="layer_skipped"):
-        b.generate(PROMPT)
-    assert b.metrics.value("semkv_load_failures_total", reason="layer_skipped") == 1
-    assert b.metrics.value("semkv_exact_materialized_total") == 0
-    b.scheduler.flush()
-    assert fleet.held_leases() == 0 and b.metrics.value("semkv_leases_held") == 0
+def test_on_vllm_a_plan_loads_layer_by_layer_and_materializes(vllm: VllmOrder) -> None:
+    """The control: without a fault the same order materializes, each layer copied before its wait returns."""
+    assert not vllm.worker.load_before_forward
+    assert vllm.run() == list(range(MODEL.num_layers))
+    assert vllm.worker.metrics.value("semkv_exact_materialized_total") == 1
+    assert vllm.worker.metrics.value("semkv_revalidation_seconds_count") == 1 + MODEL.num_layers

@@ -1,8 +1,15 @@
 """Another process holding the SQLite ledger's write lock (a migration, a replay into the live file,
-a long transaction), or lease writes failing, must neither stall the engine nor keep breaking
-promises: lookups miss (``ledger_busy``) once the connector's ledger thread is backed up or after a
-failed write, and ``request_finished`` gives up on registering a donor after
-``register_lock_wait_s`` (DESIGN §2 rules 4 and 7)."""
+a long transaction), or lease writes failing, must neither stall the engine nor break a promise
+(DESIGN §2 rules 3, 4 and 7).
+
+* TensorRT-LLM (binding promises): promises go on, loaded from their secured bytes; while the
+  connector's ledger thread is backed up or backing off a failed write, leases are skipped (a
+  counted freshness signal) rather than queued behind the lock; ``request_finished`` gives up on
+  registering a donor after ``register_lock_wait_s``.
+* vLLM (retractable promises): lookups miss (``ledger_busy``) once the ledger thread is backed up
+  or after a failed write, with a back-off that doubles, instead of promising leases that would
+  break one after another.
+"""
 
 from __future__ import annotations
 
@@ -10,23 +17,34 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-import pytest
 import torch
 
 from connector._trtllm import RequestData, SchedulerOutput
-from connector.harness import LlmRequest
-from connector.harness.connector_driver import ConnectorWorkerError
+from connector.harness import KvCacheConfig, LlmRequest
 from connector.plan import LoadPlan
+from connector.scheduler import SemKvScheduler
 from ledger.errors import PersistenceError
-from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model, doc_tokens
+from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model, close_connector, doc_tokens
 from tests.connector.test_negative_controls import DOC, QUESTION, donor_on_a
+
+TPB = MODEL.tokens_per_block
+NEW_DONOR = DOC + doc_tokens(2 * TPB, seed=13)  # two blocks more than A's donor: a donor of its own
+
+
+def recipient(fleet: Fleet, **overrides: Any) -> Engine:
+    """Engine B without its own prefix reuse, so every request of DOC is the connector's to serve."""
+    kvc = KvCacheConfig(tokens_per_block=TPB, max_tokens=4 * MODEL.max_context, enable_block_reuse=False)
+    b = fleet.engine("B", kv_cache_config=kvc, **overrides)
+    b.scheduler.flush()
+    return b
 
 
 @contextmanager
 def write_lock_held(fleet: Fleet) -> Iterator[None]:
     """Hold the ledger file's write lock from another connection, as another process would."""
-    holder = sqlite3.connect(fleet.db.removeprefix("sqlite:///"), isolation_level=None)
+    holder = sqlite3.connect(fleet.db.removeprefix("sqlite:///"), timeout=10, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
     try:
         yield
@@ -35,94 +53,143 @@ def write_lock_held(fleet: Fleet) -> Iterator[None]:
         holder.close()
 
 
-def cold_logits(engine: Engine, tokens: list[int], result) -> torch.Tensor:  # noqa: ANN001
+def cold_logits(engine: Engine, tokens: list[int], result: Any) -> torch.Tensor:
     return _shared_model(engine.llm.model_config).forward_dense(tokens)[result.prefill_start:]
 
 
-def test_a_held_write_lock_makes_lookups_miss_instead_of_promising(fleet: Fleet) -> None:
-    donor_on_a(fleet)
-    b = fleet.engine("B", lease_confirm_timeout_s=0.2, register_lock_wait_s=0.05)
-    b.scheduler.flush()
-    with write_lock_held(fleet):
-        # the ledger thread was idle: this promise is made, and its lease cannot be written
-        # (b.llm.generate: Engine.generate would wait for the ledger thread, which waits for the lock)
-        with pytest.raises(ConnectorWorkerError, match="not committed"):
-            b.llm.generate(DOC + QUESTION, 1)
-        assert b.metrics.value("semkv_promises_broken_total", reason="late") == 1
-        # the lease write is still waiting for the lock: the next lookup does not promise
-        assert b.metrics.value("semkv_ledger_backlog_seconds") > 0.1  # what an operator sees
-        started = time.monotonic()
-        longer = DOC + doc_tokens(2 * MODEL.tokens_per_block, seed=13)  # two blocks more than A's donor: a new donor
-        result = b.llm.generate(longer, 1)
-        assert result.num_connector_tokens == 0 and b.metrics.misses_by_reason() == {"ledger_busy": 1}
-        assert torch.allclose(result.prefill_logits, cold_logits(b, longer, result), rtol=1e-4, atol=1e-4)
-        # computed cold and finished; its registration gave up on the lock instead of stalling
-        assert time.monotonic() - started < 5
-        assert b.metrics.value("semkv_donors_not_registered_total", reason="ledger_busy") == 1
-        # the next finishing request does not wait for the lock again (a batch would stall in turn)
-        started = time.monotonic()
-        b.llm.generate(DOC + doc_tokens(3 * MODEL.tokens_per_block, seed=14), 1)
-        assert b.metrics.value("semkv_donors_not_registered_total", reason="ledger_busy") == 2
-        assert b.metrics.value("semkv_lookup_misses_total", reason="ledger_busy") == 2
-        assert time.monotonic() - started < 0.04  # register_lock_wait_s is 0.05 here
-        assert b.metrics.value("semkv_promises_total") == 1
-    b.scheduler.flush()
-    assert fleet.held_leases() == 0  # the late lease was written after the lock, then released
-    b.scheduler.sync_view()
-    assert 0 <= b.metrics.value("semkv_donor_view_age_seconds") < 1
-    wait_until_writable(b)  # the registration's lock timeout paused writes for a second
-    again = LlmRequest(777, DOC + QUESTION, 1)  # the lock is gone: the lookup promises again
-    assert b.scheduler.get_num_new_matched_tokens(again, 0) == (len(DOC), False)
-    b.scheduler.request_finished(again, [])
-    b.scheduler.flush()
-    assert fleet.held_leases() == 0
-
-
-def wait_until_writable(b: Engine, timeout_s: float = 10.0) -> None:
+def wait_for(condition: Any, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not b.scheduler._ledger_writable():
-        assert time.monotonic() < deadline, "the ledger back-off never ended"
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.01)
 
 
-def promise_and_ship(b: Engine, rid: int) -> LoadPlan:
-    """One request through lookup, allocation and metadata, as the engine runs them."""
-    request = LlmRequest(rid, DOC + QUESTION, 1)
-    assert b.scheduler.get_num_new_matched_tokens(request, 0) == (len(DOC), False)
-    block_ids = list(range(len(DOC + QUESTION) // MODEL.tokens_per_block + 1))
-    b.scheduler.update_state_after_alloc(request, block_ids)
-    data = RequestData(request_id=rid, new_tokens=DOC + QUESTION, new_block_ids=block_ids, computed_position=0,
-                       num_scheduled_tokens=len(DOC + QUESTION))
-    [plan] = b.scheduler.build_connector_meta(SchedulerOutput(new_requests=[data])).loads
-    b.scheduler.request_finished(request, [])
+def wait_until_writable(scheduler: SemKvScheduler) -> None:
+    wait_for(scheduler.promises.backoff.writable)
+
+
+# ---------------------------------------------------------------------------- TensorRT-LLM
+def test_on_trtllm_a_held_write_lock_neither_stalls_the_engine_nor_breaks_a_promise(fleet: Fleet) -> None:
+    donor_on_a(fleet)
+    b = recipient(fleet, register_lock_wait_s=0.05)
+    with write_lock_held(fleet):
+        started = time.monotonic()
+        first = b.llm.generate(DOC + QUESTION, 1)  # its lease waits for the lock on the ledger thread
+        assert first.num_connector_tokens == len(DOC)
+        assert torch.allclose(first.prefill_logits, cold_logits(b, DOC + QUESTION, first), rtol=1e-4, atol=1e-4)
+        wait_for(lambda: b.metrics.value("semkv_ledger_backlog_seconds") > b.settings.lease_confirm_timeout_s / 2)
+        second = b.llm.generate(DOC + QUESTION[:10], 1)  # promised again: its lease is skipped, not queued
+        assert second.num_connector_tokens == len(DOC)
+        assert b.metrics.value("semkv_stale_after_promise_total", reason="ledger_busy") == 1
+        new = b.llm.generate(NEW_DONOR, 1)  # a new donor: its registration does not wait for the lock
+        assert new.num_connector_tokens == len(DOC)
+        # skipped without a wait, this one and the one before (the busy check precedes the duplicate check)
+        assert b.metrics.value("semkv_donors_not_registered_total", reason="ledger_busy") == 2
+        assert time.monotonic() - started < 5
+        assert b.metrics.value("semkv_exact_materialized_total") == 3 and b.llm.stopped is None
+    b.settle()
+    assert fleet.held_leases() == 0  # the late lease was written after the lock, then released
+    b.scheduler.sync_view()
+    assert 0 <= b.metrics.value("semkv_donor_view_age_seconds") < 1
+
+
+def test_on_trtllm_a_failed_lease_write_is_a_signal_and_pauses_lease_writes(fleet: Fleet) -> None:
+    donor_on_a(fleet)
+    b = recipient(fleet)
+    take_lease = b.scheduler.ledger.take_lease
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise PersistenceError("QueryCanceled: canceling statement due to statement timeout")
+
+    b.scheduler.ledger.take_lease = failing  # type: ignore[method-assign]
+    assert b.llm.generate(DOC + QUESTION, 1).num_connector_tokens == len(DOC)
+    b.scheduler.flush()
+    assert b.metrics.value("semkv_stale_after_promise_total", reason="error") == 1
+    assert not b.scheduler.promises.backoff.writable()  # the back-off: no lease is queued now
+    assert b.llm.generate(DOC + QUESTION[:7], 1).num_connector_tokens == len(DOC)
+    assert b.metrics.value("semkv_stale_after_promise_total", reason="ledger_busy") == 1
+    b.scheduler.ledger.take_lease = take_lease  # type: ignore[method-assign]
+    wait_until_writable(b.scheduler)
+    assert b.llm.generate(DOC + QUESTION[:9], 1).num_connector_tokens == len(DOC)
+    b.settle()
+    assert b.metrics.value("semkv_stale_after_promise_total", reason="error") == 1
+    assert fleet.held_leases() == 0 and b.metrics.value("semkv_leases_held") == 0
+
+
+# ---------------------------------------------------------------------------- vLLM
+def promise_and_ship(scheduler: SemKvScheduler, rid: int, doc: list[int] = DOC,
+                     question: list[int] = QUESTION) -> LoadPlan:
+    """One request of ``doc + question`` (``doc`` a donor's) through lookup, allocation and
+    metadata, as vLLM runs them, then finished."""
+    prompt = doc + question
+    request = LlmRequest(rid, prompt, 1)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (len(doc), False)
+    block_ids = list(range(len(prompt) // TPB + 1))
+    scheduler.update_state_after_alloc(request, block_ids)
+    data = RequestData(request_id=rid, new_tokens=prompt, new_block_ids=block_ids, computed_position=0,
+                       num_scheduled_tokens=len(prompt))
+    [plan] = scheduler.build_connector_meta(SchedulerOutput(new_requests=[data])).loads
+    scheduler.request_finished(request, [])
     return plan
 
 
-def test_a_failed_lease_write_pauses_promises_with_a_growing_back_off(fleet: Fleet) -> None:
+def vllm_scheduler(fleet: Fleet, **overrides: Any) -> tuple[Any, Any]:
+    llm_args = fleet.engine("B", connector=False).llm.llm_args
+    scheduler, worker = fleet.vllm_connector("B", llm_args, **overrides)
+    scheduler.flush()
+    return scheduler, worker
+
+
+def test_on_vllm_a_held_write_lock_makes_lookups_miss_instead_of_promising(fleet: Fleet) -> None:
+    donor_on_a(fleet)
+    scheduler, worker = vllm_scheduler(fleet, lease_confirm_timeout_s=0.2)
+    try:
+        with write_lock_held(fleet):
+            # the ledger thread was idle: this promise is made, and its lease cannot be written in time
+            assert promise_and_ship(scheduler, 601).failed
+            assert scheduler.metrics.value("semkv_promises_broken_total", reason="late") == 1
+            assert scheduler.metrics.value("semkv_ledger_backlog_seconds") > 0.1  # what an operator sees
+            missed = LlmRequest(602, DOC + QUESTION, 1)  # the lease write still waits: no promise
+            assert scheduler.get_num_new_matched_tokens(missed, 0) == (0, False)
+            scheduler.request_finished(missed, [])
+            assert scheduler.metrics.misses_by_reason() == {"ledger_busy": 1}
+        scheduler.flush()
+        assert fleet.held_leases() == 0  # the late lease was written after the lock, then released
+        wait_until_writable(scheduler)
+        assert promise_and_ship(scheduler, 603).failed is None  # the lock is gone: promises again
+        scheduler.flush()
+        assert fleet.held_leases() == 0
+    finally:
+        close_connector(scheduler, worker)
+
+
+def test_on_vllm_a_failed_lease_write_pauses_promises_with_a_growing_back_off(fleet: Fleet) -> None:
     """A lease write that fails (PostgreSQL's statement timeout behind a lock, a lost connection)
     breaks its promise; the next lookups miss (``ledger_busy``) for a back-off that doubles with
     each failure in a row, instead of each breaking a promise in turn; a write that succeeds ends it."""
     donor_on_a(fleet)
-    b = fleet.engine("B")
-    b.scheduler.flush()
-    take_lease = b.scheduler.ledger.take_lease
+    scheduler, worker = vllm_scheduler(fleet)
+    take_lease = scheduler.ledger.take_lease
 
-    def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def failing(*args: Any, **kwargs: Any) -> Any:
         raise PersistenceError("QueryCanceled: canceling statement due to statement timeout")
 
-    b.scheduler.ledger.take_lease = failing  # type: ignore[method-assign]
-    assert promise_and_ship(b, 701).failed
-    assert b.metrics.value("semkv_promises_broken_total", reason="error") == 1
-    missed = LlmRequest(702, DOC + QUESTION, 1)
-    assert b.scheduler.get_num_new_matched_tokens(missed, 0) == (0, False)
-    b.scheduler.request_finished(missed, [])
-    assert b.metrics.misses_by_reason() == {"ledger_busy": 1}
-    wait_until_writable(b)
-    assert promise_and_ship(b, 703).failed  # failed again: the next pause is twice as long
-    assert b.scheduler._ledger_backoff_s == 4.0
-    b.scheduler.ledger.take_lease = take_lease  # type: ignore[method-assign]
-    wait_until_writable(b)
-    assert promise_and_ship(b, 704).failed is None
-    assert b.scheduler._ledger_backoff_s == 1.0
-    b.scheduler.flush()
-    assert fleet.held_leases() == 0
+    try:
+        scheduler.ledger.take_lease = failing  # type: ignore[method-assign]
+        assert promise_and_ship(scheduler, 701).failed
+        assert scheduler.metrics.value("semkv_promises_broken_total", reason="error") == 1
+        missed = LlmRequest(702, DOC + QUESTION, 1)
+        assert scheduler.get_num_new_matched_tokens(missed, 0) == (0, False)
+        scheduler.request_finished(missed, [])
+        assert scheduler.metrics.misses_by_reason() == {"ledger_busy": 1}
+        wait_until_writable(scheduler)
+        assert promise_and_ship(scheduler, 703).failed  # failed again: the next pause is twice as long
+        assert scheduler.promises.backoff._backoff_s == 4.0
+        scheduler.ledger.take_lease = take_lease  # type: ignore[method-assign]
+        wait_until_writable(scheduler)
+        assert promise_and_ship(scheduler, 704).failed is None
+        assert scheduler.promises.backoff._backoff_s == 1.0
+        scheduler.flush()
+        assert fleet.held_leases() == 0
+    finally:
+        close_connector(scheduler, worker)

@@ -102,9 +102,10 @@ def test_donor_blocks_removed_under_policy_engine(fleet: Fleet) -> None:
 
 def test_event_gap_quarantines_the_donor(fleet: Fleet) -> None:
     a = donor_on_a(fleet)
-    a.llm.generate(doc_tokens(3 * TPB, seed=7), 1)
+    a.llm.generate(doc_tokens(3 * TPB, seed=7), 1)  # two more `stored` events ...
+    a.llm.generate(doc_tokens(3 * TPB, seed=8), 1)
     a.settle()
-    fleet.pump(a, drop=1)  # TensorRT-LLM's bounded buffer lost an event: event_id jumps
+    fleet.pump(a, drop=1)  # ... of which TensorRT-LLM's bounded buffer lost the first: event_id jumps
     fleet.sync()
     b = fleet.engine("B")
     assert_missed(b, b.generate(DOC + QUESTION), "donor_quarantined")

@@ -97,9 +97,16 @@ class World:
         self.pump()
 
     def donate(self, doc: list[int], salt: str | None, lora: int | None) -> None:
+        """A request on A in TensorRT-LLM's order: allocated (its save armed), its first report's
+        metadata shipped, its prefill "computed" (the pattern), finished, and saved in the same
+        iteration's ``get_finished``."""
         self.rid += 1
         request = LlmRequest(self.rid, list(doc), 1, lora, salt)
         seq, _ = self.kvm.add_sequence(self.rid, doc, lora_task_id=lora, cache_salt=salt)
+        self.a_sched.update_state_after_alloc(request, seq.block_ids)
+        meta = self.a_sched.build_connector_meta(SchedulerOutput())
+        self.a_worker.bind_connector_meta(meta)
+        self.a_worker.start_load_kv(HarnessStream())
         for i, slot in enumerate(seq.block_ids):
             if (i + 1) * TPB <= len(doc):
                 self.kvm.kv_cache[slot] = pattern(salt, lora, doc[: (i + 1) * TPB])
@@ -107,12 +114,9 @@ class World:
         request.output_token_ids.append(1)
         seq.tokens.append(1)
         if self.a_sched.request_finished(request, seq.block_ids):
-            meta = self.a_sched.build_connector_meta(SchedulerOutput())
             [save] = meta.saves
             n = save.num_blocks
             self.donors[save.donor_id] = (doc[: n * TPB], salt, lora, self.epoch, self.kvm.block_hashes(seq)[:n])
-            self.a_worker.bind_connector_meta(meta)
-            self.a_worker.start_load_kv(HarnessStream())
             assert self.a_worker.get_finished([self.rid], []) == ([self.rid], [])
             assert self.a_worker.flush()
         self.kvm.remove_sequence(seq)

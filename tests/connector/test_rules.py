@@ -10,14 +10,15 @@ import pytest
 import torch
 from sqlalchemy import func, select
 
-from connector.harness import HarnessLLM, KvCacheConfig, KvCacheConnectorConfig, LlmRequest
+from connector.harness import ExecutorStopped, HarnessLLM, KvCacheConfig, KvCacheConnectorConfig, LlmRequest
 from connector.metrics import ConnectorMetrics
 from connector.scheduler import SemKvScheduler
 from connector.settings import ConnectorConfigError, load_connector_settings
 from ledger.db import sync_engine
 from ledger.errors import PersistenceError
 from ledger.schema import LeaseRow
-from tests.connector.conftest import MODEL, Fleet, _shared_model, doc_tokens
+from tests.connector.conftest import MODEL, Fleet, _shared_model, close_connector, doc_tokens
+from tests.connector.test_ledger_busy import promise_and_ship
 from tests.connector.test_two_engines import native_engine
 
 TPB = MODEL.tokens_per_block
@@ -90,7 +91,7 @@ def test_rule_4_errors_timeouts_and_unknown_fields_are_counted_misses(fleet: Fle
     # max_staleness_s; lookups then read the ledger and miss with its error
     b = fleet.engine("B")
     b.scheduler.flush()
-    view = b.scheduler._view
+    view = b.scheduler.spans.view
     deadline = time.monotonic() + 10
     while not view.ready:
         assert time.monotonic() < deadline
@@ -137,46 +138,59 @@ def test_rule_6_every_layer_is_revalidated_against_the_ledger(fleet: Fleet) -> N
     assert b.metrics.value("semkv_revalidation_seconds_count") == 1 + MODEL.num_layers
 
 
-def test_rule_7_no_lease_survives_finish_failure_cancel_or_timeout(fleet: Fleet) -> None:
+def test_rule_7_no_lease_survives_finish_failure_or_timeout(fleet: Fleet) -> None:
+    """Every lease ends released: at finish; behind a take that came late (TensorRT-LLM kept the
+    promise meanwhile; vLLM's plan failed); after a lookup's deadline; and after a load that stopped
+    TensorRT-LLM's executor, by the orphan reaper. Cancels and forward errors: test_trtllm_lifecycle."""
     a = fleet.engine("A")
     a.generate(DOC)
     fleet.sync()
     b = fleet.engine("B")
     assert b.generate(DOC + QUESTION).num_connector_tokens > 0  # finished: released
-    original = b.scheduler.ledger.take_lease
 
-    def slow_take(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        lease = original(*args, **kwargs)
-        time.sleep(0.3)  # the lease is written, but the plan stopped waiting for it long ago
-        return lease
+    def slow(take_lease):  # noqa: ANN001, ANN202
+        def slow_take(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            lease = take_lease(*args, **kwargs)
+            time.sleep(0.3)  # the lease is written, but the plan stopped waiting for it long ago
+            return lease
+        return slow_take
 
-    # the lease is written after the answer; a plan whose lease is not confirmed in time ships
-    # failed, and the late lease is released behind it (the release queues after the take)
-    slow = fleet.engine("B", lease_confirm_timeout_s=0.05, reset_hooks=True)
-    slow.scheduler.ledger.take_lease = slow_take  # type: ignore[method-assign]
-    result = slow.generate(DOC + QUESTION)
-    assert result.recomputed_after_load_failure and result.num_connector_tokens == 0
-    assert slow.metrics.value("semkv_promises_broken_total", reason="late") == 1
-    slow.scheduler.flush()
-    assert slow.metrics.value("semkv_leases_released_total", reason="lease_late") == 1
+    kept = fleet.engine("B")  # TensorRT-LLM: the plan ships without waiting; the lease is released behind it
+    kept.scheduler.ledger.take_lease = slow(kept.scheduler.ledger.take_lease)  # type: ignore[method-assign]
+    assert kept.generate(DOC + QUESTION).num_connector_tokens == len(DOC)
+    scheduler, worker = fleet.vllm_connector("B", kept.llm.llm_args, lease_confirm_timeout_s=0.05)
+    try:  # vLLM: a lease not confirmed in time fails the plan; the late lease is released behind it
+        scheduler.ledger.take_lease = slow(scheduler.ledger.take_lease)  # type: ignore[method-assign]
+        scheduler.flush()
+        assert promise_and_ship(scheduler, 801, DOC, QUESTION).failed
+        assert scheduler.metrics.value("semkv_promises_broken_total", reason="late") == 1
+        scheduler.flush()
+        assert scheduler.metrics.value("semkv_leases_released_total", reason="lease_late") == 1
+    finally:
+        close_connector(scheduler, worker)
     # lease_before_answer: the engine stops waiting at the deadline; the late lease is released
     sync = fleet.engine("B", lease_in_lookup_timeout_s=0.05, lease_before_answer=True)
-    sync.scheduler.ledger.take_lease = slow_take  # type: ignore[method-assign]
+    sync.scheduler.ledger.take_lease = slow(sync.scheduler.ledger.take_lease)  # type: ignore[method-assign]
     assert sync.generate(DOC + QUESTION).num_connector_tokens == 0
     deadline = time.monotonic() + 10
     while sync.metrics.value("semkv_leases_released_total", reason="lookup_timeout") < 1:  # the late job's cleanup
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert sync.misses() == {"timeout": 1}
-    recompute = fleet.engine("B", reset_hooks=True)
-    recompute.worker._begin = lambda plan: (_ for _ in ()).throw(RuntimeError("injected"))  # fails the load
-    assert recompute.generate(DOC + QUESTION).recomputed_after_load_failure
-    assert recompute.metrics.value("semkv_load_failures_total", reason="internal_error") == 1
-    recompute.scheduler.flush()
+    stopped = fleet.engine("B", request_orphan_timeout_s=0.3)  # a load that stops TensorRT-LLM's executor
+    stopped.worker._begin = lambda plan: (_ for _ in ()).throw(RuntimeError("injected"))  # type: ignore[method-assign]
+    with pytest.raises(ExecutorStopped):
+        stopped.llm.generate(DOC + QUESTION)
+    assert stopped.metrics.value("semkv_load_failures_total", reason="internal_error") == 1
+    deadline = time.monotonic() + 10
+    while stopped.metrics.value("semkv_leases_held") > 0:  # no hook comes any more: the reaper releases it
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    stopped.scheduler.flush()
     engine = sync_engine(fleet.db)
     with engine.connect() as conn:
         states = dict(conn.execute(select(LeaseRow.__table__.c.state, func.count())
                                    .group_by(LeaseRow.__table__.c.state)).all())
     engine.dispose()
-    assert states == {"released": 4}
+    assert states == {"released": 5}
     assert fleet.held_leases() == 0

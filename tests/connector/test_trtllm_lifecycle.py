@@ -1,0 +1,169 @@
+"""The connector through TensorRT-LLM's executor as its source says it runs, per version.
+
+Each scenario runs on every version model of the reference engine harness
+(:mod:`connector.harness.trtllm_versions`): the 1.x module with its AsyncTransferManager-era
+executor, the 2026 main module with the newest executor (both call ``request_finished`` only on
+normal completion), and the earlier executor that calls it on every exit. The harness stops the
+executor on any exception from a hook TensorRT-LLM calls outside the forward's try, so every test
+here that completes also shows the connector raised into none of them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from connector.harness import LlmRequest, block_hash_chain
+from connector.harness.trtllm_versions import TRTLLM_VERSIONS, TrtllmVersion
+from connector.namespace import content_keys
+from ledger.queries import LedgerClient
+from tests.connector.conftest import MODEL, Engine, Fleet, doc_tokens
+from tests.connector.test_two_engines import native_engine
+
+TPB = MODEL.tokens_per_block
+DOC = doc_tokens(10 * TPB, seed=61)  # 320 tokens: the donor's prefill runs in 2 chunks of at most 256
+PROMPT = DOC + doc_tokens(20, seed=62)
+ORPHAN_TIMEOUT_S = 0.4
+"""``request_orphan_timeout_s`` of the recipient in the leak scenarios (released within 1.25x it)."""
+
+
+@pytest.fixture(params=TRTLLM_VERSIONS, ids=lambda v: v.name)
+def version(request: pytest.FixtureRequest) -> TrtllmVersion:
+    return request.param
+
+
+def reference_logits(prompt: list[int]) -> torch.Tensor:
+    """The prompt's prefill logits with the engine's own reuse of DOC (bit-identical target)."""
+    native = native_engine()
+    native.generate(DOC, 1)
+    return native.generate(prompt, 1).prefill_logits
+
+
+def donor(fleet: Fleet, version: TrtllmVersion) -> Engine:
+    a = fleet.engine("A", version=version)
+    a.generate(DOC)
+    fleet.sync()
+    return a
+
+
+def nothing_held(fleet: Fleet, engine: Engine) -> bool:
+    """No promise, pin, secured entry, ledger lease or request state left in the engine's connector."""
+    engine.scheduler.flush()
+    return (engine.metrics.value("semkv_leases_held") == 0 and fleet.held_leases() == 0
+            and not engine.scheduler.promises.requests and engine.scheduler.store.handed_over() == 0
+            and not engine.scheduler.store._pins)
+
+
+def wait_until(condition, timeout_s: float) -> float:  # noqa: ANN001
+    """Seconds until ``condition()`` held; fails past ``timeout_s``."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, "condition not reached in time"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_a_chunked_donor_materializes_bit_identical_and_nothing_stays_held(fleet: Fleet, version) -> None:
+    donor(fleet, version)
+    b = fleet.engine("B", version=version)
+    got = b.generate(PROMPT)
+    assert got.num_connector_tokens == len(DOC) and b.llm.stopped is None
+    assert torch.equal(got.prefill_logits, reference_logits(PROMPT))
+    assert b.metrics.value("semkv_exact_materialized_total") == 1
+    assert b.metrics.value("semkv_stale_after_promise_total", reason="ledger_error") == 0
+    assert nothing_held(fleet, b)
+
+
+def test_an_idle_engine_saves_its_donor_without_another_request(fleet: Fleet, version) -> None:
+    """TensorRT-LLM calls no hook once its last request finished (its loop blocks): the donor is
+    gathered in the ``get_finished`` of the iteration that finished the request."""
+    a = fleet.engine("A", version=version)
+    a.llm.generate(DOC)  # and then nothing: the engine is idle
+    assert a.llm.pending_transfers() == [] and a.llm.active_request_ids() == []
+    assert a.llm.step() is False  # blocked: no iteration, no connector call
+    assert a.worker.flush()  # the background writer, not an engine iteration
+    ledger = LedgerClient(fleet.db)
+    try:
+        [saved] = ledger.donors_for_key(a.scheduler.namespace.for_request(_request(DOC)).digest, _first_key(a, DOC))
+        assert saved.store_ref is not None
+    finally:
+        ledger.close()
+    fleet.sync()
+    assert fleet.engine("B", version=version).generate(PROMPT).num_connector_tokens == len(DOC)
+
+
+def test_a_request_cancelled_after_its_promise_releases_everything(fleet: Fleet, version) -> None:
+    donor(fleet, version)
+    b = fleet.engine("B", version=version, request_orphan_timeout_s=ORPHAN_TIMEOUT_S)
+    rid = b.llm.submit(PROMPT, max_new_tokens=8)
+    b.llm.add_lifecycle_observer(
+        lambda point, ids: b.llm.cancel(rid) if point == "after_build_connector_meta" and rid in ids else None)
+    b.llm.run_until_idle()
+    assert b.llm.result(rid).finish_reason == "cancelled" and b.llm.stopped is None
+    assert b.metrics.value("semkv_exact_materialized_total") == 1  # loaded before the forward it was cancelled after
+    if version.request_finished_on_every_termination:
+        assert nothing_held(fleet, b)  # request_finished released it at once
+        return
+    assert b.metrics.value("semkv_leases_held") == 1  # the executor dropped it without a word ...
+    took = wait_until(lambda: nothing_held(fleet, b), 5 * ORPHAN_TIMEOUT_S)  # ... the reaper did not
+    assert took <= 1.25 * ORPHAN_TIMEOUT_S + 0.5
+    assert b.metrics.value("semkv_orphaned_requests_total") == 1
+
+
+def test_a_forward_error_fails_the_batch_and_nothing_leaks(fleet: Fleet, version) -> None:
+    """A failure inside the forward that is not the connector's (``_handle_errors`` fails every
+    active request): the connector's blocks held verified bytes, and what the request held is
+    released — by ``request_finished`` where the executor calls it, else by the reaper."""
+    donor(fleet, version)
+    b = fleet.engine("B", version=version, request_orphan_timeout_s=ORPHAN_TIMEOUT_S)
+    forward, failures = b.llm.model.forward_paged_batch, []
+
+    def failing_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected: CUDA error in the forward")
+        return forward(*args, **kwargs)
+
+    b.llm.model.forward_paged_batch = failing_forward  # type: ignore[method-assign]
+    other = b.llm.submit(doc_tokens(3 * TPB, seed=63), max_new_tokens=2)
+    with pytest.raises(Exception, match="injected"):
+        b.generate(PROMPT)
+    with pytest.raises(Exception, match="injected"):
+        b.llm.result(other)  # every active request of the batch failed
+    assert b.llm.stopped is None
+    wait_until(lambda: nothing_held(fleet, b), 5 * ORPHAN_TIMEOUT_S)
+    # the failed request's blocks went into the reuse tree (TensorRT-LLM stores them on release);
+    # the connector's are verified donor bytes, equal to the engine's own computation of DOC
+    native = native_engine()
+    native.generate(DOC, 1)
+    native.generate(PROMPT, 1)
+    doc_hashes = block_hash_chain(DOC, TPB)
+    assert set(doc_hashes) <= set(b.llm.kv_cache_manager.stored_block_hashes())
+    for block_hash in doc_hashes:
+        assert torch.equal(b.llm.kv_cache_manager.read_stored_block(block_hash),
+                           native.kv_cache_manager.read_stored_block(block_hash))
+    assert b.generate(PROMPT).num_reused_tokens == len(DOC)  # and the engine goes on
+
+
+def test_two_requests_in_one_batch_one_materialized_one_cold(fleet: Fleet, version) -> None:
+    donor(fleet, version)
+    b = fleet.engine("B", version=version)
+    cold_prompt = doc_tokens(5 * TPB + 3, seed=64)
+    hit, cold = b.llm.submit(PROMPT), b.llm.submit(cold_prompt)
+    b.llm.run_until_idle()
+    assert b.llm.result(hit).num_connector_tokens == len(DOC) and b.llm.result(cold).num_connector_tokens == 0
+    assert torch.equal(b.llm.result(hit).prefill_logits, reference_logits(PROMPT))
+    dense = b.llm.model.forward_dense(cold_prompt)
+    assert torch.allclose(b.llm.result(cold).prefill_logits, dense, rtol=1e-4, atol=1e-4)
+    assert nothing_held(fleet, b)
+
+
+def _request(tokens: list[int]) -> LlmRequest:
+    return LlmRequest(0, list(tokens), 1)
+
+
+def _first_key(engine: Engine, tokens: list[int]) -> bytes:
+    ns = engine.scheduler.namespace.for_request(_request(tokens))
+    return content_keys(ns, tokens, TPB, 1)[0]
