@@ -18,9 +18,13 @@ with ``TRTLLM_SEMKV_CONFIG=/etc/semkv/connector.toml`` in the environment (see
     plan          LoadPlan, SaveInstruction, ConnectorMetadata (picklable, bounded)
     donor_store   FileDonorStore: host-local, checksummed, atomically published donor bytes
     lookup        deadline runner, background runner, miss diagnosis
+    engine_contract  what the hosting engine does with a promise and a finished request
+    spans         SpanFinder: the longest fresh donor span whose checksummed bytes this host holds
+    promises      PromiseBook: request states, promises (pins, secured bytes, leases), plans, orphans
+    saves         donor saves: armed at allocation (TensorRT-LLM) or shipped after finish (vLLM)
     donors        DonorRegistrar: finished requests become donors
-    scheduler     SemKvScheduler (rank 0): lookup + lease, plans, donor registration
-    worker        SemKvWorker (every rank): per-layer revalidated loads, donor saves
+    scheduler     SemKvScheduler (rank 0): the scheduler hooks, delegating to the modules above
+    worker        SemKvWorker (every rank): revalidated, checksummed loads; donor saves
     metrics       Prometheus metrics (semkv_*)
     _trtllm       import shim for TensorRT-LLM's base classes (newer path, 1.x path, local ABCs)
     vllm_connector SemKvVllmConnector: the same core behind vLLM's KVConnectorBase_V1

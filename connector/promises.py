@@ -317,12 +317,11 @@ class PromiseBook:
         never overtakes its take). The lease re-checks the donor and every promised block in its
         write transaction. Binding promises whose ledger is busy skip it (a signal): their bytes
         are secured, and a lease queued behind a locked ledger would only pile up."""
+        if self.protocol.binding and not self.backoff.writable():  # no lease, so nothing to release either
+            self.metrics.stale_after_promise.labels(reason="ledger_busy").inc()
+            return
         outcome: Future[Lease | StaleReason] = Future()
         p.lease = outcome
-        if self.protocol.binding and not self.backoff.writable():
-            self.metrics.stale_after_promise.labels(reason="ledger_busy").inc()
-            outcome.set_exception(LedgerError("ledger busy: lease not written"))
-            return
         up_to, min_blocks = p.start_block + p.num_blocks, p.start_block + self.settings.min_match_blocks
 
         def take() -> None:

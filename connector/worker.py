@@ -383,7 +383,7 @@ class SemKvWorker(KvCacheConnectorWorker):
                 self._to_gather[instruction.request_id] = instruction
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
-        """No-op: donors are saved whole once their request finished (see wait_for_save)."""
+        """No-op: donors are saved whole once their request finished (see get_finished)."""
 
     def wait_for_save(self, stream: Any) -> None:
         """End of a forward: synchronize, then gather the donors to save (device → host).

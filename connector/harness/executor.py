@@ -22,8 +22,8 @@ One iteration:
    ``start_load_kv``. ``_can_queue`` is evaluated again: the batch may now be empty.
 5. ``_forward_step``: one batched forward — per layer ``wait_for_layer_load`` on every worker,
    the layer for the whole batch, ``save_kv_layer`` on every worker — then ``wait_for_save``.
-   A worker exception here goes to ``_handle_errors``: EVERY active request (parked ones too)
-   fails with it and is terminated, and the loop continues.
+   Any exception here (a worker hook's or the model's) goes to ``_handle_errors``: EVERY active
+   request (parked ones too) fails with it and is terminated, and the loop continues.
 6. ``_update_request_states`` / ``_update_requests`` (greedy), ``_send_kv_async``
    (``request_finished`` for the batch's requests that finished normally, unless the version calls
    it on termination), ``_handle_canceled_requests``, ``_handle_responses`` (finished requests
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .connector_driver import AttentionOrderError, ConnectorContractError, ConnectorDriver
-from .connector_driver import ConnectorWorkerError, ExecutorStopped
+from .connector_driver import ExecutorStopped
 from .kv_cache_manager import KVCacheManager, KvCacheCapacityError, KVSequence
 from .model import HarnessTransformer, PagedChunk
 from .request import GenerationResult, LlmRequest, LlmRequestState

@@ -27,7 +27,8 @@ MESSAGES = [
     "holds no secret key: pass the NAME.key_secret file written by", "has no curve_publisher_key, but curve_secret_key",
     "a CURVE client pins exactly one server key", "(not loopback) without CURVE",
     "can publish forged BlockStored/BlockRemoved events", "(Mode 4: approximate donor KV) is refused",
-    "connector config file not found", "the request fails rather than run on partially",
+    "connector config file not found", "the executor must stop: TensorRT-LLM cannot recompute a promised load",
+    "the engine recomputes the request's blocks", "after the promise; loading its secured, checksummed bytes",
 ]
 
 
