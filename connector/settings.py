@@ -122,6 +122,7 @@ class ConnectorSettings(BaseSettings):
     ``lease_in_lookup_timeout_s``), so a donor that went stale since the donor view's last catch-up is a
     miss rather than a promise the ledger then calls stale (on vLLM its plan fails and is recomputed; on
     TensorRT-LLM it is loaded from its secured bytes and counted in ``semkv_stale_after_promise_total``).
+    On TensorRT-LLM this is the only way a promise writes a ledger lease.
     Costs a ledger write transaction in every hit (~0.3-8 ms on SQLite, ~3-20 ms on PostgreSQL here),
     which DESIGN §7's lookup budget does not allow; off by default on every engine."""
     lease_in_lookup_timeout_s: float = Field(0.05, gt=0, le=10)
@@ -134,8 +135,7 @@ class ConnectorSettings(BaseSettings):
     long for it before shipping the plan (seconds). A lease refused or not committed by then ships the plan
     failed and vLLM recomputes it (counted in ``semkv_promises_broken_total``). While the connector's ledger
     thread has been busy or backed up for half of this, lookups miss (``ledger_busy``) instead of promising.
-    TensorRT-LLM does not wait: its promises hold their secured bytes, and a lease the ledger refuses is a
-    freshness signal (``semkv_stale_after_promise_total``); leases are skipped while the ledger is busy."""
+    TensorRT-LLM writes no lease (unless ``lease_before_answer``): its promises hold the donor's secured file."""
     donor_view_refresh_s: float = Field(0.005, ge=0)
     """The scheduler answers lookups from an in-memory view of the ledger's fresh donors (those whose bytes
     this host's store holds, with their block liveness), caught up from the ledger this often (seconds).

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from connector.harness import HarnessLLM, KvCacheConfig, ModelConfig
 from connector.harness.trtllm_versions import TRTLLM_MAIN_2026, TrtllmVersion
@@ -36,7 +36,7 @@ from consumer.settings import ConsumerSettings, SourceSettings
 from ledger.db import sync_engine
 from ledger.migrate import upgrade
 from ledger.queries import LedgerClient
-from ledger.schema import SourceRow
+from ledger.schema import LeaseRow, SourceRow
 
 MODEL = ModelConfig(max_context=2048)  # the default harness model, 2 layers, 32 tokens per block
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -230,6 +230,12 @@ class Fleet:
 
     def ledger(self) -> LedgerClient:
         return LedgerClient(self.db)
+
+    def leases_written(self) -> int:
+        """Leases the ledger ever recorded (released ones keep their row)."""
+        t = LeaseRow.__table__
+        with self._reader.connect() as conn:
+            return conn.execute(select(func.count()).select_from(t)).scalar_one()
 
     def held_leases(self) -> int:
         client = self.ledger()
