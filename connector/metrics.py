@@ -21,7 +21,8 @@ Counters are distinct, never collapsed into one "hit" (DESIGN §8):
   ``semkv_stale_after_promise_total{reason}``: TensorRT-LLM promises the ledger called stale after
   the answer, loaded from their secured bytes; ``semkv_orphaned_requests_total``: requests the
   engine dropped without ``request_finished``; ``semkv_leases_held`` (gauge, promises this process
-  holds: a store pin from the answer, with its ledger lease once the blocks are allocated).
+  holds: a store pin from the answer, plus on TensorRT-LLM the donor's secured file and on vLLM a
+  ledger lease once the blocks are allocated).
 
 Histograms (seconds): lookup, metadata build, load by cache level (the donor store is host memory
 or disk: level 1), revalidation (ledger re-checks in the worker), donor save.
@@ -119,7 +120,9 @@ class ConnectorMetrics:
             "semkv_orphaned_requests_total",
             "Requests the engine dropped without request_finished, released after request_orphan_timeout_s",
             registry=r)
-        self.leases_held = Gauge("semkv_leases_held", "Leases this process holds", registry=r)
+        self.leases_held = Gauge("semkv_leases_held",
+                                 "Promises this process holds (store pin; TensorRT-LLM: secured file; vLLM: ledger lease)",
+                                 registry=r)
         self.leases_released = Counter("semkv_leases_released_total", "Leases released, by reason", ("reason",),
                                        registry=r)
         self.metadata_build_seconds = Histogram("semkv_metadata_build_seconds", "build_connector_meta duration",

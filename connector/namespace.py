@@ -51,7 +51,8 @@ from blake3 import blake3
 from connector.settings import NamespaceOverrides
 
 __all__ = ["CONNECTOR_VERSION", "PROBE_TOKENS", "DeploymentNamespace", "KvLayout", "Namespace", "NamespaceUnknown",
-           "PrefixKeys", "content_keys", "prefix_keys", "probe_key", "salt_id"]
+           "PrefixKeys", "content_keys", "pool_key", "pool_layout", "prefix_keys", "probe_key", "register_pool_layout",
+           "salt_id"]
 
 CONNECTOR_VERSION = "semkv-connector/2"
 PROBE_TOKENS = 16
@@ -107,6 +108,28 @@ class Namespace:
 
 def _digest(fields: Mapping[str, str]) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(dict(sorted(fields.items())), separators=(",", ":")).encode())
+
+
+_POOL_LAYOUTS: dict[str, str] = {}
+"""Engine key -> ``KvLayout.describe()`` of the pool this process's worker registered."""
+
+
+def register_pool_layout(engine_key: str, layout: KvLayout) -> None:
+    """The worker's pool, as registered by the engine, for the scheduler of the same process to
+    compare with the layout its namespace (and every plan) names: a TOML ``kv_layout``/``kv_dtype``
+    that disagrees with the real pool would otherwise fail every promised load in ``start_load_kv``."""
+    _POOL_LAYOUTS[engine_key] = layout.describe()
+
+
+def pool_layout(engine_key: str) -> str | None:
+    """The pool layout this process's worker registered for ``engine_key``, or None (not yet, or
+    the worker runs in another process)."""
+    return _POOL_LAYOUTS.get(engine_key)
+
+
+def pool_key(engine_id: str | None, store_dir: Any) -> str:
+    """What ties an engine's scheduler to its worker within one process."""
+    return f"{engine_id or ''}\x00{store_dir}"
 
 
 def salt_id(salt: str) -> int:

@@ -64,6 +64,10 @@ write that succeeds resets it. Each promise made into a locked ledger would othe
 each registration wait ``register_lock_wait_s``, in turn."""
 
 
+_LEASE_RELEASE_RETRY_S = 1.0
+"""A lease release the ledger refused (down, locked past its timeout) is tried again this often (seconds)."""
+
+
 @dataclasses.dataclass(slots=True)
 class Promise:
     """What one answered lookup holds until it is released."""
@@ -100,6 +104,16 @@ class RequestState:
     armed: SaveInstruction | None = None
     """Its armed donor save (:mod:`connector.saves`), once made at allocation."""
     armed_shipped: bool = False
+    prompt_len: int = 0
+    reused_blocks: int = 0
+    """Prompt blocks TensorRT-LLM matched in its own reuse tree (``num_computed_tokens`` at the lookup)."""
+    computed_position: int | None = None
+    """Tokens with valid KV before the forward of the request's last report (None: never reported)."""
+    prefill_done: bool = False
+    reported_in: int = 0
+    """The ``build_connector_meta`` iteration that last reported the request."""
+    abandoned: bool = False
+    """Taken for abandoned mid-prefill (:mod:`connector.reuse_guard`) and not seen since."""
 
 
 class LedgerBackoff:
@@ -199,6 +213,9 @@ class PromiseBook:
         """Requests holding a promise whose plan has not shipped."""
         self._answer = (_LeaseInLookup(self, settings.lease_in_lookup_timeout_s) if settings.lease_before_answer
                         else _LeaseAfterAlloc(self))
+        self._unreleased: dict[str, str] = {}
+        """Lease id -> release reason, for releases the ledger refused (retried; ledger thread only)."""
+        ledger_jobs.every("lease release retry", _LEASE_RELEASE_RETRY_S, self.retry_lease_releases)
 
     # ------------------------------------------------------------------ request states
     def begin(self, request_id: Any) -> RequestState:
@@ -416,7 +433,28 @@ class PromiseBook:
         else:
             self.store.drop_unclaimed(promise.lease_id)  # handed over and never claimed by a worker
         if promise.lease is not None:  # a ledger lease was queued: release it after its take
-            self._jobs.submit(lambda: self.ledger.release_lease(promise.lease_id, reason), must=True)
+            self.release_lease_later(promise.lease_id, reason)
+
+    def release_lease_later(self, lease_id: str, reason: str) -> None:
+        """Queue the ledger's ``lease_released`` on the ledger thread (after the lease's take, FIFO);
+        a release the ledger refuses is retried every ``_LEASE_RELEASE_RETRY_S`` until it goes in
+        (the lease would otherwise stay held until ``lease_ttl_s``: DESIGN §2 rule 7)."""
+        self._jobs.submit(lambda: self._release_lease(lease_id, reason), must=True)
+
+    def _release_lease(self, lease_id: str, reason: str) -> None:
+        try:
+            self.ledger.release_lease(lease_id, reason)
+        except LedgerError as exc:
+            log.warning("semkv: releasing lease %s failed (%s); retried every %.0f s", lease_id, exc,
+                        _LEASE_RELEASE_RETRY_S)
+            self._unreleased[lease_id] = reason
+        else:
+            self._unreleased.pop(lease_id, None)
+
+    def retry_lease_releases(self) -> None:
+        """The periodic job: release again what the ledger refused before (on the ledger thread)."""
+        for lease_id, reason in list(self._unreleased.items()):
+            self._release_lease(lease_id, reason)
 
     def reap_orphans(self, now: float | None = None) -> list[RequestState]:
         """Release every request not named by any hook for ``request_orphan_timeout_s`` (the engine
@@ -491,13 +529,13 @@ class _LeaseInLookup:
             if isinstance(lease, StaleReason):
                 return LookupMiss(stale_reason_name(lease))
             if lease.expires_at <= time.time():
-                book._jobs.submit(lambda: book.ledger.release_lease(lease_id, "expired_at_take"), must=True)
+                book.release_lease_later(lease_id, "expired_at_take")
                 return LookupMiss("lease_expired")
             span = dataclasses.replace(span, num_blocks=min(span.num_blocks, lease.num_blocks))
             try:
                 secured = book.secure(span)
             except LookupMiss as miss:
-                book._jobs.submit(lambda: book.ledger.release_lease(lease_id, "unsecured"), must=True)
+                book.release_lease_later(lease_id, "unsecured")
                 return miss
             taken: Future[Lease | StaleReason] = Future()
             taken.set_result(lease)
@@ -517,7 +555,7 @@ class _LeaseInLookup:
             book.store.release(result.span.donor_id)
             if result.secured is not None:
                 result.secured.release()
-            book.ledger.release_lease(result.lease_id, "lookup_timeout")
+            book.release_lease_later(result.lease_id, "lookup_timeout")
             book.metrics.leases_released.labels(reason="lookup_timeout").inc()
 
     def close(self) -> None:

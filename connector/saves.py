@@ -36,6 +36,7 @@ from connector.donors import DonorRegistrar, LedgerBusy, prefill_completed
 from connector.metrics import ConnectorMetrics
 from connector.plan import SaveInstruction
 from connector.promises import LedgerBackoff, RequestState
+from connector.reuse_guard import UnverifiedBlocks
 from connector.settings import ConnectorSettings
 from ledger.errors import LedgerError, PersistenceError, lock_timed_out
 from ledger.queries import LedgerClient
@@ -50,9 +51,9 @@ class _DonorSaves:
     instructions and disarmed ids the next metadata carries."""
 
     def __init__(self, settings: ConnectorSettings, registrar: DonorRegistrar, ledger: LedgerClient,
-                 metrics: ConnectorMetrics, backoff: LedgerBackoff) -> None:
+                 metrics: ConnectorMetrics, backoff: LedgerBackoff, guard: UnverifiedBlocks | None = None) -> None:
         self.settings, self.registrar, self.ledger = settings, registrar, ledger
-        self.metrics, self.backoff = metrics, backoff
+        self.metrics, self.backoff, self.guard = metrics, backoff, guard
         self._to_ship: deque[SaveInstruction] = deque()
         self._disarmed: deque[Any] = deque()
 
@@ -130,12 +131,22 @@ class ArmedSaves(_DonorSaves):
             return None
         same_blocks = tuple(int(b) for b in cache_block_ids[: armed.num_blocks]) == armed.block_ids
         save = None
-        if same_blocks and prefill_completed(request):
+        if same_blocks and prefill_completed(request) and not self._reused_unverified(state):
             save = self.register(request, cache_block_ids, state, donor_id=armed.donor_id)
         if save is None:
             self._disarmed.append(armed.request_id)
             return None
         return armed
+
+    def _reused_unverified(self, state: RequestState) -> bool:
+        """Did the request reuse, from TensorRT-LLM's own tree, a block an abandoned prefill left there
+        uncomputed (:mod:`connector.reuse_guard`)? Then it is no donor."""
+        if self.guard is None or state.keys is None or not self.guard.touches(state.keys, state.reused_blocks):
+            return False
+        self.metrics.donors_not_registered.labels(reason="unverified_blocks").inc()
+        log.warning("semkv: request %s reused blocks an abandoned prefill left uncomputed in the engine's "
+                    "reuse tree: not registered as a donor", state.request_id)
+        return True
 
     def forget(self, state: RequestState) -> None:
         """A request released without ``request_finished`` (orphaned): drop its armed save."""

@@ -49,13 +49,15 @@ from typing import TYPE_CHECKING, Any
 from connector._trtllm import KvCacheConnectorScheduler
 from connector.discovery.hook import SchedulerDiscovery
 from connector.donor_store import FileDonorStore
-from connector.donors import DonorRegistrar
+from connector.donors import DonorRegistrar, prefill_completed
 from connector.engine_contract import TENSORRT_LLM, EngineContract
 from connector.lookup import BackgroundRunner
 from connector.metrics import ConnectorMetrics, process_metrics, serve_metrics
-from connector.namespace import DeploymentNamespace, Namespace, NamespaceUnknown, PROBE_TOKENS, prefix_keys
+from connector.namespace import (DeploymentNamespace, Namespace, NamespaceUnknown, PROBE_TOKENS, pool_key, pool_layout,
+                                 prefix_keys)
 from connector.plan import ConnectorMetadata, LoadPlan
 from connector.promises import LedgerBackoff, PromiseBook, RequestState
+from connector.reuse_guard import UnverifiedBlocks
 from connector.saves import ArmedSaves, SavesAfterFinish
 from connector.settings import ConnectorSettings, load_connector_settings
 from connector.spans import LookupMiss, SpanFinder
@@ -171,9 +173,13 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         registrar_ledger = self._discovery.registrar_ledger if self._discovery is not None else self.ledger
         registrar = DonorRegistrar(s, self.namespace, registrar_ledger, _FreshSpans(self.ledger, self.policy),
                                    self.metrics, self.tokens_per_block, _window_size(llm_args, s))
+        self._guard = UnverifiedBlocks() if engine.drops_requests_silently else None
+        """Blocks abandoned prefills left in the engine's reuse tree (:mod:`connector.reuse_guard`);
+        TensorRT-LLM, which reports every live request in every iteration it schedules."""
         saves_class = ArmedSaves if engine.finished_ids_are_saves else SavesAfterFinish
-        self.saves = saves_class(s, registrar, self.ledger, self.metrics, backoff)
+        self.saves = saves_class(s, registrar, self.ledger, self.metrics, backoff, self._guard)
         self._iteration = 0
+        self._pool_checked: bool | None = None
         self._record_engine_start()
         self.metrics.ledger_backlog_seconds.set_function(self._ledger_jobs.backlog_s)
         self.metrics.donor_view_age_seconds.set_function(self.spans.view_age_s)
@@ -231,7 +237,10 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             raise LookupMiss("unaligned")
         if isinstance(ns, NamespaceUnknown):
             raise LookupMiss("unknown_namespace_field" if ns.kind == "unknown" else "unsupported", ns.field)
-        prompt_len = int(request.prompt_len)
+        if not self._pool_matches():
+            raise LookupMiss("layout_mismatch")
+        prompt_len = state.prompt_len = int(request.prompt_len)
+        state.reused_blocks = num_computed // tpb
         tokens = request.get_tokens(0)  # the prompt is its first prompt_len tokens: sliced where needed, once
         start_block, max_blocks = num_computed // tpb, (prompt_len - 1) // tpb
         if max_blocks - start_block < self.settings.min_match_blocks:
@@ -248,6 +257,22 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                 raise LookupMiss("") from None
             raise
 
+    def _pool_matches(self) -> bool:
+        """Does the pool this process's worker registered have the layout every plan names? (True
+        while unknown: a worker in another process.) A mismatch — a ``[namespace] kv_layout`` or
+        ``kv_dtype`` that disagrees with the engine's real pool — is logged once and makes every
+        lookup a miss, where it would otherwise fail every promised load."""
+        if self._pool_checked is not None:
+            return self._pool_checked
+        registered = pool_layout(pool_key(self.settings.engine_id, self.settings.store_dir))
+        if registered is None or self.namespace.layout is None:
+            return True
+        self._pool_checked = registered == self.namespace.layout.describe()
+        if not self._pool_checked:
+            log.error("semkv: the engine's KV pool is %s but the namespace names %s (check [namespace] kv_layout "
+                      "and kv_dtype): nothing will be materialized", registered, self.namespace.layout.describe())
+        return self._pool_checked
+
     def _namespace_of(self, request: Any) -> Namespace | NamespaceUnknown:
         """The request's namespace: the one its lookup computed, else derived now."""
         state = self.promises.requests.get(request.request_id)
@@ -262,10 +287,22 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         try:
             state = self.promises.state_for(request.request_id)
             self.promises.bind(state, block_ids)
+            self._know_prompt(request, state)
             self.saves.arm(request, list(block_ids), state)
         except Exception:  # boundary: never raise into the engine; a bound promise must still fail closed
             log.exception("semkv: update_state_after_alloc failed for request %s", request.request_id)
             self.promises.fail_bound(state, "internal error after the promise")
+
+    def _know_prompt(self, request: Any, state: RequestState) -> None:
+        """What the reuse guard needs of a request the lookup did not get to hash (discovery modes,
+        too-short prompts): its prompt length and chained content keys."""
+        if not state.prompt_len:
+            state.prompt_len = int(request.prompt_len)
+        ns = state.namespace if state.namespace is not None else self.namespace.for_request(request)
+        state.namespace = ns
+        if state.keys is None and isinstance(ns, Namespace) and self._guard is not None:
+            state.keys = prefix_keys(ns, request.get_tokens(0), self.tokens_per_block,
+                                     state.prompt_len // self.tokens_per_block)
 
     # ============================================================ 3. metadata
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
@@ -283,6 +320,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                 state = self._reported(data)
                 if state is not None:
                     self.promises.loaded(state)
+            self._note_abandoned_prefills()
         except Exception:  # boundary: an unshipped plan would break a promise; fail its request instead
             log.exception("semkv: build_connector_meta failed")
             for state in list(self.promises.requests.values()):
@@ -295,12 +333,37 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         return ConnectorMetadata(tuple(loads), saves, self._iteration, disarmed)
 
     def _reported(self, data: Any) -> RequestState | None:
-        """The state of a request in this iteration's report, with its engine block hashes updated."""
+        """The state of a request in this iteration's report, with its engine block hashes and its
+        prefill's progress updated."""
         state = self.promises.get(data.request_id)
+        if state is None:
+            return None
         hashes = getattr(data, "block_hashes", None)
-        if state is not None and hashes and len(hashes) >= len(state.block_hashes):
+        if hashes and len(hashes) >= len(state.block_hashes):
             state.block_hashes = [int(h) for h in hashes]
+        state.computed_position, state.reported_in = int(data.computed_position), self._iteration
+        state.prefill_done = state.prefill_done or (0 < state.prompt_len <= state.computed_position)
+        if state.abandoned and self._guard is not None:
+            self._guard.seen_again(state.request_id)
+            state.abandoned = False
         return state
+
+    def _note_abandoned_prefills(self) -> None:
+        """Requests whose prefill was under way and that this scheduled iteration's report left out:
+        the executor freed them (a cancel, ``_handle_errors``), storing their uncomputed blocks."""
+        if self._guard is None:
+            return
+        for state in list(self.promises.requests.values()):
+            if state.reported_in and state.reported_in < self._iteration and not state.abandoned:
+                self._abandon(state)
+
+    def _abandon(self, state: RequestState) -> None:
+        """Remember the blocks ``state``'s unfinished prefill leaves in the engine's reuse tree."""
+        if self._guard is None or state.prefill_done or state.computed_position is None or state.keys is None:
+            return
+        first, last = state.computed_position // self.tokens_per_block, state.prompt_len // self.tokens_per_block
+        self._guard.abandoned(state.request_id, (state.keys[i] for i in range(first, min(last, len(state.keys)))))
+        state.abandoned = True
 
     # ============================================================ 4. finish
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
@@ -308,6 +371,10 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         state = self.promises.pop(request.request_id)
         try:
             self.promises.release(state, "finished")
+            if not prefill_completed(request):  # an executor that calls it on every exit: a cancel, an error
+                self._abandon(state)
+            if not self._pool_matches():  # its bytes could never be saved under the namespace's layout
+                return False
             save = self.saves.finished(request, list(cache_block_ids), state)
             if save is None:
                 return False
@@ -331,6 +398,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
 
     def _reap_orphans(self) -> None:
         for state in self.promises.reap_orphans():
+            self._abandon(state)
             self.saves.forget(state)
 
     # ============================================================ lifecycle

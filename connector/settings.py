@@ -182,7 +182,8 @@ class ConnectorSettings(BaseSettings):
     promise holds the checksummed file itself (kept open), so a path removed or replaced after the check
     cannot reach it; a file written IN PLACE is caught within ``ceil(entries / 256)`` runs, and before that
     by the worker's per-layer checksums (connector/README.md, "What a promise means"). 0: stat the entry in
-    every lookup (vLLM; TensorRT-LLM then secures the entry with an ``open`` in the lookup)."""
+    every lookup (a system call on the engine's thread in every hit; an entry found gone is forgotten
+    then, and the file this process held open for it closed)."""
     save_queue_max: int = Field(64, ge=1)
     """Donor saves waiting for the background writer; beyond it a save is dropped (and counted)."""
     load_before_forward: bool | None = None

@@ -177,6 +177,7 @@ class SpanFinder:
             self.store.verify(ref, checksum)
             return None
         except EntryMissing:
+            self.store.forget_verified(ref)  # and close the file this process kept open for it
             return LookupMiss("store_missing")
         except ChecksumMismatch as exc:
             log.error("semkv: donor %s failed its checksum (%s); evicting it", span.donor_id, exc)

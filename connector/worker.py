@@ -61,7 +61,7 @@ from connector.donor_store import (ChecksumMismatch, DonorReader, DonorStoreErro
 from connector.engine_contract import TENSORRT_LLM, EngineContract
 from connector.lookup import stale_reason_name
 from connector.metrics import ConnectorMetrics, process_metrics
-from connector.namespace import KvLayout
+from connector.namespace import KvLayout, pool_key, register_pool_layout
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
 from connector.settings import ConnectorSettings, load_connector_settings
 from ledger.queries import LedgerClient
@@ -180,6 +180,7 @@ class SemKvWorker(KvCacheConnectorWorker):
                 raise ValueError(f"semkv: layer {idx} view {tuple(view.shape)} {view.dtype} does not match "
                                  f"{expected} {layout.dtype}")
         self.layers, self.num_blocks, self.layout = list(views), expected[0], layout
+        register_pool_layout(pool_key(self.settings.engine_id, self.settings.store_dir), layout)
 
     # ============================================================ loads
     def start_load_kv(self, stream: Any) -> None:

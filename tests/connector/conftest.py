@@ -165,7 +165,7 @@ class Fleet:
 
     def engine(self, engine_id: str, *, connector: bool = True, model: ModelConfig = MODEL,
                kv_cache_config: KvCacheConfig | None = None, version: TrtllmVersion = TRTLLM_MAIN_2026,
-               **overrides: Any) -> Engine:
+               max_num_tokens: int = 256, **overrides: Any) -> Engine:
         """A new engine on ``engine_id``'s publisher (replaces a previous one: an engine restart),
         running the executor of TensorRT-LLM ``version``; ``overrides`` are connector settings."""
         kvc = kv_cache_config or KvCacheConfig(tokens_per_block=model.tokens_per_block, event_buffer_max_size=4096,
@@ -177,7 +177,7 @@ class Fleet:
         old = self.engines.get(engine_id)
         if old is not None:
             self.close_engine(old)
-        llm = HarnessLLM(model, kv_cache_config=kvc, kv_connector=spec, max_num_tokens=256,
+        llm = HarnessLLM(model, kv_cache_config=kvc, kv_connector=spec, max_num_tokens=max_num_tokens,
                          model=_shared_model(model), trtllm_version=version)
         engine = Engine(engine_id, llm, self.publishers[engine_id], metrics, settings,
                         last_seq=old.last_seq if old else -1)

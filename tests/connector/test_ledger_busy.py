@@ -193,3 +193,26 @@ def test_on_vllm_a_failed_lease_write_pauses_promises_with_a_growing_back_off(fl
         assert fleet.held_leases() == 0
     finally:
         close_connector(scheduler, worker)
+
+
+def test_on_vllm_a_lease_release_the_ledger_refuses_is_retried_until_it_goes_in(fleet: Fleet) -> None:
+    """A release that fails (ledger down for a moment) would leave the lease held until its TTL
+    (DESIGN §2 rule 7): it is tried again every second on the connector's ledger thread."""
+    donor_on_a(fleet)
+    scheduler, worker = vllm_scheduler(fleet)
+    release_lease, failures = scheduler.ledger.release_lease, []
+
+    def down_once(*args: Any, **kwargs: Any) -> Any:
+        if not failures:
+            failures.append(1)
+            raise PersistenceError("OperationalError: unable to open database file")
+        return release_lease(*args, **kwargs)
+
+    try:
+        scheduler.ledger.release_lease = down_once  # type: ignore[method-assign]
+        assert promise_and_ship(scheduler, 1001).failed is None  # finished: its release failed once
+        scheduler.flush()
+        assert failures and fleet.held_leases() == 1
+        wait_for(lambda: fleet.held_leases() == 0, timeout_s=5)
+    finally:
+        close_connector(scheduler, worker)

@@ -72,8 +72,12 @@ def test_rule_9_different_layout_or_dtype_is_a_namespace_mismatch(fleet: Fleet, 
     if change == "tokens_per_block":
         model = ModelConfig(max_context=MODEL.max_context, tokens_per_block=16)
         b = fleet.engine("B", model=model, kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=8192))
-    else:  # the deployment declares another KV dtype than A's
+    else:  # the deployment declares another KV dtype than A's (its pool is float32 all the same)
         b = fleet.engine("B", namespace={"kv_dtype": "bfloat16"})
+        # the scheduler sees its own worker's pool disagree with the declared dtype: a miss of its own
+        # (test_a_namespace_layout_the_engines_pool_disagrees_with_is_a_miss_not_a_stop)
+        assert_missed(b, b.generate(DOC + QUESTION), "layout_mismatch")
+        return
     assert_missed(b, b.generate(DOC + QUESTION), "namespace_mismatch")
     assert b.metrics.value("semkv_namespace_mismatch_total", field=change) == 1
 
@@ -155,3 +159,15 @@ def test_plans_past_max_plans_per_iteration_are_a_counted_miss(fleet: Fleet) -> 
         b.scheduler.request_finished(request, [])
     b.scheduler.flush()
     assert fleet.held_leases() == 0
+
+
+def test_a_namespace_layout_the_engines_pool_disagrees_with_is_a_miss_not_a_stop(fleet: Fleet) -> None:
+    """``[namespace] kv_dtype``/``kv_layout`` replace what the engine reports: one that disagrees with
+    the pool the engine really registered would fail every promised load in ``start_load_kv`` —
+    on TensorRT-LLM an executor stop per hit. The scheduler compares it with its own worker's pool
+    first, and misses (DESIGN §2 rule 4)."""
+    donor_on_a(fleet)
+    b = fleet.engine("B")
+    b.worker.register_kv_caches(torch.zeros_like(b.llm.kv_cache, dtype=torch.float16))  # the engine's real pool
+    assert_missed(b, b.generate(DOC + QUESTION), "layout_mismatch")
+    assert b.llm.stopped is None and b.metrics.value("semkv_load_failures_total", reason="layout_mismatch") == 0

@@ -11,6 +11,7 @@ here that completes also shows the connector raised into none of them.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -32,6 +33,16 @@ ORPHAN_TIMEOUT_S = 0.4
 @pytest.fixture(params=TRTLLM_VERSIONS, ids=lambda v: v.name)
 def version(request: pytest.FixtureRequest) -> TrtllmVersion:
     return request.param
+
+
+@pytest.fixture
+def fleet(tmp_path) -> Iterator[Fleet]:  # noqa: ANN001
+    """A, B and C: C a second recipient."""
+    f = Fleet(tmp_path, ("A", "B", "C")).start()
+    try:
+        yield f
+    finally:
+        f.stop()
 
 
 def reference_logits(prompt: list[int]) -> torch.Tensor:
@@ -158,6 +169,46 @@ def test_two_requests_in_one_batch_one_materialized_one_cold(fleet: Fleet, versi
     dense = b.llm.model.forward_dense(cold_prompt)
     assert torch.allclose(b.llm.result(cold).prefill_logits, dense, rtol=1e-4, atol=1e-4)
     assert nothing_held(fleet, b)
+
+
+@pytest.mark.parametrize("how", ["cancelled", "forward_error"])
+def test_blocks_an_abandoned_prefill_left_uncomputed_never_become_a_donor(fleet: Fleet, version, how: str) -> None:
+    """TensorRT-LLM stores a request's blocks for reuse when it ends mid-prefill, computed or not; its
+    engine's next request with that prefix reuses them (TensorRT-LLM's own doing, on that engine).
+    That request must not become a donor, or the garbage would reach every engine of the fleet."""
+    prompt = doc_tokens(12 * TPB + 5, seed=65)
+    a = fleet.engine("A", version=version, max_num_tokens=4 * TPB)  # a prefill of 3 chunks
+    rid = a.llm.submit(prompt, max_new_tokens=2)
+    forwards: list[int] = []
+    if how == "cancelled":
+        a.llm.add_lifecycle_observer(lambda at, ids: (forwards.append(1), a.llm.cancel(rid))
+                                     if at == "after_forward" and rid in ids and not forwards else None)
+    else:
+        forward = a.llm.model.forward_paged_batch
+
+        def second_chunk_fails(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            forwards.append(1)
+            if len(forwards) == 2:
+                raise RuntimeError("injected: CUDA error in the forward")
+            return forward(*args, **kwargs)
+
+        a.llm.model.forward_paged_batch = second_chunk_fails  # type: ignore[method-assign]
+    a.llm.run_until_idle()
+    if how == "cancelled":
+        assert a.llm.result(rid).finish_reason == "cancelled"
+    else:
+        with pytest.raises(RuntimeError, match="injected"):
+            a.llm.result(rid)
+    again = a.llm.generate(prompt)  # TensorRT-LLM reuses the blocks the abandoned prefill stored
+    assert again.num_reused_tokens > 8 * TPB
+    assert a.metrics.value("semkv_donors_not_registered_total", reason="unverified_blocks") == 1
+    a.settle()
+    fleet.sync()
+    c = fleet.engine("C", version=version)
+    got = c.generate(prompt + doc_tokens(30, seed=66))
+    assert got.num_connector_tokens == 0
+    dense = c.llm.model.forward_dense(prompt + doc_tokens(30, seed=66))
+    assert torch.allclose(got.prefill_logits, dense[got.prefill_start:], rtol=1e-4, atol=1e-4)
 
 
 def _request(tokens: list[int]) -> LlmRequest:
