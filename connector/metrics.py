@@ -169,9 +169,13 @@ class ConnectorMetrics:
 
     def misses_by_reason(self) -> dict[str, float]:
         """``{reason: count}`` of ``semkv_lookup_misses_total``."""
+        return self.counts_by_reason("semkv_lookup_misses")
+
+    def counts_by_reason(self, counter: str) -> dict[str, float]:
+        """``{reason: count}`` of the counter named ``counter`` (without ``_total``), cumulative."""
         out = {}
         for metric in self.registry.collect():
-            if metric.name == "semkv_lookup_misses":
+            if metric.name == counter:
                 for sample in metric.samples:
                     if sample.name.endswith("_total"):
                         out[sample.labels["reason"]] = sample.value

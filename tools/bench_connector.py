@@ -308,8 +308,11 @@ def bench_lookups(db: str, store_dir: Path, sizes: list[int], repeats: int, poli
 
     sched.ledger.take_lease = timed_take_lease
 
-    def signals() -> float:  # binding leases the ledger refused, failed or (busy) never wrote
-        return sum(_stale_by_reason(metrics).values())
+    def signals_by_reason() -> dict[str, float]:  # binding promises the ledger then called stale (or failed)
+        return metrics.counts_by_reason("semkv_stale_after_promise")
+
+    def signals() -> float:
+        return sum(signals_by_reason().values())
 
     rows = []
     gen = torch.Generator().manual_seed(7)
@@ -344,28 +347,17 @@ def bench_lookups(db: str, store_dir: Path, sizes: list[int], repeats: int, poli
                          "gc_gen0": gc_gen0 or gc.get_threshold()[0],
                          "idle_miss": idle_miss, "keys": keys, "keys_before": keys_before, "lease": lease_times[3:],
                          "leases_written": leases_written, "hits": 2 * (repeats + 3), "stale": stale,
-                         "stale_by_reason": _stale_by_reason(metrics), "where": where, "note": view_note})
+                         "stale_by_reason": signals_by_reason(), "where": where, "note": view_note})
             print(f"lookup {policy} {engine.name}{' lease_before_answer' if extra_settings.get('lease_before_answer') else ''} "
                   f"{size}: hit p50 {pct(hit, .5) * 1e3:.3f} ms p99 {pct(hit, .99) * 1e3:.3f} ms, "
                   f"miss p50 {pct(miss, .5) * 1e3:.3f} ms p99 {pct(miss, .99) * 1e3:.3f} ms; after idle: hit p99 "
                   f"{pct(idle_hit, .99) * 1e3:.3f} ms, miss p99 {pct(idle_miss, .99) * 1e3:.3f} ms; keys "
                   f"{statistics.median(keys) * 1e3:.3f} ms (before {statistics.median(keys_before) * 1e3:.3f} ms), "
                   f"lease p50 {_ms(lease_times[3:], .5)} ({leases_written} written for "
-                  f"{2 * (repeats + 3)} hits; freshness signals {stale:.0f}: {_stale_by_reason(metrics)})", flush=True)
+                  f"{2 * (repeats + 3)} hits; freshness signals {stale:.0f}: {signals_by_reason()})", flush=True)
     finally:
         sched.close()
     return rows
-
-
-def _stale_by_reason(metrics: ConnectorMetrics) -> dict[str, float]:
-    """``{reason: count}`` of ``semkv_stale_after_promise_total`` (cumulative)."""
-    out = {}
-    for metric in metrics.registry.collect():
-        if metric.name == "semkv_stale_after_promise":
-            for sample in metric.samples:
-                if sample.name.endswith("_total"):
-                    out[sample.labels["reason"]] = sample.value
-    return out
 
 
 def _timed_lookups(sched: SemKvScheduler, prompt: list[int], size: int, cfg: ModelConfig, gen: torch.Generator,
