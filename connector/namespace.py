@@ -52,7 +52,7 @@ from connector.settings import NamespaceOverrides
 
 __all__ = ["CONNECTOR_VERSION", "PROBE_TOKENS", "DeploymentNamespace", "KvLayout", "Namespace", "NamespaceUnknown",
            "PrefixKeys", "content_keys", "pool_key", "pool_layout", "prefix_keys", "probe_key", "register_pool_layout",
-           "salt_id"]
+           "salt_id", "without_multimodal"]
 
 CONNECTOR_VERSION = "semkv-connector/2"
 PROBE_TOKENS = 16
@@ -246,6 +246,18 @@ class DeploymentNamespace:
         return cached
 
 
+def without_multimodal(namespace: Namespace) -> Namespace:
+    """``namespace`` as TensorRT-LLM's reuse tree tells blocks apart: token ids, LoRA task and cache
+    salt, and no digest over the request's images (a block matches text blocks of another request
+    unless an image falls inside it: per-block ``extraKeys``, NVIDIA/TensorRT-LLM
+    ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`` ``generateBlockHashExtraKeys``). Keys in it
+    are coarser than the request's own, never finer: what the reuse guard needs."""
+    if namespace.fields.get("multimodal", "text") == "text":
+        return namespace
+    fields = {**namespace.fields, "multimodal": "text"}
+    return Namespace(_digest(fields), fields)
+
+
 def request_scope(request: Any) -> tuple[str, str, str] | NamespaceUnknown:
     """``(cache_salt, lora, multimodal)`` strings of a request, or what is unknown. ``lora``:
     ``none``; ``adapter:<digest>`` of the adapter's identity when the request carries one
@@ -282,12 +294,17 @@ def _trtllm_version() -> str | None:
     return f"tensorrt_llm/{version}" if version else None
 
 
+_KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+                     "fp32": "float32", "float": "float32"}
+"""TensorRT-LLM's short names (``KvCacheConfig.dtype="fp8"``, ``dtype="bf16"``) to the torch dtype names
+its pool tensors carry (``str(tensor.dtype)`` less ``torch.``), which the worker registers."""
+
+
 def _kv_dtype(llm_args: Any, kvc: Any, o: NamespaceOverrides) -> str | None:
-    if o.kv_dtype:
-        return o.kv_dtype
-    for value in (getattr(kvc, "dtype", None), getattr(llm_args, "dtype", None)):
+    for value in (o.kv_dtype, getattr(kvc, "dtype", None), getattr(llm_args, "dtype", None)):
         if value and str(value) != "auto":
-            return str(value).removeprefix("torch.")
+            name = str(value).removeprefix("torch.")
+            return _KV_DTYPE_ALIASES.get(name.lower(), name)
     return None
 
 
@@ -363,6 +380,11 @@ class PrefixKeys(Sequence[bytes]):
             _update_holding_gil(hasher, self._packed[: (i + 1) * self._stride])
             key = self._known[i] = hasher.digest()
         return key
+
+    def parent(self, index: int) -> bytes:
+        """The key of block ``index``'s parent: ``self[index - 1]``, or for block 0 the key of no
+        tokens at all (the namespace's root). ``0 <= index <= len(self)``."""
+        return self[index - 1] if index > 0 else xxhash.xxh3_128(self._seed).digest()
 
     def __iter__(self):  # noqa: ANN204
         hasher, stride = xxhash.xxh3_128(self._seed), self._stride

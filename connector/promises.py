@@ -105,8 +105,14 @@ class RequestState:
     """Its armed donor save (:mod:`connector.saves`), once made at allocation."""
     armed_shipped: bool = False
     prompt_len: int = 0
-    reused_blocks: int = 0
-    """Prompt blocks TensorRT-LLM matched in its own reuse tree (``num_computed_tokens`` at the lookup)."""
+    reused_tokens: int = 0
+    """Prompt tokens TensorRT-LLM matched in its own reuse tree (``num_computed_tokens`` at the lookup;
+    not block-aligned after a partial hit)."""
+    reuse_keys: PrefixKeys | None = None
+    """The prompt's keys as TensorRT-LLM's reuse tree matches blocks (``namespace.without_multimodal``;
+    ``keys`` itself for a text request), for the reuse guard."""
+    allocated: bool = False
+    """The engine allocated the request's blocks (``update_state_after_alloc``)."""
     computed_position: int | None = None
     """Tokens with valid KV before the forward of the request's last report (None: never reported)."""
     prefill_done: bool = False
@@ -213,7 +219,8 @@ class PromiseBook:
         """Requests holding a promise whose plan has not shipped."""
         self._answer = (_LeaseInLookup(self, settings.lease_in_lookup_timeout_s) if settings.lease_before_answer
                         else _LeaseAfterAlloc(self))
-        self._unreleased: dict[str, str] = {}
+        self._unreleased: dict[str, tuple[str, float]] = {}
+        """Lease id -> (reason, ``time.monotonic()`` past which the ledger has expired it anyway)."""
         """Lease id -> release reason, for releases the ledger refused (retried; ledger thread only)."""
         ledger_jobs.every("lease release retry", _LEASE_RELEASE_RETRY_S, self.retry_lease_releases)
 
@@ -437,24 +444,34 @@ class PromiseBook:
 
     def release_lease_later(self, lease_id: str, reason: str) -> None:
         """Queue the ledger's ``lease_released`` on the ledger thread (after the lease's take, FIFO);
-        a release the ledger refuses is retried every ``_LEASE_RELEASE_RETRY_S`` until it goes in
-        (the lease would otherwise stay held until ``lease_ttl_s``: DESIGN §2 rule 7)."""
+        a release the ledger refuses is retried every ``_LEASE_RELEASE_RETRY_S`` until it goes in or
+        ``lease_ttl_s`` has passed (then the ledger counts the lease expired: it no longer holds the
+        donor; DESIGN §2 rule 7)."""
         self._jobs.submit(lambda: self._release_lease(lease_id, reason), must=True)
 
-    def _release_lease(self, lease_id: str, reason: str) -> None:
+    def _release_lease(self, lease_id: str, reason: str) -> bool:
+        """One attempt; False when the ledger refused it (kept for the retry job)."""
         try:
             self.ledger.release_lease(lease_id, reason)
         except LedgerError as exc:
-            log.warning("semkv: releasing lease %s failed (%s); retried every %.0f s", lease_id, exc,
-                        _LEASE_RELEASE_RETRY_S)
-            self._unreleased[lease_id] = reason
-        else:
-            self._unreleased.pop(lease_id, None)
+            if lease_id not in self._unreleased:
+                log.warning("semkv: releasing lease %s failed (%s); retried every %.0f s until it expires", lease_id,
+                            exc, _LEASE_RELEASE_RETRY_S)
+                self._unreleased[lease_id] = (reason, time.monotonic() + self.settings.lease_ttl_s)
+            return False
+        self._unreleased.pop(lease_id, None)
+        return True
 
     def retry_lease_releases(self) -> None:
-        """The periodic job: release again what the ledger refused before (on the ledger thread)."""
-        for lease_id, reason in list(self._unreleased.items()):
-            self._release_lease(lease_id, reason)
+        """The periodic job (on the ledger thread): release again what the ledger refused before,
+        oldest first, stopping at the first refusal (the ledger is still locked or unreachable: each
+        attempt could wait ``ledger_statement_timeout_s`` in front of lease takes and the view's catch-up)."""
+        now = time.monotonic()
+        for lease_id, (reason, expires) in list(self._unreleased.items()):
+            if now >= expires:
+                del self._unreleased[lease_id]
+            elif not self._release_lease(lease_id, reason):
+                return
 
     def reap_orphans(self, now: float | None = None) -> list[RequestState]:
         """Release every request not named by any hook for ``request_orphan_timeout_s`` (the engine

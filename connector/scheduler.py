@@ -54,7 +54,7 @@ from connector.engine_contract import TENSORRT_LLM, EngineContract
 from connector.lookup import BackgroundRunner
 from connector.metrics import ConnectorMetrics, process_metrics, serve_metrics
 from connector.namespace import (DeploymentNamespace, Namespace, NamespaceUnknown, PROBE_TOKENS, pool_key, pool_layout,
-                                 prefix_keys)
+                                 prefix_keys, without_multimodal)
 from connector.plan import ConnectorMetadata, LoadPlan
 from connector.promises import LedgerBackoff, PromiseBook, RequestState
 from connector.reuse_guard import UnverifiedBlocks
@@ -179,7 +179,9 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         saves_class = ArmedSaves if engine.finished_ids_are_saves else SavesAfterFinish
         self.saves = saves_class(s, registrar, self.ledger, self.metrics, backoff, self._guard)
         self._iteration = 0
-        self._pool_checked: bool | None = None
+        self._pool_key = pool_key(s.engine_id, s.store_dir)
+        self._namespace_layout = self.namespace.layout.describe() if self.namespace.layout is not None else None
+        self._pool_mismatch_logged: str | None = None
         self._record_engine_start()
         self.metrics.ledger_backlog_seconds.set_function(self._ledger_jobs.backlog_s)
         self.metrics.donor_view_age_seconds.set_function(self.spans.view_age_s)
@@ -231,16 +233,16 @@ class SemKvScheduler(KvCacheConnectorScheduler):
 
     def _lookup(self, request: Any, num_computed: int) -> int:
         state = self.promises.begin(request.request_id)
+        self._relooked(state, num_computed)
         tpb = self.tokens_per_block
         state.namespace = ns = self.namespace.for_request(request)
-        if num_computed % tpb:
+        if num_computed % tpb:  # a partial hit (enable_partial_reuse): the device reuse stays in state
             raise LookupMiss("unaligned")
         if isinstance(ns, NamespaceUnknown):
             raise LookupMiss("unknown_namespace_field" if ns.kind == "unknown" else "unsupported", ns.field)
         if not self._pool_matches():
             raise LookupMiss("layout_mismatch")
         prompt_len = state.prompt_len = int(request.prompt_len)
-        state.reused_blocks = num_computed // tpb
         tokens = request.get_tokens(0)  # the prompt is its first prompt_len tokens: sliced where needed, once
         start_block, max_blocks = num_computed // tpb, (prompt_len - 1) // tpb
         if max_blocks - start_block < self.settings.min_match_blocks:
@@ -257,21 +259,29 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                 raise LookupMiss("") from None
             raise
 
+    def _relooked(self, state: RequestState, num_computed: int) -> None:
+        """A (re-)lookup: the device match is known; a request abandoned before and looked up again
+        was freed and re-added, so what it left stays unverified (:mod:`connector.reuse_guard`)."""
+        state.reused_tokens, state.allocated = num_computed, False
+        if state.abandoned and self._guard is not None:
+            self._guard.keep(state.request_id)
+        state.abandoned, state.computed_position, state.prefill_done, state.reported_in = False, None, False, 0
+
     def _pool_matches(self) -> bool:
         """Does the pool this process's worker registered have the layout every plan names? (True
         while unknown: a worker in another process.) A mismatch — a ``[namespace] kv_layout`` or
         ``kv_dtype`` that disagrees with the engine's real pool — is logged once and makes every
-        lookup a miss, where it would otherwise fail every promised load."""
-        if self._pool_checked is not None:
-            return self._pool_checked
-        registered = pool_layout(pool_key(self.settings.engine_id, self.settings.store_dir))
-        if registered is None or self.namespace.layout is None:
+        lookup a miss, where it would otherwise fail every promised load. Asked on every lookup (a
+        dictionary read): a worker that registers again is seen at once."""
+        registered = pool_layout(self._pool_key)
+        if registered is None or self._namespace_layout is None:
             return True
-        self._pool_checked = registered == self.namespace.layout.describe()
-        if not self._pool_checked:
+        matches = registered == self._namespace_layout
+        if not matches and self._pool_mismatch_logged != registered:
+            self._pool_mismatch_logged = registered
             log.error("semkv: the engine's KV pool is %s but the namespace names %s (check [namespace] kv_layout "
-                      "and kv_dtype): nothing will be materialized", registered, self.namespace.layout.describe())
-        return self._pool_checked
+                      "and kv_dtype): nothing will be materialized", registered, self._namespace_layout)
+        return matches
 
     def _namespace_of(self, request: Any) -> Namespace | NamespaceUnknown:
         """The request's namespace: the one its lookup computed, else derived now."""
@@ -287,6 +297,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         try:
             state = self.promises.state_for(request.request_id)
             self.promises.bind(state, block_ids)
+            state.allocated = True
             self._know_prompt(request, state)
             self.saves.arm(request, list(block_ids), state)
         except Exception:  # boundary: never raise into the engine; a bound promise must still fail closed
@@ -294,15 +305,20 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             self.promises.fail_bound(state, "internal error after the promise")
 
     def _know_prompt(self, request: Any, state: RequestState) -> None:
-        """What the reuse guard needs of a request the lookup did not get to hash (discovery modes,
-        too-short prompts): its prompt length and chained content keys."""
+        """What the reuse guard needs of a request: its prompt length and its keys as TensorRT-LLM's
+        reuse tree tells blocks apart (hashed here for a request the lookup did not get to hash:
+        discovery modes, too-short prompts, partial hits; or whose images make its own keys finer)."""
         if not state.prompt_len:
             state.prompt_len = int(request.prompt_len)
         ns = state.namespace if state.namespace is not None else self.namespace.for_request(request)
         state.namespace = ns
-        if state.keys is None and isinstance(ns, Namespace) and self._guard is not None:
-            state.keys = prefix_keys(ns, request.get_tokens(0), self.tokens_per_block,
-                                     state.prompt_len // self.tokens_per_block)
+        if self._guard is None or not isinstance(ns, Namespace):
+            return
+        reuse_ns, num_blocks = without_multimodal(ns), state.prompt_len // self.tokens_per_block
+        if reuse_ns is ns and state.keys is not None:
+            state.reuse_keys = state.keys
+        else:
+            state.reuse_keys = prefix_keys(reuse_ns, request.get_tokens(0), self.tokens_per_block, num_blocks)
 
     # ============================================================ 3. metadata
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
@@ -359,10 +375,12 @@ class SemKvScheduler(KvCacheConnectorScheduler):
 
     def _abandon(self, state: RequestState) -> None:
         """Remember the blocks ``state``'s unfinished prefill leaves in the engine's reuse tree."""
-        if self._guard is None or state.prefill_done or state.computed_position is None or state.keys is None:
+        if self._guard is None or state.prefill_done or not state.allocated or state.reuse_keys is None:
             return
-        first, last = state.computed_position // self.tokens_per_block, state.prompt_len // self.tokens_per_block
-        self._guard.abandoned(state.request_id, (state.keys[i] for i in range(first, min(last, len(state.keys)))))
+        computed = state.reused_tokens if state.computed_position is None else state.computed_position
+        # blocks first..last of prompt[:-1] (TensorRT-LLM stores tokens[:-1], the partial last block too)
+        first, last = computed // self.tokens_per_block, (state.prompt_len - 2) // self.tokens_per_block
+        self._guard.abandoned(state.request_id, state.reuse_keys, first, last)
         state.abandoned = True
 
     # ============================================================ 4. finish
@@ -374,6 +392,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             if not prefill_completed(request):  # an executor that calls it on every exit: a cancel, an error
                 self._abandon(state)
             if not self._pool_matches():  # its bytes could never be saved under the namespace's layout
+                self.saves.forget(state)
                 return False
             save = self.saves.finished(request, list(cache_block_ids), state)
             if save is None:

@@ -32,9 +32,14 @@ from NVIDIA/TensorRT-LLM ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`` u
   are. ``store_blocks_for_reuse`` stores without releasing (``storeBlocksForReuse(..., pin)``: the
   sequence's references keep the blocks from eviction until it is removed).
 
-Deviations (deliberate, documented): only full blocks are ever matched (``enable_partial_reuse`` and
-copy-on-partial-reuse are not modelled, so ``num_computed_tokens`` is always block-aligned); no
-``duration_ms`` expiry.
+- **Partial reuse** (``enable_partial_reuse``; off by default here, on by default in TensorRT-LLM's
+  ``KvCacheConfig``): where the full-block walk stops, the child of the last matched block whose
+  tokens share the longest leading run with the prompt's next chunk (of ``prompt[:-1]``) is copied
+  into the request's next block and that many tokens count as reused, so ``num_computed_tokens`` is
+  not block-aligned (``KVCacheBlock::findMatchingBlock`` and ``loadOrAllocateBlocks``'s partial hit).
+
+Deviations (deliberate, documented): a partial hit is always copied (copy-on-partial-reuse; TensorRT-LLM
+may instead take an unreferenced leaf itself, detaching it from the tree); no ``duration_ms`` expiry.
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ class KVCacheManager:
         num_blocks: GPU pool size (blocks).
         host_num_blocks: host pool size (blocks); 0 disables offload.
         enable_block_reuse: False disables matching and storing (no ``stored`` events).
+        enable_partial_reuse: also reuse the leading tokens of a partly matching block (module docstring).
         secondary_offload_min_priority: offload only blocks with priority >= this (default 30).
         event_buffer_max_size: bounded event buffer; 0 disables events.
         attention_dp_rank: reported in events when not None.
@@ -136,6 +142,7 @@ class KVCacheManager:
         num_blocks: int,
         host_num_blocks: int = 0,
         enable_block_reuse: bool = True,
+        enable_partial_reuse: bool = False,
         secondary_offload_min_priority: int = 30,
         event_buffer_max_size: int = 0,
         attention_dp_rank: int | None = None,
@@ -150,6 +157,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.host_num_blocks = host_num_blocks
         self.enable_block_reuse = enable_block_reuse
+        self.enable_partial_reuse = enable_partial_reuse
         self.secondary_offload_min_priority = secondary_offload_min_priority
         self.block_elems = num_kv_heads * head_dim * tokens_per_block
         shape = (num_blocks, num_layers, 2, self.block_elems)
@@ -215,7 +223,7 @@ class KVCacheManager:
                 self._claim_matched(seq, matched, priorities)
                 for i in range(len(matched), len(priorities)):
                     self._append_private_block(seq, priorities[i])
-                seq.num_reused_tokens = len(matched) * tpb
+                seq.num_reused_tokens = len(matched) * tpb + self._reuse_partial(seq, len(matched))
                 connector_tokens = on_matched(seq.num_reused_tokens) if on_matched else 0
             except BaseException:
                 self._release(seq, store_for_reuse=False)
@@ -339,6 +347,28 @@ class KVCacheManager:
             matched.append(block)
             children = block.children
         return matched
+
+    def _reuse_partial(self, seq: KVSequence, index: int) -> int:
+        """Partial reuse into ``seq``'s block ``index`` (after its ``index`` fully matched blocks):
+        copy the stored child with the longest leading run of the prompt's next tokens; returns that
+        run's length (0: none, or partial reuse off)."""
+        if not (self.enable_block_reuse and self.enable_partial_reuse) or index >= len(seq.blocks):
+            return 0
+        tpb, usable = self.tokens_per_block, seq.prompt_len - 1
+        wanted = seq.tokens[index * tpb: min((index + 1) * tpb, usable)]
+        children = seq.blocks[index - 1].children if index else self._root
+        best, best_len = None, 0
+        for (tokens, lora_task_id, salt_id), block in children.items():
+            if (lora_task_id, salt_id) != (seq.lora_task_id, seq.cache_salt_id):
+                continue
+            run = next((i for i, (a, b) in enumerate(zip(tokens, wanted)) if a != b), min(len(tokens), len(wanted)))
+            if run > best_len:
+                best, best_len = block, run
+        if best is None:
+            return 0
+        source = self.kv_cache if best.cache_level == GPU_LEVEL else self.host_kv_cache
+        self.kv_cache[seq.blocks[index].slot].copy_(source[best.slot])
+        return best_len
 
     def _claim_matched(self, seq: KVSequence, matched: list[KVBlock],
                        priorities: list[int | None]) -> None:

@@ -31,7 +31,9 @@ class KvCacheConfig:
         onboard_blocks: must stay True (offloaded blocks are copied back before reuse).
         secondary_offload_min_priority: offload only blocks with priority >= this; None: 30.
         event_buffer_max_size: bounded KV-event buffer (events); 0 disables events.
-        enable_partial_reuse / copy_on_partial_reuse: must stay False (full blocks only).
+        enable_partial_reuse: reuse the leading tokens of a partly matching stored block (always
+            copied: ``copy_on_partial_reuse`` is accepted and changes nothing). TensorRT-LLM's default
+            is True; the harness's is False, so ``num_computed_tokens`` is block-aligned unless asked.
         dtype: ``"auto"`` (fp32 here).
     """
 
@@ -49,8 +51,6 @@ class KvCacheConfig:
     def __post_init__(self) -> None:
         if not self.onboard_blocks:
             raise ValueError("the harness supports onboard_blocks=True only")
-        if self.enable_partial_reuse or self.copy_on_partial_reuse:
-            raise ValueError("the harness matches full blocks only (enable_partial_reuse=False)")
 
 
 @dataclass(frozen=True)

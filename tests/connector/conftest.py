@@ -120,8 +120,10 @@ class Fleet:
     """Connector settings every engine gets unless a test overrides them."""
 
     def start(self) -> Fleet:
-        self.db = f"sqlite:///{self.root / 'ledger.db'}"
-        upgrade(self.db)
+        """Start the consumer daemon; the ledger is ``db`` when given (migrated), else a new SQLite file."""
+        if not self.db:
+            self.db = f"sqlite:///{self.root / 'ledger.db'}"
+            upgrade(self.db)
         self.store_dir = self.root / "donors"
         for engine_id in self.engine_ids:
             self.publishers[engine_id] = KvEventPublisher(LOOPBACK, LOOPBACK, topic=b"kv")

@@ -17,8 +17,11 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import psycopg
+import pytest
 import torch
 
 from connector._trtllm import RequestData, SchedulerOutput
@@ -118,9 +121,9 @@ def test_on_trtllm_a_failing_ledger_is_a_signal_the_promise_survives(fleet: Flee
 
 # ---------------------------------------------------------------------------- vLLM
 def promise_and_ship(scheduler: SemKvScheduler, rid: int, doc: list[int] = DOC,
-                     question: list[int] = QUESTION) -> LoadPlan:
+                     question: list[int] = QUESTION, *, finish: bool = True) -> LoadPlan:
     """One request of ``doc + question`` (``doc`` a donor's) through lookup, allocation and
-    metadata, as vLLM runs them, then finished."""
+    metadata, as vLLM runs them, then (``finish``) finished."""
     prompt = doc + question
     request = LlmRequest(rid, prompt, 1)
     assert scheduler.get_num_new_matched_tokens(request, 0) == (len(doc), False)
@@ -129,7 +132,8 @@ def promise_and_ship(scheduler: SemKvScheduler, rid: int, doc: list[int] = DOC,
     data = RequestData(request_id=rid, new_tokens=prompt, new_block_ids=block_ids, computed_position=0,
                        num_scheduled_tokens=len(prompt))
     [plan] = scheduler.build_connector_meta(SchedulerOutput(new_requests=[data])).loads
-    scheduler.request_finished(request, [])
+    if finish:
+        scheduler.request_finished(request, [])
     return plan
 
 
@@ -195,24 +199,33 @@ def test_on_vllm_a_failed_lease_write_pauses_promises_with_a_growing_back_off(fl
         close_connector(scheduler, worker)
 
 
-def test_on_vllm_a_lease_release_the_ledger_refuses_is_retried_until_it_goes_in(fleet: Fleet) -> None:
-    """A release that fails (ledger down for a moment) would leave the lease held until its TTL
-    (DESIGN §2 rule 7): it is tried again every second on the connector's ledger thread."""
-    donor_on_a(fleet)
-    scheduler, worker = vllm_scheduler(fleet)
-    release_lease, failures = scheduler.ledger.release_lease, []
-
-    def down_once(*args: Any, **kwargs: Any) -> Any:
-        if not failures:
-            failures.append(1)
-            raise PersistenceError("OperationalError: unable to open database file")
-        return release_lease(*args, **kwargs)
-
+@pytest.fixture
+def pg_fleet(tmp_path: Path, postgres_db: str) -> Iterator[Fleet]:
+    """The fleet on a scratch PostgreSQL ledger (the real server)."""
+    fleet = Fleet(tmp_path, ("A", "B"), db=postgres_db).start()
     try:
-        scheduler.ledger.release_lease = down_once  # type: ignore[method-assign]
-        assert promise_and_ship(scheduler, 1001).failed is None  # finished: its release failed once
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def test_on_vllm_a_lease_release_the_ledger_refuses_is_retried_until_it_goes_in(pg_fleet: Fleet) -> None:
+    """A release refused (another session holds the leases table past the connector's statement
+    timeout) would leave the lease held until its TTL (DESIGN §2 rule 7): it is tried again every
+    second on the connector's ledger thread, and goes in once the lock is let go."""
+    fleet = pg_fleet
+    donor_on_a(fleet)
+    scheduler, worker = vllm_scheduler(fleet, ledger_statement_timeout_s=0.3)
+    try:
+        assert promise_and_ship(scheduler, 1001, finish=False).failed is None
         scheduler.flush()
-        assert failures and fleet.held_leases() == 1
+        assert fleet.held_leases() == 1
+        with psycopg.connect(fleet.db) as holder:
+            holder.execute("LOCK TABLE leases IN EXCLUSIVE MODE")  # reads go on, writes wait
+            scheduler.request_finished(LlmRequest(1001, DOC + QUESTION, 1), [])
+            scheduler.flush()  # the release waited 0.3 s for the lock and was cancelled
+            time.sleep(1.5)  # its retry too
+            assert fleet.held_leases() == 1
         wait_for(lambda: fleet.held_leases() == 0, timeout_s=5)
     finally:
         close_connector(scheduler, worker)

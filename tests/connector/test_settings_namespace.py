@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from connector.harness import HarnessLlmArgs, KvCacheConfig, LlmRequest, ModelConfig
-from connector.namespace import DeploymentNamespace, NamespaceUnknown, content_keys, prefix_keys, probe_key, salt_id
+from connector.namespace import DeploymentNamespace, NamespaceUnknown, content_keys, prefix_keys, probe_key, salt_id, without_multimodal
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
 from connector.settings import ConnectorConfigError, NamespaceOverrides, load_connector_settings
 
@@ -74,6 +74,12 @@ def test_namespace_changes_with_every_kv_relevant_field() -> None:
     mm = LlmRequest(1, [1, 2, 3], 1)
     mm.multimodal_hashes = [[1, 2, 3, 4]]
     assert ns_of(mm).digest != base.digest
+    # the reuse guard keys blocks as TensorRT-LLM's tree does: a multimodal request's text blocks are
+    # those of the text request of the same scope (and salt and LoRA still tell them apart)
+    assert without_multimodal(ns_of(mm)) == base and without_multimodal(base) is base
+    salted = LlmRequest(1, [1, 2, 3], 1, cache_salt="tenant")
+    salted.multimodal_hashes = [[1, 2, 3, 4]]
+    assert without_multimodal(ns_of(salted)) == variants[0] != base
     assert ns_of(LlmRequest(9, [7, 7], 1)).digest == base.digest  # tokens are in the keys, not the namespace
 
 
@@ -91,7 +97,9 @@ def test_unknown_or_unsupported_fields_give_no_namespace() -> None:
     auto = dataclasses.replace(ARGS, dtype="auto")
     assert ns_of(LlmRequest(1, [1], 1), args=auto) == NamespaceUnknown(
         "kv_dtype", "KV dtype is 'auto' in llm_args; set [namespace] kv_dtype")
-    assert ns_of(LlmRequest(1, [1], 1), args=auto, kv_dtype="fp8").fields["kv_dtype"] == "fp8"
+    # TensorRT-LLM's short name, as the torch dtype its pool tensor carries (what the worker registers)
+    assert ns_of(LlmRequest(1, [1], 1), args=auto, kv_dtype="fp8").fields["kv_dtype"] == "float8_e4m3fn"
+    assert ns_of(LlmRequest(1, [1], 1), args=dataclasses.replace(ARGS, dtype="bf16")).fields["kv_dtype"] == "bfloat16"
     tp = dataclasses.replace(ARGS, tensor_parallel_size=2)
     assert ns_of(LlmRequest(1, [1], 1), args=tp).kind == "unsupported"
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from connector.harness import LlmRequest, block_hash_chain
+from connector.harness import KvCacheConfig, LlmRequest, block_hash_chain
 from connector.harness.trtllm_versions import TRTLLM_VERSIONS, TrtllmVersion
 from connector.namespace import content_keys
 from ledger.queries import LedgerClient
@@ -171,14 +171,16 @@ def test_two_requests_in_one_batch_one_materialized_one_cold(fleet: Fleet, versi
     assert nothing_held(fleet, b)
 
 
-@pytest.mark.parametrize("how", ["cancelled", "forward_error"])
-def test_blocks_an_abandoned_prefill_left_uncomputed_never_become_a_donor(fleet: Fleet, version, how: str) -> None:
-    """TensorRT-LLM stores a request's blocks for reuse when it ends mid-prefill, computed or not; its
-    engine's next request with that prefix reuses them (TensorRT-LLM's own doing, on that engine).
-    That request must not become a donor, or the garbage would reach every engine of the fleet."""
-    prompt = doc_tokens(12 * TPB + 5, seed=65)
-    a = fleet.engine("A", version=version, max_num_tokens=4 * TPB)  # a prefill of 3 chunks
-    rid = a.llm.submit(prompt, max_new_tokens=2)
+ABANDONED = doc_tokens(12 * TPB + 5, seed=65)
+
+
+def abandon_prefill(fleet: Fleet, version: TrtllmVersion, how: str, *, partial_reuse: bool = False) -> Engine:
+    """Engine A, whose prefill of ``ABANDONED`` (3 chunks of 4 blocks) ends after its first chunk:
+    cancelled after that forward, or failed by an exception in the second forward."""
+    kvc = KvCacheConfig(tokens_per_block=TPB, event_buffer_max_size=4096, max_tokens=4 * MODEL.max_context,
+                        enable_partial_reuse=partial_reuse)
+    a = fleet.engine("A", version=version, max_num_tokens=4 * TPB, kv_cache_config=kvc)
+    rid = a.llm.submit(ABANDONED, max_new_tokens=2)
     forwards: list[int] = []
     if how == "cancelled":
         a.llm.add_lifecycle_observer(lambda at, ids: (forwards.append(1), a.llm.cancel(rid))
@@ -199,16 +201,52 @@ def test_blocks_an_abandoned_prefill_left_uncomputed_never_become_a_donor(fleet:
     else:
         with pytest.raises(RuntimeError, match="injected"):
             a.llm.result(rid)
-    again = a.llm.generate(prompt)  # TensorRT-LLM reuses the blocks the abandoned prefill stored
-    assert again.num_reused_tokens > 8 * TPB
-    assert a.metrics.value("semkv_donors_not_registered_total", reason="unverified_blocks") == 1
+        a.llm.model.forward_paged_batch = forward  # type: ignore[method-assign]
+    return a
+
+
+def assert_nothing_spread(fleet: Fleet, version: TrtllmVersion, a: Engine, prompt: list[int],
+                          verified_tokens: int = 0) -> None:
+    """Engine C, after A's donors reached the ledger, gets from A at most the ``verified_tokens`` of
+    ``prompt`` a real donor computed, and its prompt's logits equal a dense forward's."""
     a.settle()
     fleet.sync()
     c = fleet.engine("C", version=version)
-    got = c.generate(prompt + doc_tokens(30, seed=66))
-    assert got.num_connector_tokens == 0
-    dense = c.llm.model.forward_dense(prompt + doc_tokens(30, seed=66))
+    full = prompt + doc_tokens(30, seed=66)
+    got = c.generate(full)
+    assert got.num_connector_tokens == verified_tokens
+    dense = c.llm.model.forward_dense(full)
     assert torch.allclose(got.prefill_logits, dense[got.prefill_start:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("partial_reuse", [False, True], ids=["whole_blocks", "partial_reuse"])
+@pytest.mark.parametrize("how", ["cancelled", "forward_error"])
+def test_blocks_an_abandoned_prefill_left_uncomputed_never_become_a_donor(fleet: Fleet, version, how: str,
+                                                                          partial_reuse: bool) -> None:
+    """TensorRT-LLM stores a request's blocks for reuse when it ends mid-prefill, computed or not; its
+    engine's next request with that prefix reuses them (TensorRT-LLM's own doing, on that engine).
+    That request must not become a donor, or the garbage would reach every engine of the fleet. With
+    partial reuse (TensorRT-LLM's default) the stored partial last block is reused too: the device
+    match is not block-aligned."""
+    a = abandon_prefill(fleet, version, how, partial_reuse=partial_reuse)
+    again = a.llm.generate(ABANDONED)  # TensorRT-LLM reuses the blocks the abandoned prefill stored
+    assert again.num_reused_tokens == (len(ABANDONED) - 1 if partial_reuse else 12 * TPB)
+    assert a.metrics.value("semkv_donors_not_registered_total", reason="unverified_blocks") == 1
+    assert_nothing_spread(fleet, version, a, ABANDONED)
+
+
+def test_a_partial_hit_on_a_block_an_abandoned_prefill_left_is_no_donor(fleet: Fleet, version) -> None:
+    """Partial reuse copies the leading tokens of the CHILD that matches best, whose key is not the
+    new request's: the guard knows it by its parent. A request whose whole-block reuse stops at the
+    computed chunk is a donor as usual."""
+    a = abandon_prefill(fleet, version, "forward_error", partial_reuse=True)  # blocks 0-3 computed
+    computed_only = ABANDONED[: 4 * TPB] + doc_tokens(5 * TPB, seed=67)
+    assert a.llm.generate(computed_only).num_reused_tokens == 4 * TPB
+    assert a.metrics.value("semkv_donors_not_registered_total", reason="unverified_blocks") == 0
+    into_garbage = ABANDONED[: 4 * TPB + 3] + doc_tokens(5 * TPB, seed=68)  # 3 tokens into block 4
+    assert a.llm.generate(into_garbage).num_reused_tokens == 4 * TPB + 3
+    assert a.metrics.value("semkv_donors_not_registered_total", reason="unverified_blocks") == 1
+    assert_nothing_spread(fleet, version, a, into_garbage, verified_tokens=4 * TPB)  # computed_only's blocks
 
 
 def _request(tokens: list[int]) -> LlmRequest:

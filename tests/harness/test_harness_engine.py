@@ -56,6 +56,23 @@ def test_generate_matches_dense_reference_and_reports_timing() -> None:
     assert result.last_logits.shape == (CFG.vocab_size,)
 
 
+def test_partial_reuse_copies_the_leading_tokens_of_a_partly_matching_block() -> None:
+    """TensorRT-LLM's ``enable_partial_reuse``: 3 full blocks and 5 tokens of the 4th are reused
+    (``num_computed_tokens`` unaligned), and the prompt's logits still equal a dense forward."""
+    llm = _engine(enable_partial_reuse=True)
+    first = _prompt(4 * 8 + 2, seed=40)
+    llm.generate(first, max_new_tokens=1)
+    second = first[: 3 * 8 + 5] + _prompt(20, seed=41)
+    second[3 * 8 + 5] = (first[3 * 8 + 5] + 1) % CFG.vocab_size  # the 4th block differs from its 6th token
+    got = llm.generate(second, max_new_tokens=2)
+    assert got.num_reused_tokens == 3 * 8 + 5 == got.prefill_start
+    dense = llm.model.forward_dense(second + got.token_ids)
+    torch.testing.assert_close(got.prefill_logits, dense[got.prefill_start: len(second)], atol=1e-4, rtol=1e-4)
+    full_only = _engine()
+    full_only.generate(first, max_new_tokens=1)
+    assert full_only.generate(second, max_new_tokens=1).num_reused_tokens == 3 * 8  # off: whole blocks only
+
+
 def test_partial_last_block_is_stored_at_finish_and_never_matched() -> None:
     llm = _engine()
     prompt = _prompt(13, seed=5)  # prompt[:-1] = 12 tokens: one full block of 8 at context end
@@ -125,8 +142,6 @@ def test_input_validation() -> None:
         llm.generate([1] * 510, max_new_tokens=5)
     with pytest.raises(ValueError):
         HarnessLLM(CFG, max_num_tokens=12)
-    with pytest.raises(ValueError):
-        KvCacheConfig(enable_partial_reuse=True)
 
 
 def test_requests_beyond_max_batch_size_wait_their_turn_fifo() -> None:
