@@ -113,13 +113,15 @@ class RequestState:
     ``keys`` itself for a text request), for the reuse guard."""
     allocated: bool = False
     """The engine allocated the request's blocks (``update_state_after_alloc``)."""
+    alloc_iteration: int = 0
+    """The scheduler's ``build_connector_meta`` count when it was allocated (its report is due in the next)."""
     computed_position: int | None = None
     """Tokens with valid KV before the forward of the request's last report (None: never reported)."""
     prefill_done: bool = False
     reported_in: int = 0
     """The ``build_connector_meta`` iteration that last reported the request."""
     abandoned: bool = False
-    """Taken for abandoned mid-prefill (:mod:`connector.reuse_guard`) and not seen since."""
+    """Taken for freed by the engine, its blocks stored (:mod:`connector.reuse_guard`), and not seen since."""
 
 
 class LedgerBackoff:

@@ -14,21 +14,26 @@ request as a donor would copy the same garbage into every engine of the fleet.
 first block its last report had not computed yet (``computed_position``; the device match at its
 lookup when never reported) to its last prompt block: the blocks' content keys in the namespace
 less its images' digest (``namespace.without_multimodal``: token prefix, cache salt, LoRA, as
-TensorRT-LLM's own reuse matches text blocks) and their parents' keys (where a partial hit hangs). A request is taken for abandoned mid-prefill when ``request_finished`` comes before its
-prefill completed (executors that call it on every exit), when a scheduled iteration's report leaves
-it out while its prefill was under way (the others: the executor freed it), or when the orphan
-reaper releases it. A request reported again without a new lookup was merely skipped for an
-iteration: what it left is cleared. One looked up again was freed and re-added (its blocks were
-stored): what it left stays. A finishing request whose DEVICE-REUSED tokens (matched in TensorRT-LLM's
-tree: ``num_computed_tokens`` at its lookup) reach such a block — a whole one by its key, a partial
-hit by its parent — is not registered as a donor
-(``semkv_donors_not_registered_total{reason="unverified_blocks"}``); its own computed and
-connector-loaded blocks are not in question.
+TensorRT-LLM's own reuse matches text blocks) and their parents' keys (where a partial hit hangs).
+
+A request is taken for ended when ``request_finished`` comes (some executors call it on every exit),
+when a scheduled iteration's report leaves it out although due (reported before, or allocated since
+the last report: the executor freed it), when it is looked up again (freed and re-added), or when
+the orphan reaper releases it; if its prefill had not completed, its uncomputed blocks are held. A
+request reported again without a new lookup was merely skipped for an iteration: what it left is
+cleared; one looked up again keeps it held. A finishing request whose DEVICE-REUSED tokens (matched
+in TensorRT-LLM's tree: ``num_computed_tokens`` at its lookup) reach such KV — a whole block by its
+key, a partial hit by its parent — is not registered as a donor
+(``semkv_donors_not_registered_total{reason="unverified_blocks"}``). Since TensorRT-LLM stores ITS
+blocks too when it ends, those from its partial hit or first whole block on (KV copied from, or
+computed on top of, garbage, under the request's own keys) are held the same way
+(:meth:`UnverifiedBlocks.refused`). Connector-loaded blocks are never in question.
 
 It errs towards safety: the chunk of the iteration a cancel followed counts as uncomputed (the
 scheduler cannot tell a cancel after a forward from a failed forward), a partial hit under a parent
 with any abandoned child is refused, and nothing is forgotten because TensorRT-LLM evicted it (the
 connector does not see this engine's tree): only the oldest of :data:`MAX_ABANDONED_REQUESTS`.
+Requests without a namespace (p-tuning, unknown fields) are not tracked.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 from connector.namespace import PrefixKeys
 
@@ -52,9 +57,13 @@ class UnverifiedBlocks:
     orphan reaper runs on the connector's ledger thread)."""
 
     def __init__(self, max_requests: int = MAX_ABANDONED_REQUESTS) -> None:
-        self._by_entry: OrderedDict[Any, tuple[frozenset[bytes], frozenset[bytes]]] = OrderedDict()
+        self._by_entry: OrderedDict[Any, _Entry] = OrderedDict()
         self._blocks: dict[bytes, int] = {}
+        """Keys of blocks whose KV is not what their tokens compute."""
         self._parents: dict[bytes, int] = {}
+        """Keys of blocks with such a child: a partial hit under one may copy its leading tokens."""
+        self._any_child: dict[bytes, int] = {}
+        """Keys of blocks with such a child whose own key is unknown: any reuse under one is suspect."""
         self._max = max_requests
         self._kept = itertools.count()
         self._lock = threading.Lock()
@@ -66,13 +75,18 @@ class UnverifiedBlocks:
             return
         blocks = frozenset(keys[i] for i in range(first, min(last + 1, len(keys))))
         parents = frozenset(keys.parent(i) for i in range(first, min(last, len(keys)) + 1))
-        with self._lock:
-            self._forget(request_id)
-            self._by_entry[request_id] = (blocks, parents)
-            _add(self._blocks, blocks)
-            _add(self._parents, parents)
-            while len(self._by_entry) > self._max:
-                self._forget(next(iter(self._by_entry)))
+        self._hold(request_id, _Entry(blocks, parents, frozenset()))
+
+    def refused(self, request_id: Any, keys: PrefixKeys, reused_tokens: int, tokens_per_block: int) -> None:
+        """``request_id`` (refused as a donor: it reused unverified KV) finished; TensorRT-LLM stores
+        its blocks too, and every block from the first it reused partly or computed on top of
+        unverified KV holds KV its tokens do not compute — under the request's OWN keys, which a later
+        request reaches whole. Those blocks are held like an abandoned prefill's."""
+        first = reused_tokens // tokens_per_block
+        if first < len(keys):
+            self.abandoned(("refused", request_id), keys, first, len(keys))
+        else:  # only its last, partial prompt block, filled up later by generated tokens: key unknown
+            self._hold(("refused", request_id), _Entry(frozenset(), frozenset(), frozenset({keys.parent(first)})))
 
     def seen_again(self, request_id: Any) -> None:
         """``request_id`` is alive after all (skipped for an iteration): its blocks are its own to compute."""
@@ -89,25 +103,46 @@ class UnverifiedBlocks:
                 self._by_entry[("kept", next(self._kept))] = entry
 
     def touches(self, keys: PrefixKeys, reused_tokens: int, tokens_per_block: int) -> bool:
-        """Do the first ``reused_tokens`` of a prompt with ``keys`` reach a block an abandoned
-        prefill left behind (a whole block by its key; the partial hit past the whole ones by its
-        parent)?"""
+        """Do the first ``reused_tokens`` of a prompt with ``keys`` reach KV an abandoned prefill left
+        behind (a whole block by its key; the partial hit past the whole ones by its parent)?"""
         whole, partial = divmod(reused_tokens, tokens_per_block)
-        if not self._blocks or reused_tokens <= 0:
+        if reused_tokens <= 0 or not self._by_entry:
             return False
         with self._lock:
-            if any(keys[i] in self._blocks for i in range(min(whole, len(keys)))):
-                return True
-            return bool(partial) and whole <= len(keys) and keys.parent(whole) in self._parents
+            for i in range(min(whole, len(keys))):
+                if keys[i] in self._blocks or keys.parent(i) in self._any_child:
+                    return True
+            if not partial or whole > len(keys):
+                return False
+            parent = keys.parent(whole)
+            return parent in self._parents or parent in self._any_child
 
     def __len__(self) -> int:
         return len(self._by_entry)
 
-    def _forget(self, entry: Any) -> None:
+    def _hold(self, entry_id: Any, entry: _Entry) -> None:
+        with self._lock:
+            self._forget(entry_id)
+            self._by_entry[entry_id] = entry
+            _add(self._blocks, entry.blocks)
+            _add(self._parents, entry.parents)
+            _add(self._any_child, entry.any_child)
+            while len(self._by_entry) > self._max:
+                self._forget(next(iter(self._by_entry)))
+
+    def _forget(self, entry_id: Any) -> None:
         """Under the lock."""
-        blocks, parents = self._by_entry.pop(entry, ((), ()))
-        _remove(self._blocks, blocks)
-        _remove(self._parents, parents)
+        entry = self._by_entry.pop(entry_id, None)
+        if entry is not None:
+            _remove(self._blocks, entry.blocks)
+            _remove(self._parents, entry.parents)
+            _remove(self._any_child, entry.any_child)
+
+
+class _Entry(NamedTuple):
+    blocks: frozenset[bytes]
+    parents: frozenset[bytes]
+    any_child: frozenset[bytes]
 
 
 def _add(counts: dict[bytes, int], keys: frozenset[bytes]) -> None:
@@ -115,7 +150,7 @@ def _add(counts: dict[bytes, int], keys: frozenset[bytes]) -> None:
         counts[key] = counts.get(key, 0) + 1
 
 
-def _remove(counts: dict[bytes, int], keys: frozenset[bytes] | tuple) -> None:
+def _remove(counts: dict[bytes, int], keys: frozenset[bytes]) -> None:
     for key in keys:
         left = counts[key] - 1
         if left:

@@ -141,8 +141,9 @@ class ArmedSaves(_DonorSaves):
     def _reused_unverified(self, state: RequestState) -> bool:
         """Did the request reuse, from TensorRT-LLM's own tree, a block an abandoned prefill left there
         uncomputed (:mod:`connector.reuse_guard`)? Then it is no donor."""
+        tpb = self.registrar.tokens_per_block
         if self.guard is None or state.reuse_keys is None or not self.guard.touches(
-                state.reuse_keys, state.reused_tokens, self.registrar.tokens_per_block):
+                state.reuse_keys, state.reused_tokens, tpb):
             return False
         self.metrics.donors_not_registered.labels(reason="unverified_blocks").inc()
         log.warning("semkv: request %s reused blocks an abandoned prefill left uncomputed in the engine's "

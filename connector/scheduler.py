@@ -260,11 +260,14 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             raise
 
     def _relooked(self, state: RequestState, num_computed: int) -> None:
-        """A (re-)lookup: the device match is known; a request abandoned before and looked up again
-        was freed and re-added, so what it left stays unverified (:mod:`connector.reuse_guard`)."""
-        state.reused_tokens, state.allocated = num_computed, False
+        """A (re-)lookup: the device match is known. A request allocated before and looked up again
+        was freed and re-added: it ended as far as its blocks go (if not noticed yet), and what it
+        left stays unverified whatever it does now (:mod:`connector.reuse_guard`)."""
+        if state.allocated and not state.abandoned:
+            self._ended(state, state.prefill_done)
         if state.abandoned and self._guard is not None:
             self._guard.keep(state.request_id)
+        state.reused_tokens, state.allocated = num_computed, False
         state.abandoned, state.computed_position, state.prefill_done, state.reported_in = False, None, False, 0
 
     def _pool_matches(self) -> bool:
@@ -297,7 +300,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         try:
             state = self.promises.state_for(request.request_id)
             self.promises.bind(state, block_ids)
-            state.allocated = True
+            state.allocated, state.alloc_iteration = True, self._iteration
             self._know_prompt(request, state)
             self.saves.arm(request, list(block_ids), state)
         except Exception:  # boundary: never raise into the engine; a bound promise must still fail closed
@@ -365,23 +368,30 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         return state
 
     def _note_abandoned_prefills(self) -> None:
-        """Requests whose prefill was under way and that this scheduled iteration's report left out:
-        the executor freed them (a cancel, ``_handle_errors``), storing their uncomputed blocks."""
+        """Requests this scheduled iteration's report left out although due (reported before, or
+        allocated since the last report): the executor freed them (a cancel, ``_handle_errors``),
+        storing their blocks as they are."""
         if self._guard is None:
             return
         for state in list(self.promises.requests.values()):
-            if state.reported_in and state.reported_in < self._iteration and not state.abandoned:
-                self._abandon(state)
+            due_since = state.reported_in or (state.alloc_iteration if state.allocated else None)
+            if due_since is not None and due_since < self._iteration and not state.abandoned:
+                self._ended(state, state.prefill_done)
 
-    def _abandon(self, state: RequestState) -> None:
-        """Remember the blocks ``state``'s unfinished prefill leaves in the engine's reuse tree."""
-        if self._guard is None or state.prefill_done or not state.allocated or state.reuse_keys is None:
+    def _ended(self, state: RequestState, prefill_done: bool) -> None:
+        """The engine is done with ``state``'s blocks: TensorRT-LLM stores them in its reuse tree as
+        they are. Hold as unverified (:mod:`connector.reuse_guard`) the blocks it built on unverified
+        KV it reused, and those an unfinished prefill left uncomputed."""
+        if self._guard is None or not state.allocated or state.reuse_keys is None:
             return
-        computed = state.reused_tokens if state.computed_position is None else state.computed_position
-        # blocks first..last of prompt[:-1] (TensorRT-LLM stores tokens[:-1], the partial last block too)
-        first, last = computed // self.tokens_per_block, (state.prompt_len - 2) // self.tokens_per_block
-        self._guard.abandoned(state.request_id, state.reuse_keys, first, last)
-        state.abandoned = True
+        tpb, state.abandoned = self.tokens_per_block, True
+        if self._guard.touches(state.reuse_keys, state.reused_tokens, tpb):
+            self._guard.refused(state.request_id, state.reuse_keys, state.reused_tokens, tpb)
+        if not prefill_done:
+            computed = state.reused_tokens if state.computed_position is None else state.computed_position
+            # blocks first..last of prompt[:-1] (TensorRT-LLM stores tokens[:-1], the partial last block too)
+            first, last = computed // tpb, (state.prompt_len - 2) // tpb
+            self._guard.abandoned(state.request_id, state.reuse_keys, first, last)
 
     # ============================================================ 4. finish
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
@@ -389,8 +399,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         state = self.promises.pop(request.request_id)
         try:
             self.promises.release(state, "finished")
-            if not prefill_completed(request):  # an executor that calls it on every exit: a cancel, an error
-                self._abandon(state)
+            self._ended(state, prefill_completed(request))  # some executors call it on every exit
             if not self._pool_matches():  # its bytes could never be saved under the namespace's layout
                 self.saves.forget(state)
                 return False
@@ -417,7 +426,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
 
     def _reap_orphans(self) -> None:
         for state in self.promises.reap_orphans():
-            self._abandon(state)
+            self._ended(state, state.prefill_done)
             self.saves.forget(state)
 
     # ============================================================ lifecycle

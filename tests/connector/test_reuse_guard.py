@@ -58,3 +58,25 @@ def test_only_the_oldest_beyond_the_bound_are_forgotten() -> None:
     assert not guard.touches(first, 2 * TPB, TPB)
     assert guard.touches(second, 2 * TPB, TPB) and guard.touches(third, 2 * TPB, TPB)
     assert len(guard) == 2
+
+
+def test_a_partial_last_block_alone_is_still_known_by_its_parent() -> None:
+    """Abandoned with only the partial block past the whole ones uncomputed: no whole block is held,
+    only its parent."""
+    guard = UnverifiedBlocks()
+    prompt = keys_of(list(range(11)))  # 2 whole blocks; tokens[:-1] stores a partial block 2 (tokens 8, 9)
+    guard.abandoned("r1", prompt, 2, 2)
+    assert len(guard) == 1
+    assert guard.touches(prompt, 2 * TPB + 2, TPB)
+
+
+def test_a_refused_request_s_own_blocks_from_its_partial_hit_on_are_held() -> None:
+    guard = UnverifiedBlocks()
+    guard.abandoned("a", PROMPT, 4, 9)
+    refused = keys_of(list(range(18)) + [5] * 22)  # a partial hit 2 tokens into block 4, then its own
+    assert guard.touches(refused, 4 * TPB + 2, TPB)
+    guard.refused("b", refused, 4 * TPB + 2, TPB)
+    assert guard.touches(refused, 6 * TPB, TPB)  # its block 4 whole, by its own key
+    short = keys_of(list(range(18)))  # its prompt ends inside block 4: generated tokens fill it later
+    guard.refused("c", short, 4 * TPB + 2, TPB)
+    assert guard.touches(keys_of(list(range(16)) + [9] * 8), 5 * TPB, TPB)  # any child of block 3, whole

@@ -18,7 +18,9 @@ import torch
 
 from connector.harness import KvCacheConfig, LlmRequest, block_hash_chain
 from connector.harness.trtllm_versions import TRTLLM_VERSIONS, TrtllmVersion
-from connector.namespace import content_keys
+from connector._trtllm import SchedulerOutput
+from connector.namespace import content_keys, prefix_keys
+from connector.promises import RequestState
 from ledger.queries import LedgerClient
 from tests.connector.conftest import MODEL, Engine, Fleet, doc_tokens
 from tests.connector.test_two_engines import native_engine
@@ -256,3 +258,57 @@ def _request(tokens: list[int]) -> LlmRequest:
 def _first_key(engine: Engine, tokens: list[int]) -> bytes:
     ns = engine.scheduler.namespace.for_request(_request(tokens))
     return content_keys(ns, tokens, TPB, 1)[0]
+
+
+def test_a_block_built_on_a_partial_hit_of_garbage_never_becomes_a_donor(fleet: Fleet, version) -> None:
+    """A partial hit copies the garbage leading tokens of an abandoned block into a block of the
+    request's OWN, stored under its own key when it ends. That request is refused as a donor, and so
+    is a later one that reuses its blocks whole (a key no abandoned prefill had)."""
+    a = abandon_prefill(fleet, version, "forward_error", partial_reuse=True)  # blocks 0-3 computed
+    into_garbage = ABANDONED[: 4 * TPB + 3] + doc_tokens(5 * TPB, seed=68)  # 3 tokens into block 4
+    assert a.llm.generate(into_garbage).num_reused_tokens == 4 * TPB + 3
+    assert a.metrics.value("semkv_donors_not_registered_total", reason="unverified_blocks") == 1
+    on_top = into_garbage + doc_tokens(2 * TPB, seed=69)
+    assert a.llm.generate(on_top).num_reused_tokens >= 9 * TPB  # into_garbage's blocks, block 4 included
+    assert a.metrics.value("semkv_donors_not_registered_total", reason="unverified_blocks") == 2
+    assert_nothing_spread(fleet, version, a, on_top)
+
+
+def test_a_partial_hit_on_an_abandoned_partial_last_block_alone_is_no_donor(fleet: Fleet, version) -> None:
+    """The prefill fails in its LAST chunk (blocks 0-11 computed): all it leaves uncomputed is the
+    partial block 12 (of ``tokens[:-1]``), known only by its parent; a partial hit on it is no donor."""
+    kvc = KvCacheConfig(tokens_per_block=TPB, event_buffer_max_size=4096, max_tokens=4 * MODEL.max_context,
+                        enable_partial_reuse=True)
+    a = fleet.engine("A", version=version, max_num_tokens=4 * TPB, kv_cache_config=kvc)
+    rid = a.llm.submit(ABANDONED, max_new_tokens=2)
+    forwards: list[int] = []
+    forward = a.llm.model.forward_paged_batch
+
+    def last_chunk_fails(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        forwards.append(1)
+        if len(forwards) == 4:
+            raise RuntimeError("injected: CUDA error in the forward")
+        return forward(*args, **kwargs)
+
+    a.llm.model.forward_paged_batch = last_chunk_fails  # type: ignore[method-assign]
+    a.llm.run_until_idle()
+    with pytest.raises(RuntimeError, match="injected"):
+        a.llm.result(rid)
+    a.llm.model.forward_paged_batch = forward  # type: ignore[method-assign]
+    into_garbage = ABANDONED[: 12 * TPB + 3] + doc_tokens(5 * TPB, seed=70)  # 3 tokens into block 12
+    assert a.llm.generate(into_garbage).num_reused_tokens == 12 * TPB + 3
+    assert a.metrics.value("semkv_donors_not_registered_total", reason="unverified_blocks") == 1
+
+
+def test_a_request_freed_before_its_first_report_is_taken_for_abandoned(fleet: Fleet, version) -> None:
+    """Allocated, then freed before any iteration reported it (an executor that drops it without
+    ``request_finished``): its report was due in the next scheduled iteration, so that one's absence
+    says its blocks — none computed — are in the tree."""
+    scheduler = fleet.engine("A", version=version).scheduler
+    freed = LlmRequest(900, ABANDONED, 1)
+    assert scheduler.get_num_new_matched_tokens(freed, 0) == (0, False)
+    scheduler.update_state_after_alloc(freed, list(range(14)))
+    scheduler.build_connector_meta(SchedulerOutput())  # a scheduled iteration without it
+    later = RequestState(901, reuse_keys=prefix_keys(scheduler.namespace.for_request(freed), ABANDONED, TPB),
+                         reused_tokens=12 * TPB)
+    assert scheduler.saves._reused_unverified(later)
