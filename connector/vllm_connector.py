@@ -40,9 +40,10 @@ Only this module and :mod:`connector._vllm` know vLLM. They translate, and nothi
 
 Loads are synchronous (``load_is_async`` False): vLLM then calls ``start_load_kv`` before the
 forward, and each attention layer waits in ``wait_for_layer_load`` until its blocks are copied and
-revalidated. Saves follow the TensorRT-LLM path: ``request_finished`` registers the donor and
-returns True (vLLM keeps the blocks), the worker gathers the bytes after the next forward and
-reports the request in ``get_finished``, and vLLM frees the blocks.
+revalidated (the donor's block liveness included: ``per_layer_block_check``, on by default here).
+Saves follow the TensorRT-LLM path: ``request_finished`` registers the donor and returns True (vLLM
+keeps the blocks), the worker gathers the bytes after the next forward and reports the request in
+``get_finished``, and vLLM frees the blocks.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
   donor store header against the ledger's checksum. On TensorRT-LLM every layer is then copied here,
   before the forward.
 * ``wait_for_layer_load(layer_idx, stream)`` — before each decoder layer: on vLLM, for every active
-  plan, revalidate against the ledger again, read that layer's donor bytes, verify their checksum,
+  plan, revalidate against the ledger again (block liveness included: a donor block removed on its
+  engine while the forward ran the layers before fails the plan; ``per_layer_block_check``, on by
+  default when loading layer by layer), read that layer's donor bytes, verify their checksum,
   copy them into the target blocks ``kv[target_block_ids, layer_idx]``, and only then return — a
   layer is released to attention only when copied. A layer asked for while an earlier one was never
   loaded, or a forward that ends before the last layer was asked for (``wait_for_save``), fails the
@@ -151,6 +153,10 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.load_before_forward = bool(s.load_before_forward) or not engine.recomputes_failed_loads
         """Copy every layer in ``start_load_kv`` (always on TensorRT-LLM; see
         ``ConnectorSettings.load_before_forward``)."""
+        self.per_layer_block_check = (not self.load_before_forward if s.per_layer_block_check is None
+                                      else s.per_layer_block_check)
+        """Re-check donor block liveness before every layer's copy (default: when loading layer by
+        layer; see ``ConnectorSettings.per_layer_block_check``)."""
 
     # ============================================================ layout
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
@@ -249,10 +255,12 @@ class SemKvWorker(KvCacheConnectorWorker):
 
     def _revalidate(self, load: _ActiveLoad, layer_idx: int | None, *, full: bool) -> None:
         """The ledger's ``donor_freshness``: ``full`` includes block liveness (policy ``engine``,
-        one statement over the plan's blocks); otherwise state, namespace, expiry, generation and
-        lease only, one prepared statement (~20 µs on SQLite), so a re-check per layer stays a
-        small share of the copy (DESIGN §7: ≤ 5 %). A binding plan's outcome is a signal; its lease
-        is not asked for (the scheduler writes it in the background and the bytes do not depend on it)."""
+        one statement over the plan's blocks: +3-6 µs per block on SQLite, +11-14 µs on PostgreSQL);
+        otherwise state, namespace, expiry, generation and lease only, one prepared statement
+        (~20-30 µs on SQLite). ``full`` runs before the first copy and, with
+        :attr:`per_layer_block_check`, before every layer (see ``ConnectorSettings.per_layer_block_check``
+        for its share of the copy). A binding plan's outcome is a signal; its lease is not asked for
+        (the scheduler writes it in the background and the bytes do not depend on it)."""
         plan = load.plan
         if load.ledger_down:
             return
@@ -315,7 +323,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         plan, kv = load.plan, self.layers[layer_idx]
         assert load.reader is not None and load.targets is not None  # set by _begin
         h = load.reader.header
-        self._revalidate(load, layer_idx, full=self.settings.per_layer_block_check)
+        self._revalidate(load, layer_idx, full=self.per_layer_block_check)
         started = time.perf_counter()
         try:
             raw = load.reader.read_layer(layer_idx)

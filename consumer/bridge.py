@@ -51,7 +51,7 @@ import structlog
 import zmq
 
 from consumer.curve import CurveKeys, HandshakeMonitor, ZapAuthorizer, warn_if_exposed
-from consumer.wire import SEQ_END_MARKER, encode_frames
+from consumer.wire import SEQ_END_MARKER, WireLimits, encode_frames
 
 __all__ = [
     "DEFAULT_ENDPOINT", "DEFAULT_REPLAY_ENDPOINT", "DEFAULT_TOPIC", "KvEventPublisher", "LlmEventBridge",
@@ -486,6 +486,35 @@ def group_by_dp_rank(events: list[Any]) -> list[tuple[int | None, list[Any]]]:
     return list(groups.items())
 
 
+def split_to_limits(events: list[Any], limits: WireLimits = WireLimits()) -> list[list[Any]]:
+    """Cut one rank's drain into consecutive batches within the consumer's default per-message
+    limits (``limits.max_events_per_message`` and ``max_blocks_per_message``), so a large drain
+    (TensorRT-LLM's ``event_buffer_max_size`` may be set high) is never a dead letter at the
+    consumer. Order is kept. An event whose own blocks exceed the limit travels alone (the consumer
+    refuses it: configure ``max_blocks_per_message`` above one request's blocks)."""
+    parts: list[list[Any]] = [[]]
+    blocks = 0
+    for event in events:
+        count = _blocks_of(event)
+        part = parts[-1]
+        if part and (len(part) >= limits.max_events_per_message or blocks + count > limits.max_blocks_per_message):
+            parts.append(part := [])
+            blocks = 0
+        part.append(event)
+        blocks += count
+    return [part for part in parts if part]
+
+
+def _blocks_of(event: Any) -> int:
+    """Blocks of a TensorRT-LLM LLM-API event dict (reference/WIRE.md §A); 1 for anything else."""
+    data = event.get("data") if isinstance(event, dict) else None
+    if isinstance(data, dict):
+        listed = data.get("blocks", data.get("block_hashes"))
+        if isinstance(listed, list):
+            return len(listed)
+    return 1
+
+
 class PollingBridge:
     """Background thread that polls an event source and republishes each drain (shared by
     :class:`LlmEventBridge` and ``consumer.serve_bridge.ServeEventBridge``).
@@ -588,12 +617,13 @@ class PollingBridge:
             return 0
         self.events_seen += len(events)
         for rank, group in group_by_dp_rank(list(events)):
-            try:
-                self.publisher.publish(group, rank)
-            except RuntimeError:  # publisher closed under us (close() timed out): nothing to send to
-                log.error("bridge.publisher_closed", events_lost=len(group))
-                return None
-            self.batches_published += 1
+            for part in split_to_limits(group):
+                try:
+                    self.publisher.publish(part, rank)
+                except RuntimeError:  # publisher closed under us (close() timed out): nothing to send to
+                    log.error("bridge.publisher_closed", events_lost=len(part))
+                    return None
+                self.batches_published += 1
         return len(events)
 
 

@@ -135,17 +135,35 @@ def _check_length(data: bytes, expected: int, what: str, name: str, offset: int)
         )
 
 
+CAPTURE_MODE = 0o600
+"""A capture holds the engines' prompt token ids (``BlockStored``): readable by its owner only,
+like the ledger (ledger/db.py)."""
+
+
 class CaptureWriter:
     """Append messages to a capture file.
 
     ``CaptureWriter(path)`` truncates an existing file; pass ``append=True`` to extend it (the
     format has no header, so appending yields a valid multi-run capture). Writes are buffered:
     call :meth:`flush` to make them visible to readers, :meth:`close` (or use ``with``) when done.
+
+    The file is mode 0600 (:data:`CAPTURE_MODE`) whatever the umask: created so, and an existing
+    file is narrowed to it before anything is written.
+
+    Raises:
+        OSError: the file cannot be opened, or (for a file of another user) its mode changed.
     """
 
     def __init__(self, path: str | Path, *, append: bool = False) -> None:
         self.path = Path(path)
-        self._stream: BinaryIO | None = open(self.path, "ab" if append else "wb")
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+        fd = os.open(self.path, flags | getattr(os, "O_CLOEXEC", 0), CAPTURE_MODE)
+        try:
+            os.fchmod(fd, CAPTURE_MODE)  # an existing file keeps its mode; os.open's applies to new ones
+            self._stream: BinaryIO | None = os.fdopen(fd, "ab" if append else "wb")
+        except BaseException:
+            os.close(fd)
+            raise
         self.messages_written = 0
 
     def write(self, frames: Iterable[bytes], received_ns: int) -> None:

@@ -327,7 +327,8 @@ def consume_command(
     replay_endpoint: Annotated[str | None, typer.Option(help="Engine replay ROUTER endpoint (e.g. "
                                                         "tcp://127.0.0.1:5558); without it seq gaps "
                                                         "are recorded, never recovered.")] = None,
-    topic: Annotated[str | None, typer.Option(help="Subscription topic prefix; default '' = every topic.")] = None,
+    topic: Annotated[str | None, typer.Option(help="Topic of the engine's messages, matched exactly (other topics are "
+                                                    "dropped); default '' = every topic.")] = None,
     bind: Annotated[bool | None, typer.Option("--bind/--connect", help="Bind the SUB socket (for vLLM "
                                               "engines whose PUB connects) or connect it (default).")] = None,
     source_id: Annotated[str | None, typer.Option(help="Ledger key of the flag source; default "
@@ -337,9 +338,12 @@ def consume_command(
                                                 "the file.", dir_okay=False)] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Serve /metrics (Prometheus) and /healthz "
                                                      "(JSON) on this port; 0 = any free port.")] = None,
-    metrics_host: Annotated[str | None, typer.Option(help="Address of the metrics server (default 127.0.0.1; 0.0.0.0 to allow remote scrapes).")] = None,
+    metrics_host: Annotated[str | None, typer.Option(help="Address of the metrics server (default 127.0.0.1; "
+                                                     "0.0.0.0 to allow remote scrapes: plain HTTP, "
+                                                     "logged as a warning).")] = None,
     record: Annotated[Path | None, typer.Option(help="Append every message passed to the ledger to this "
-                                                "capture file (replayable by `semkv-ledger publish`).",
+                                                "capture file (replayable by `semkv-ledger publish`; "
+                                                "mode 0600: it holds prompt token ids).",
                                                 dir_okay=False)] = None,
     migrate: Annotated[bool, typer.Option("--migrate", help="Migrate the ledger schema first; without it "
                                           "an unmigrated database is refused.")] = False,

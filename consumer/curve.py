@@ -385,6 +385,17 @@ def exposure_warning(endpoint: str | None, *, curve: bool, what: str) -> str | N
             "Bind 127.0.0.1, or turn CURVE on (docs/security.md).")
 
 
+def metrics_exposure_warning(host: str, port: int) -> str | None:
+    """The warning for the consumer's metrics server (``metrics_host``) listening off loopback,
+    else None. It serves plain HTTP without authentication (consumer/metrics.py), and CURVE does
+    not apply to it."""
+    if is_loopback(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"):
+        return None
+    return (f"the metrics server listens on {host}:{port} (not loopback) without authentication or TLS: anyone "
+            "who can reach it reads /metrics and /healthz (engine and source ids, endpoints, ledger counts and "
+            "errors). Bind 127.0.0.1, or let only Prometheus reach the port (docs/security.md).")
+
+
 def warn_if_exposed(endpoint: str | None, *, curve: bool, what: str, stacklevel: int = 3) -> str | None:
     """:func:`exposure_warning` as an :class:`InsecureEndpointWarning` (library callers: the bridge,
     ``CapturePublisher``); returns the message, or None when there is nothing to warn about."""

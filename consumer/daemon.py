@@ -28,6 +28,14 @@ violation) stops the daemon with an error; the items were not recorded, so a res
 Opening the ledger at start is tried :data:`OPEN_ATTEMPTS` times on a transient error (a writer
 process killed while it started), then the error stands (exit 2).
 
+The SQLite ledger's files are watched (:class:`ledger.sqlite_writer.LedgerFiles`): once the file,
+its ``-wal`` or ``-shm`` is deleted or replaced, or the file, its journal or its directory made
+read-only, the next transaction raises :class:`~ledger.errors.LedgerUnwritable` before it is
+reported done, and the daemon logs ``ledger.append_failed`` and stops (exit 1) without
+acknowledging it: no retry, and no batch is singled out (none is at fault). A disk I/O error or a
+full disk on files still in place stays transient (retried as above). PostgreSQL is not a file:
+nothing to watch.
+
 Shutdown (``shutdown_trigger`` awaitable; SIGINT/SIGTERM handlers only when it is None): sources stop
 reading and return, the writer commits everything already received, then :meth:`Daemon.run`
 returns (exit code 0). ``shutdown_timeout_s`` bounds the wait. A SIGKILL loses only what was not
@@ -38,7 +46,8 @@ Logs: structlog JSON lines (:func:`configure_logging`), ``engine_id``/``source_i
 Security: with ``curve_secret_key`` every source is CURVE-secured (``consumer/curve.py``); key files
 are read at start (a bad one is a :class:`ConfigurationError`, exit 2) and a ZAP handler admits, per
 ``bind`` source, only that source's publisher keys. A ``bind`` source on a non-loopback address
-without CURVE is logged as ``source.exposed_without_curve`` (warning) at start.
+without CURVE is logged as ``source.exposed_without_curve`` (warning) at start, and a metrics
+server on a non-loopback ``metrics_host`` (plain HTTP, no authentication) as ``metrics.exposed``.
 """
 
 from __future__ import annotations
@@ -54,17 +63,21 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 import zmq.asyncio
 from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.capture import CaptureWriter
-from consumer.curve import CurveError, CurveKeys, ZapAuthorizer, exposure_warning
+from consumer.curve import CurveError, CurveKeys, ZapAuthorizer, exposure_warning, metrics_exposure_warning
 from consumer.metrics import ConsumerMetrics, MetricsServer
 from consumer.settings import ConsumerSettings, SourceSettings
 from consumer.source import Item, Source
-from ledger.errors import LedgerError, PersistenceError, SchemaOutOfDate, is_transient, url_for_humans
-from ledger.events import GapReport, ReceivedBatch
+from ledger.errors import (LedgerError, LedgerUnwritable, PersistenceError, SchemaOutOfDate, is_transient,
+                           url_for_humans)
+from ledger.decide import AppendResult
+from ledger.events import DeadLetter, GapReport, ReceivedBatch
+from ledger.types import DeadLetterReason
 from ledger.writer import LedgerWriter, SourcePosition
 
 __all__ = ["ConfigurationError", "Daemon", "DaemonStats", "ShutdownTrigger", "configure_logging", "serve"]
@@ -226,9 +239,13 @@ class Daemon:
     async def _start_server(self) -> MetricsServer | None:
         if self.settings.metrics_port is None:
             return None
-        server = MetricsServer(self.metrics, self.health, self.settings.metrics_host, self.settings.metrics_port)
+        host = self.settings.metrics_host
+        server = MetricsServer(self.metrics, self.health, host, self.settings.metrics_port)
         await server.start()
         self.metrics_port = server.port
+        warning = metrics_exposure_warning(host, server.port)
+        if warning:
+            self.log.warning("metrics.exposed", host=host, port=server.port, message=warning)
         return server
 
     async def _supervise_all(self) -> None:
@@ -382,17 +399,35 @@ class Daemon:
         raise AssertionError("unreachable")  # the loop returns or raises
 
     async def _commit(self, items: list[Item]) -> None:
-        """One ledger transaction for ``items``; transient database errors are retried forever."""
+        """One ledger transaction for ``items`` (transient database errors are retried forever); a
+        permanent refusal is narrowed down to the batch it belongs to (:meth:`_isolate`)."""
+        started = time.perf_counter()
+        try:
+            result = await self._append(items)
+        except LedgerUnwritable as exc:  # the whole ledger, not these items: nothing to isolate
+            self.log.error("ledger.append_failed", error=str(exc), items=len(items))
+            raise
+        except PersistenceError as exc:
+            result = await self._isolate(items, exc)
+        self._observe(items, result, time.perf_counter() - started)
+        if self._stop_after is not None and self.stats.batches >= self._stop_after:
+            self.request_stop()
+
+    async def _append(self, items: list[Item]) -> AppendResult:
+        """:meth:`LedgerWriter.append`, retried with back-off while the error is transient.
+
+        Raises:
+            PersistenceError: a permanent refusal (nothing of ``items`` was recorded).
+        """
         assert self._writer is not None
         delay = self.settings.db_retry_initial_s
         while True:
-            started = time.perf_counter()
             try:
                 result = await self._writer.append(items)
-                break
+                self._db_error = None
+                return result
             except PersistenceError as exc:
                 if not is_transient(exc):
-                    self.log.error("ledger.append_failed", error=str(exc), items=len(items))
                     raise
                 self._db_error = str(exc)
                 self.stats.db_retries += 1
@@ -400,10 +435,38 @@ class Daemon:
                 self.log.warning("ledger.append_retry", error=str(exc), retry_in_s=delay, items=len(items))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.db_retry_max_s)
-        self._db_error = None
-        self._observe(items, result, time.perf_counter() - started)
-        if self._stop_after is not None and self.stats.batches >= self._stop_after:
-            self.request_stop()
+
+    async def _isolate(self, items: list[Item], refusal: PersistenceError) -> AppendResult:
+        """The ledger refused ``items`` for good: commit them one by one, so that one bad batch
+        cannot take its neighbours with it nor, refused again at every restart (the engine's
+        replay buffer hands it back), crash-loop the daemon. A batch the ledger refuses alone is
+        logged as its events' dead letters (``refused_by_ledger``, raw bytes kept: nothing
+        accepted is lost). Decoding bounds every stored value (consumer/wire.py), so this is the
+        net under a gap in those bounds, and the error is logged as such.
+
+        Raises:
+            PersistenceError: a gap report or frame-level dead letter refused alone, or a batch
+                whose dead letters are refused too (the database refuses everything: the error
+                stands and the daemon stops).
+        """
+        self.log.error("ledger.append_refused", error=str(refusal), items=len(items))
+        total = AppendResult()
+        for item in items:
+            try:
+                if len(items) == 1:  # already refused alone
+                    raise refusal
+                total.merge(await self._append([item]))
+            except LedgerUnwritable as exc:  # the file went meanwhile: the whole ledger, not this item
+                self.log.error("ledger.append_failed", error=str(exc), items=1)
+                raise
+            except PersistenceError as exc:
+                if not isinstance(item, ReceivedBatch):
+                    self.log.error("ledger.append_failed", error=str(exc), items=1)
+                    raise
+                self.log.error("ledger.batch_refused", engine_id=item.engine_id, source_id=item.source_id,
+                               seq=item.seq, events=len(item.events), error=str(exc))
+                total.merge(await self._append([refused_by_ledger(item, exc)]))
+        return total
 
     def _observe(self, items: list[Item], result: Any, elapsed_s: float) -> None:
         m = self.metrics
@@ -450,6 +513,17 @@ class Daemon:
                          "sources": sources}
 
 
+def refused_by_ledger(batch: ReceivedBatch, error: PersistenceError) -> ReceivedBatch:
+    """``batch`` with every event turned into a dead letter ``refused_by_ledger`` (each keeps its
+    raw bytes and payload position; the batch's own dead letters stay), so the batch's seq is still
+    consumed and the log holds everything it carried."""
+    detail = f"the ledger refused this event's batch: {error}"
+    letters = [DeadLetter(batch.source_id, batch.engine_id, DeadLetterReason.REFUSED_BY_LEDGER, detail, event.raw,
+                          batch.seq, index if event.batch_index is None else event.batch_index, batch.received_at)
+               for index, event in enumerate(batch.events)]
+    return msgspec.structs.replace(batch, events=[], dead_letters=[*batch.dead_letters, *letters])
+
+
 def _leaf(group: BaseExceptionGroup) -> BaseException:
     first = group.exceptions[0]
     return _leaf(first) if isinstance(first, BaseExceptionGroup) else first
@@ -490,7 +564,9 @@ def serve(settings: ConsumerSettings, *, migrate: bool = False, exit_when_idle_s
     """Blocking entry point of ``semkv-ledger consume``: logging, optional migration, the daemon.
 
     Returns the exit code: 0 clean shutdown; 1 the shutdown timed out or the ledger refused a
-    transaction permanently; 2 database not migrated / unreachable, bad configuration or endpoint.
+    transaction permanently (a SQLite ledger deleted, replaced or made read-only while running
+    included); 2 database not migrated / unreachable / not writable at start, bad configuration
+    or endpoint.
     """
     from ledger.migrate import upgrade
 

@@ -6,7 +6,8 @@ so several daemons can run in one process (tests). Names are ``semkv_consumer_*`
 
 Which side counts what:
 
-* sources (label ``engine_id``): messages and events received, dead letters (label ``reason``),
+* sources (label ``engine_id``): messages and events received, messages on a foreign topic
+  dropped (the SUB matches topic prefixes; see ``SourceSettings.topic``), dead letters (label ``reason``),
   seq gaps seen, handshakes completed and refused (labels ``socket`` = ``sub``/``replay`` and
   ``reason``, see ``consumer/curve.py``), replays (label ``outcome``: ``ok`` covered the gap, ``partial`` recovered some
   batches, ``failed`` recovered none or timed out), duplicates dropped before the ledger,
@@ -72,6 +73,10 @@ class ConsumerMetrics:
         self.duplicates_dropped = Counter("semkv_consumer_duplicate_batches_dropped_total",
                                           "Batches a source had already passed on (same seq, same digest)",
                                           _ENGINE, registry=r)
+        self.foreign_topic_dropped = Counter("semkv_consumer_foreign_topic_dropped_total",
+                                             "Messages on another topic that the SUB's prefix match let through "
+                                             "(e.g. 'kvX' for topic 'kv'): not this source's, dropped unrecorded",
+                                             _ENGINE, registry=r)
         self.backpressure = Counter("semkv_consumer_backpressure_total",
                                     "Times a source found the writer queue full and stopped reading ZMQ",
                                     _ENGINE, registry=r)

@@ -92,7 +92,11 @@ class SourceSettings(BaseModel):
     replay_endpoint: str | None = None
     """ZMQ endpoint of the engine's replay ROUTER; None: gaps cannot be recovered, only recorded."""
     topic: str = ""
-    """Subscription prefix; "" receives every topic (vLLM's default topic is "")."""
+    """Topic of the engine's messages, matched exactly: ZMQ's SUBSCRIBE also lets through longer
+    topics that start with it (``kvX`` for ``kv``), which are dropped and counted
+    (``semkv_consumer_foreign_topic_dropped_total``), never recorded. "" (vLLM's default topic)
+    takes every topic. An engine publishes every message on its one configured topic (vLLM
+    ``KVEventsConfig.topic``)."""
     bind: bool = False
     """Bind the SUB socket instead of connecting (for vLLM engines that connect their PUB)."""
     source_id: str = ""
@@ -151,6 +155,19 @@ class ConsumerSettings(BaseSettings):
     probe and the replay of seen gaps still run)."""
     max_frame_bytes: int = Field(16 * MIB, ge=1024)
     """A frame above this is dead-lettered undecoded (``oversized_frame``)."""
+    max_events_per_message: int = Field(65_536, ge=1)
+    """Events in one message; a message with more is one dead letter (``message_over_limit``, its
+    first 4 KiB kept). Our TensorRT-LLM bridge sends one drain per message: keep this at or above
+    the engine's ``event_buffer_max_size``."""
+    max_blocks_per_message: int = Field(65_536, ge=1)
+    """Blocks in one message (stored, removed and updated together); beyond it, as above. It bounds
+    the stall one message costs every source (it is one transaction): the largest message allowed
+    (65,536 blocks of 64 tokens, 4.5 MB) took 2.6–4.3 s and ~+150 MB peak per process on a loaded
+    2-core machine (tests/integration/consumer/test_daemon_large_message.py). Real engines send far
+    fewer: vLLM one scheduler step's blocks, TensorRT-LLM (through our bridge) one drain."""
+    max_tokens_per_message: int = Field(4 * MIB, ge=1)
+    """Token ids in one message's stored blocks; beyond it, as above (token lists are the bulk of a
+    message's decoded size)."""
     rcv_hwm: int = Field(10_000, ge=1)
     """ZMQ receive high-water mark of each SUB socket, in messages: with the writer queue, the bound
     on memory when a publisher outpaces the ledger (about rcv_hwm × message size; beyond it the PUB
@@ -164,7 +181,8 @@ class ConsumerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level logged (JSON lines on stderr)."""
     record: Path | None = None
-    """Append every message passed to the ledger to this capture file (shared/fixtures format)."""
+    """Append every message passed to the ledger to this capture file (shared/fixtures format); mode
+    0600 whatever the umask (it holds prompt token ids)."""
     db_retry_initial_s: float = Field(0.05, gt=0)
     """First back-off while the database refuses a transaction (e.g. SQLite locked); doubles each retry."""
     db_retry_max_s: float = Field(2.0, gt=0)

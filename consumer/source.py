@@ -7,19 +7,27 @@ passed on (STYLE anti-pattern 3) — and the recent (seq, payload digest) pairs:
 ``next``      seq = last + 1: pass it on.
 ``gap``       seq > last + 1: ask the replay endpoint for ``[last, …]`` (``last`` again: its
               digest proves the engine did not restart meanwhile; if it did, the new run is
-              replayed from 0), pass the recovered batches on in order, then the live one. What replay cannot cover reaches the ledger
-              as a seq jump, and the ledger records the gap, bumps the generation and quarantines.
+              replayed from 0), pass the recovered batches on in order, then the live one. What
+              replay cannot cover reaches the ledger as a seq jump, and the ledger records the
+              gap, bumps the generation and quarantines.
 ``duplicate`` a seq already passed on with the same digest (replay overlap, a re-sent batch):
               dropped here and counted (the ledger would only ignore it).
 ``restart``   a seq at or below ``last`` with a new digest: the engine restarted (its seq starts
-              again at 0); the ledger bumps the generation. If the new run's seq is above 0, replay
-              from 0 is asked (a restarted engine's buffer holds only the new run) and its batches
-              go first. If the first replayed batch is one already passed on (same seq, same
-              digest), the engine did NOT restart: the batch is ``late`` (reordered after its gap
-              was declared lost); it is passed on (the ledger fails closed) without moving
-              ``last_seq``, so no batch of the current run can be fed to the ledger twice.
+              again at 0), or an old batch arrives late. Replay from ``last`` tells which: another
+              digest there proves a restart, and the new run is replayed from 0 and goes first;
+              the same digest proves the engine did NOT restart, so the batch is ``late``
+              (reordered after its gap was declared lost): it is passed on marked ``late`` (the
+              ledger logs it once and never applies it) without moving ``last_seq``, so no batch
+              of the current run can be fed to the ledger twice. Without an answer (no replay
+              endpoint, a buffer that moved past ``last``) it is passed on as it is and the ledger
+              judges it by its log (``ledger.decide.Decider._place``).
 ``first``     nothing known yet: a seq above 0 (a late joiner, or the ZMQ slow joiner) asks replay
               for ``[0, seq)``; what it cannot cover is reported as a :class:`GapReport`.
+
+A restart proven by replay marks the first batch passed on of the new run ``new_run``: the ledger
+then opens a new epoch whatever its seq (a new run first heard of past the old run's last seq
+would otherwise look like its continuation) and logs a gap for the new run's seqs below it that
+the engine's buffer no longer held.
 
 Replay (reference/WIRE.md §B; shared/fixtures/README.md): DEALER sends ``[b"", start_seq8]``; replies
 are ``[b"", topic, seq8, payload]`` (TensorRT-LLM native, our publisher, recorded vLLM 0.32) or
@@ -29,10 +37,15 @@ Replayed batches are passed on as they arrive (a long catch-up commits as it goe
 receive HWM is unlimited, so the rest of one replay waits in ZMQ, bounded by the engine's buffer.
 
 On start, BEFORE its SUB is opened (so nothing queued live is older than the probe's answer), a
-source with a ledger position ``L`` asks replay from ``L`` (not ``L + 1``): the batch at ``L`` is a
-duplicate if the engine kept running (a no-op in the ledger) and a restart otherwise, which the
-ledger detects by digest; a source without a position asks from 0. After ``idle_replay_s`` (0: never) without a message or probe the same probe runs
-again (finds lost trailing batches and batches published before the SUB connected).
+source with a ledger position ``L`` asks replay from ``L`` (not ``L + 1``). The position carries
+the digest of the batch logged at ``L`` (:class:`~ledger.writer.SourcePosition`), so the source
+judges the answer itself: the same digest at ``L`` proves the engine kept running (the copy is
+dropped); another digest proves it restarted while the consumer was down, and its new run,
+possibly already past ``L``, is replayed from 0 as above. (A position without a digest passes the
+batch at ``L`` on, and the ledger judges it by digest.) A source without a position asks from 0.
+After ``idle_replay_s`` (0: never) without a message or probe the same probe runs again, from
+``last_seq`` (finds lost trailing batches, batches published before the SUB connected, and a
+restart nothing was heard of once its new run passed ``last_seq``).
 
 ``record``: every message passed on (live or recovered, in that order; duplicates excluded) is
 appended to a capture file (``consumer/capture.py``), replayable by ``semkv-ledger publish``.
@@ -79,10 +92,12 @@ _DRAIN_MAX = 256  # messages read per poll wake-up
 class SeqTracker:
     """``last_seq`` and the last ``window`` (seq, digest) pairs of one source. Pure; no I/O."""
 
-    def __init__(self, last_seq: int | None, window: int) -> None:
+    def __init__(self, last_seq: int | None, window: int, last_digest: int | None = None) -> None:
         self.last_seq = last_seq
         self._window = window
         self._recent: OrderedDict[int, int] = OrderedDict()
+        if last_seq is not None and last_digest is not None:  # the ledger's last batch (SourcePosition)
+            self._recent[last_seq] = last_digest
 
     def classify(self, seq: int, digest: int) -> Kind:
         last = self.last_seq
@@ -97,6 +112,9 @@ class SeqTracker:
     def seen(self, seq: int, digest: int) -> bool:
         return self._recent.get(seq) == digest
 
+    def digest_at(self, seq: int) -> int | None:
+        return self._recent.get(seq)
+
     def has(self, seq: int) -> bool:
         return seq in self._recent
 
@@ -109,7 +127,8 @@ class SeqTracker:
         return "restart" if known is not None or seq == 0 else None
 
     def is_resume_point(self, seq: int) -> bool:
-        """True for the ledger's last seq right after a resume (its digest is not known here)."""
+        """True for the ledger's last seq right after a resume whose position carried no digest
+        (its batch was not found in the log): the ledger judges that batch."""
         return seq == self.last_seq and not self._recent
 
     def accept(self, seq: int, digest: int, kind: Kind) -> None:
@@ -153,13 +172,19 @@ class Source:
         self._refused_by_socket: dict[str, int] = {}
         self._refusal_log = RefusalLogGate()
         self._settings, self._ctx, self._submit, self._record = settings, ctx, submit, record
-        self._limits = WireLimits(max_frame_bytes=settings.max_frame_bytes)
+        self._limits = WireLimits(max_frame_bytes=settings.max_frame_bytes,
+                                  max_events_per_message=settings.max_events_per_message,
+                                  max_blocks_per_message=settings.max_blocks_per_message,
+                                  max_tokens_per_message=settings.max_tokens_per_message)
         self._topic = source.topic.encode()
         self._known_to_ledger = position is not None
         self._resume_pending = position is not None
         self._verdict: Literal["pending", "same_run", "restart"] | None = None  # restart check by replay
         self._replay_start = 0
-        self.tracker = SeqTracker(position.last_seq if position else None, settings.dedup_window_batches)
+        self._new_run = False  # a restart was proven: the next batch passed on opens the new run
+        self._replayed = 0  # replayed batches passed on (not dropped as duplicates)
+        self.tracker = SeqTracker(position.last_seq if position else None, settings.dedup_window_batches,
+                                  position.last_digest if position else None)
         self._m = metrics
         self._labels = {"engine_id": source.engine_id}
         self.log = structlog.get_logger("consumer.source").bind(engine_id=source.engine_id,
@@ -270,6 +295,9 @@ class Source:
     # -- live messages ------------------------------------------------------------------------
 
     async def _on_live(self, frames: list[bytes]) -> None:
+        if self._topic and frames[0] != self._topic:  # SUBSCRIBE matches a prefix; engines publish one topic
+            self._m.foreign_topic_dropped.labels(**self._labels).inc()
+            return
         if self._known_duplicate(frames):
             return
         item = self._decode(frames)
@@ -282,12 +310,15 @@ class Source:
             return
         self._note(kind, item)
         if self.config.replay_endpoint is not None and (kind == "gap" or (kind != "next" and item.seq > 0)):
+            known = self.tracker.digest_at(item.seq)
             same_run = await self._recover(kind, item)
             kind = self.tracker.classify(item.seq, item.digest)
             if kind == "duplicate":  # replay already delivered it
                 return
-            if kind == "restart" and same_run:
-                kind = "late"  # the replay shows the same run: an old batch, not a restart
+            if kind == "restart" and (same_run or self.tracker.digest_at(item.seq) not in (known, None)):
+                # The replay showed the run we know (an old batch, not a restart), or the engine's
+                # buffer holds another payload at this seq (a batch of a run it has left): late.
+                kind = "late"
         await self._admit(item, frames, kind)
 
     def _known_duplicate(self, frames: list[bytes]) -> bool:
@@ -309,55 +340,85 @@ class Source:
         if kind == "gap":
             self._m.gaps_seen.labels(**self._labels).inc()
             self.log.info("source.gap_seen", seq=item.seq, expected=self.tracker.last_seq + 1)  # type: ignore[operator]
-        elif kind == "restart":
-            self._m.restarts_seen.labels(**self._labels).inc()
+        elif kind == "restart":  # a restart, or a late batch: replay tells (counted when passed on)
             self.log.info("source.restart_seen", seq=item.seq, last_seq=self.tracker.last_seq)
 
     async def _recover(self, kind: Kind, live: ReceivedBatch) -> bool:
         """Replay what precedes ``live``; True if the replay showed the run we know (no restart).
 
-        A gap re-requests ``last_seq`` itself when its digest is known: the same digest proves the
-        engine did not restart; another one proves it did, and the new run is replayed from 0.
+        A gap, or a seq that went back, re-requests ``last_seq`` itself when its digest is known:
+        the same digest proves the engine did not restart (a seq that went back is then a late
+        batch); another one proves it did, and the new run is replayed from 0
+        (:meth:`_replay_new_run`). When nothing at ``last_seq`` tells (a restarted engine whose
+        new run has not reached it yet), a seq that went back asks from 0, where the new run
+        starts; its first batch then judges as it can (``SeqTracker.verdict``).
         """
         last = self.tracker.last_seq
-        if kind == "gap" and self.tracker.has(last):  # type: ignore[arg-type]
-            start, self._verdict = last, "pending"
+        judge = kind in ("gap", "restart") and self.tracker.has(last)  # type: ignore[arg-type]
+        if judge:
+            start = last
         else:
-            start = 0 if kind != "gap" else last + 1  # type: ignore[operator]
-            self._verdict = "pending" if kind == "restart" else None
-        await self._recover_before(start, live)  # type: ignore[arg-type]
+            start = last + 1 if kind == "gap" else 0  # type: ignore[operator]
+        self._verdict = "pending" if judge or kind == "restart" else None
+        await self._recover_before(start, live.seq)  # type: ignore[arg-type]
         if self._verdict == "restart" and start > 0:
-            self.log.warning("source.restart_found_by_replay", seq=live.seq, last_seq=last)
-            self._m.restarts_seen.labels(**self._labels).inc()
-            self._verdict = None
-            await self._recover_before(0, live)
+            await self._replay_new_run(live.seq)
+        elif kind == "restart" and start > 0 and self._verdict != "same_run":
+            self._verdict = "pending"
+            await self._recover_before(0, live.seq)
         same_run, self._verdict = self._verdict == "same_run", None
         return same_run
 
-    async def _recover_before(self, start: int, live: ReceivedBatch) -> None:
+    async def _replay_new_run(self, until: int | None) -> None:
+        """The engine restarted (replay showed another digest at a seq passed on before): replay
+        its new run from 0; the first batch passed on after this is marked ``new_run``, so the
+        ledger opens a new epoch whatever its seq (a new run first heard of past the old run's
+        last seq would otherwise look like its continuation) and logs a gap for the new run's
+        seqs the engine's buffer no longer held."""
+        self.log.warning("source.restart_found_by_replay", last_seq=self.tracker.last_seq, seq=until)
+        self._verdict = None
+        self._new_run = True
+        await self._recover_before(0, until)
+
+    async def _recover_before(self, start: int, until: int | None) -> None:
         """Replay from ``start`` (passing batches on as they arrive) and count whether it covered
-        ``[start, live.seq)``: ``ok`` all of it, ``partial`` some, ``failed`` none (or a timeout)."""
-        self.log.info("source.replay_requested", seq=live.seq, start_seq=start)
-        result = await self.replay(start, until=live.seq)
-        wanted = live.seq - start
+        ``[start, until)``: ``ok`` all of it, ``partial`` some, ``failed`` none (or a timeout)."""
+        self.log.info("source.replay_requested", seq=until, start_seq=start)
+        result = await self.replay(start, until=until)
+        wanted = max(0, until - start) if until is not None else 0
         if wanted:
             outcome = "ok" if result.covered == wanted else ("partial" if result.covered else "failed")
         else:
             outcome = "ok" if result.complete else "failed"
         self._m.replays.labels(**self._labels, outcome=outcome).inc()
-        self.log.info("source.replay_done", seq=live.seq, start_seq=start, outcome=outcome,
+        self.log.info("source.replay_done", seq=until, start_seq=start, outcome=outcome,
                       recovered=result.batches, complete=result.complete)
 
     async def _probe(self) -> None:
-        """Ask replay for anything after what we know (start-up, and after idle_replay_s)."""
+        """Ask replay for anything after what we know (start-up, and after idle_replay_s).
+
+        The request starts at ``last_seq`` itself when its digest is known (at start-up, the
+        ledger's last batch: :attr:`SourcePosition.last_digest`): the same digest proves the run
+        we know (the copy is dropped); another one proves the engine restarted while nothing was
+        heard from it, and its new run is replayed from 0 (:meth:`_replay_new_run`).
+        """
         last = self.tracker.last_seq
-        start = 0 if last is None else (last if self._resume_pending else last + 1)
-        self._resume_pending = False  # the ledger's last batch is re-requested once, on the first probe
+        judge = last is not None and self.tracker.has(last)
+        if last is None:
+            start = 0
+        else:
+            start = last if judge or self._resume_pending else last + 1
+        self._resume_pending = False  # without a digest, the ledger's last batch is re-requested once
+        self._verdict = "pending" if judge else None
+        replayed_before = self._replayed
         result = await self.replay(start)
+        restarted, self._verdict = self._verdict == "restart" and start > 0, None
         self._probed_at = time.monotonic()
         self._m.replay_probes.labels(**self._labels).inc()
-        if result.batches:
-            self.log.info("source.probe_recovered", start_seq=start, batches=result.batches,
+        if restarted:
+            await self._replay_new_run(None)
+        if self._replayed > replayed_before:
+            self.log.info("source.probe_recovered", start_seq=start, batches=self._replayed - replayed_before,
                           complete=result.complete)
 
     async def _feed_one(self, item: ReceivedBatch | DeadLetter, frames: list[bytes]) -> None:
@@ -365,22 +426,33 @@ class Source:
         if isinstance(item, DeadLetter):
             await self._pass_on(item, frames)
             return
-        if self._verdict == "pending":  # does the first replayed batch show the run we know?
+        proof = self._verdict == "pending"  # does this first replayed batch show the run we know?
+        if proof:
             self._verdict = self.tracker.verdict(item.seq, item.digest)
+            if self._verdict == "restart" and self._replay_start == 0:
+                self._new_run = True  # the new run replayed from its start: this batch opens it
         if self._verdict == "restart" and self._replay_start > 0:
-            return  # a new run seen from the middle: dropped, replayed again from 0 (see _recover)
+            return  # a new run seen from the middle: dropped, replayed again from 0 (_replay_new_run)
         kind = self.tracker.classify(item.seq, item.digest)
-        if kind == "duplicate" or (self._verdict == "same_run" and kind == "restart"):
-            self._drop_duplicate(item)  # same run: passed on before, or declared lost by the ledger
+        if kind == "duplicate":
+            self._drop_duplicate(item, count=not proof)  # the proof was asked for, not re-sent
             return
-        if kind == "restart" and self.tracker.is_resume_point(item.seq):
+        if kind == "restart" and self._verdict == "same_run":
+            kind = "late"  # the run we know: a batch the ledger declared lost (or the window forgot)
+        elif kind == "restart" and self.tracker.is_resume_point(item.seq):
             kind = "next"  # the ledger's last batch, digest unknown here: the ledger judges
         self._m.replayed_batches.labels(**self._labels).inc()
+        self._replayed += 1
         await self._admit(item, frames, kind)
 
     async def _admit(self, item: ReceivedBatch, frames: list[bytes], kind: Kind) -> None:
         """Advance the tracker and pass the batch on (with a GapReport first for a late joiner
-        whose earlier batches replay could not give)."""
+        whose earlier batches replay could not give). The judgements replay proved travel with
+        the batch: ``new_run`` (a restart) and ``late`` (an old batch of the run we know)."""
+        if self._new_run:
+            self._new_run = False
+            self.log.warning("source.new_run", seq=item.seq, last_seq=self.tracker.last_seq)
+            kind, item = "restart", msgspec.structs.replace(item, new_run=True)
         if kind == "first" and item.seq > 0 and not self._known_to_ledger:
             await self._submit(GapReport(self.source_id, self.config.engine_id, 0, item.seq,
                                          GenerationReason.SEQ_GAP))
@@ -389,7 +461,10 @@ class Source:
             self.log.warning("source.gap_unrecovered", seq=item.seq, expected=self.tracker.last_seq + 1)  # type: ignore[operator]
         elif kind == "late":
             self.log.warning("source.late_batch", seq=item.seq, last_seq=self.tracker.last_seq)
-        if kind != "late":  # a late batch goes to the ledger (which fails closed) but moves nothing here
+            item = msgspec.structs.replace(item, late=True)
+        elif kind == "restart":
+            self._m.restarts_seen.labels(**self._labels).inc()
+        if kind != "late":  # a late batch goes to the ledger (logged, never applied) but moves nothing here
             self.tracker.accept(item.seq, item.digest, kind)
         await self._pass_on(item, frames)
 

@@ -16,10 +16,11 @@ Event dialects, detected per event (reference/WIRE.md §A, §B):
 (a) TensorRT-LLM LLM-API dicts (``tensorrt_llm/_utils.py`` ``KVCacheEventSerializer``):
     ``{"event_id", "data": {"type": created|stored|updated|removed, ...}, "window_size",
     "attention_dp_rank"?, "layer_group_id"?, "hash_algo"?}``. Hashes are unsigned 64-bit ints,
-    or 64-char hex strings under ``hash_algo="v2_sha256"``.
+    or 64-char hex strings under ``hash_algo="v2_sha256"``. A stored event's blocks are full but
+    for the last, which may be partial; none is empty.
 (b) maps tagged ``"type": BlockStored|BlockRemoved|AllBlocksCleared`` (current vLLM, recorded
     from 0.32 in shared/fixtures; TensorRT-LLM native; Dynamo). Hashes int64/uint64 or 32-byte
-    ``bin``. ``token_ids`` holds all blocks' tokens, ``block_size`` per block.
+    ``bin``. ``token_ids`` holds all blocks' tokens, ``block_size`` per block: full blocks only.
 (c) older vLLM's positional tagged arrays (``array_like=True`` Structs): ``["BlockStored",
     block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?, lora_name?,
     extra_keys?, group_idx?, ...]``,
@@ -29,6 +30,13 @@ Event dialects, detected per event (reference/WIRE.md §A, §B):
 Errors are values, never exceptions (STYLE "Errors"): a bad frame set is a :class:`DeadLetter`; a
 bad payload is a :class:`ReceivedBatch` with no events and one dead letter (so the source position
 still advances); a bad event is a dead letter with ``batch_index`` beside its good siblings.
+
+Bounds: every value the ledger stores is bounded by its columns (``ledger.schema.STORED_FIELDS``),
+so no transaction is refused for a value (which would take the batch's good siblings with it and,
+handed back by the engine's replay buffer, crash-loop the daemon). One message may hold at most
+:class:`WireLimits`' events, blocks and token ids: a large event is counted from its lists'
+headers before it is decoded, so memory and the transaction's size stay bounded. An event nested
+deeper than msgspec recurses is found by walking the payload (:mod:`consumer.wire_scan`).
 
 Raw bytes kept for audits and exact replay:
 
@@ -43,19 +51,22 @@ Raw bytes kept for audits and exact replay:
 from __future__ import annotations
 
 import math
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Final, Union
+from typing import Annotated, Any, Final, Union
 
 import msgspec
 import xxhash
 
+from consumer.wire_scan import ScanError, array_header, skip_object
 from ledger.events import (
     AllBlocksCleared, BlockRemoved, BlockStored, BlockUpdated, DeadLetter, EngineCreated,
     EngineEvent, LevelDiff, ReceivedBatch, StoredBlock,
 )
+from ledger.schema import integer_range, max_length
 from ledger.types import BlockHash, DeadLetterReason, cache_level_from_medium, normalize_hash
 
 __all__ = [
@@ -97,7 +108,14 @@ class WireLimits:
     max_frame_bytes: int = 16 * 2**20
     """A frame above this is a dead letter ``OVERSIZED_FRAME`` (the payload is never decoded)."""
     oversized_keep_bytes: int = 4096
-    """How much of an oversized frame the dead letter keeps (the DB must not hold 16 MiB rows)."""
+    """How much of an oversized frame (or of a message over a limit) the dead letter keeps (the DB
+    must not hold 16 MiB rows)."""
+    max_events_per_message: int = 65_536
+    """Events in one message; beyond it the whole message is a dead letter ``MESSAGE_OVER_LIMIT``."""
+    max_blocks_per_message: int = 65_536
+    """Blocks in one message (stored, removed and updated ones together); beyond it, as above."""
+    max_tokens_per_message: int = 4 * 2**20
+    """Token ids in one message's stored blocks; beyond it, as above."""
 
 
 def pack_seq(seq: int) -> bytes:
@@ -167,14 +185,37 @@ def _pack_i64(ids: Sequence[int]) -> bytes:
 
 
 # --- Typed wire schemas ------------------------------------------------------------------------
-# msgspec checks types in C; ranges are checked in the converters so that they get their own
-# dead-letter reasons. Unknown keys are ignored: engines add fields.
+# msgspec checks types and ranges in C (a range failure is classified VALUE_OUT_OF_RANGE by
+# _range_failure); hashes and token ids are checked in the converters. Unknown keys are ignored:
+# engines add fields. A field the ledger stores is bounded by its columns (ledger.schema
+# STORED_FIELDS), so a value no column can hold never reaches a transaction.
+
+
+def _stored(field: str, *, low: int = 0) -> Any:
+    """``int`` in what every column of ``field`` holds, and at least ``low`` (engines report these as
+    ids, counts and levels: never negative)."""
+    column_low, column_high = integer_range(field)
+    return Annotated[int, msgspec.Meta(ge=max(low, column_low), le=column_high)]
+
+
+_EventId = _stored("event_id")
+_WindowSize = _stored("window_size")
+_DpRank = _stored("attention_dp_rank")
+_CacheLevel = _stored("cache_level")
+_Priority = _stored("priority")
+_LevelOrPriority = Annotated[int, msgspec.Meta(ge=0, le=min(integer_range("cache_level")[1],
+                                                             integer_range("priority")[1]))]
+_LoraId = _stored("lora_id")
+_BlockSize = _stored("num_tokens", low=1)
+_Count = Annotated[int, msgspec.Meta(ge=0)]  # not stored in a column
+_SALT_CHARS: Final = max_length("cache_salt")
+_Salt = Annotated[str, msgspec.Meta(max_length=_SALT_CHARS)]
 
 
 class _Batch(msgspec.Struct, array_like=True, gc=False):
     ts: float  # msgspec accepts msgpack ints here too
     events: list[msgspec.Raw]  # sliced, decoded one by one so that one bad event stays alone
-    data_parallel_rank: int | None = None
+    data_parallel_rank: _DpRank | None = None
 
 
 _BATCH = msgspec.msgpack.Decoder(_Batch)
@@ -191,21 +232,21 @@ class _Token(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="uniqu
 
 class _MmKey(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="mm_key"):
     hash: str  # 64 hex chars or a user uuid; validated, not kept: the block hash covers it
-    start_offset: int
+    start_offset: _Count
 
 
 class _Diff(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="event_diff"):
-    new_value: int
-    old_value: int
+    new_value: _LevelOrPriority
+    old_value: _LevelOrPriority
 
 
 class _TrtBlock(msgspec.Struct, frozen=True, gc=False, tag_field="type", tag="stored_block"):
     block_hash: int | str
     tokens: list[_Token]
-    cache_level: int | None = None
-    priority: int | None = None
-    cache_salt: str | None = None
-    lora_id: int | None = None  # not serialized by 1.2.x; read if a later version sends it
+    cache_level: _CacheLevel | None = None
+    priority: _Priority | None = None
+    cache_salt: _Salt | None = None
+    lora_id: _LoraId | None = None  # not serialized by 1.2.x; read if a later version sends it
     mm_keys: list[_MmKey] = []
 
 
@@ -214,7 +255,7 @@ class _TrtData(msgspec.Struct, frozen=True, gc=False, tag_field="type"):
 
 
 class _TrtCreated(_TrtData, tag="created"):
-    num_blocks_per_cache_level: list[int] = []
+    num_blocks_per_cache_level: list[_Count] = []
 
 
 class _TrtStored(_TrtData, tag="stored", rename=_TRT_RENAME):
@@ -233,11 +274,11 @@ class _TrtUpdated(_TrtData, tag="updated"):
 
 
 class _TrtEvent(msgspec.Struct, frozen=True, gc=False, rename=_TRT_RENAME):
-    event_id: int
+    event_id: _EventId
     body: _TrtCreated | _TrtStored | _TrtRemoved | _TrtUpdated
-    window_size: int = 0
-    attention_dp_rank: int | None = None
-    layer_group_id: int | None = None
+    window_size: _WindowSize = 0
+    attention_dp_rank: _DpRank | None = None
+    layer_group_id: _Count | None = None
     hash_algo: str | None = None
 
 
@@ -246,20 +287,20 @@ class _VStored(msgspec.Struct, frozen=True, gc=False, rename=_VLLM_RENAME):
     block_hashes: list[int | bytes]
     parent_hash: int | bytes | None
     token_ids: list[int]
-    tokens_per_block: int
-    lora_id: int | None = None
+    tokens_per_block: _BlockSize
+    lora_id: _LoraId | None = None
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[list[Any] | None] | None = None
-    group_idx: int | None = None
+    group_idx: _Count | None = None
     kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+    kv_cache_spec_sliding_window: _Count | None = None
 
 
 class _VRemoved(msgspec.Struct, frozen=True, gc=False):
     block_hashes: list[int | bytes]
     medium: str | None = None
-    group_idx: int | None = None
+    group_idx: _Count | None = None
 
 
 class _VCleared(msgspec.Struct, frozen=True, gc=False):
@@ -302,6 +343,85 @@ class _Reject(Exception):
         self.detail = detail
 
 
+class _OverLimit(Exception):
+    """Internal: the message went over one of :class:`WireLimits`' per-message limits."""
+
+
+_RANGE_MESSAGE: Final = re.compile(r"Expected `(int|str)`( of length)? [<>]=")
+_PRECHECK_BYTES: Final = 64 * 1024
+"""An event this large is counted from its list headers before it is decoded: decoded, a list
+costs ~8–40 bytes an element, so a 16 MiB event could take 600 MB before its count is known.
+A smaller one decodes within a few MB, and is counted after."""
+_SCAN_BUDGET: Final = 4_000_000
+"""Objects :func:`_batch_by_scan` walks per element (~0.3 µs each: ~1.2 s at most)."""
+_RAW_MAP = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_RAW_LIST = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_RAW_MAPS = msgspec.msgpack.Decoder(list[dict[str, msgspec.Raw]])
+_NUM_TOKENS = attrgetter("num_tokens")
+
+
+class _Budget:
+    """What is left of one message's block and token limits (:class:`WireLimits`)."""
+
+    __slots__ = ("blocks", "limits", "tokens")
+
+    def __init__(self, limits: WireLimits) -> None:
+        self.limits = limits
+        self.blocks = limits.max_blocks_per_message
+        self.tokens = limits.max_tokens_per_message
+
+    def spend(self, body: Any) -> None:
+        """Count a decoded event's blocks and tokens. Raises _OverLimit past a limit."""
+        kind = type(body)
+        if kind is BlockStored:
+            self.blocks -= len(body.blocks)
+            self.tokens -= sum(map(_NUM_TOKENS, body.blocks))
+        elif kind is BlockRemoved:
+            self.blocks -= len(body.block_hashes)
+        elif kind is BlockUpdated:
+            self.blocks -= 1
+        self._check(0, 0)
+
+    def precheck(self, raw: bytes, dialect: str) -> None:
+        """Count a large event from its list headers, before it is decoded. Raises _OverLimit."""
+        try:
+            blocks, tokens = _shape(raw, dialect, self.blocks)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, ScanError, TypeError):
+            return  # not shaped as expected: the real decode says why
+        self._check(blocks, tokens)
+
+    def _check(self, blocks: int, tokens: int) -> None:
+        limits = self.limits
+        if blocks > self.blocks:
+            raise _OverLimit(f"more than max_blocks_per_message {limits.max_blocks_per_message} blocks")
+        if tokens > self.tokens:
+            raise _OverLimit(f"more than max_tokens_per_message {limits.max_tokens_per_message} tokens")
+
+
+def _shape(raw: bytes, dialect: str, blocks_left: int) -> tuple[int, int]:
+    """(blocks, token ids) of an undecoded event, from its lists' headers (``msgspec.Raw`` fields
+    skip the elements without building them). Dialect (a)'s tokens sit in each block: they are
+    counted only if the blocks fit ``blocks_left``."""
+    if dialect == "c":
+        fields = _RAW_LIST.decode(raw)
+        return _length_of(fields[1] if len(fields) > 1 else None), _length_of(fields[3] if len(fields) > 3 else None)
+    fields = _RAW_MAP.decode(raw)
+    if dialect == "b":
+        return _length_of(fields.get("block_hashes")), _length_of(fields.get("token_ids"))
+    data = _RAW_MAP.decode(fields["data"])
+    if "blocks" not in data:
+        return _length_of(data.get("block_hashes")), 0
+    blocks = _length_of(data["blocks"])
+    if blocks > blocks_left:
+        return blocks, 0
+    return blocks, sum(_length_of(block.get("tokens")) for block in _RAW_MAPS.decode(data["blocks"]))
+
+
+def _length_of(raw: msgspec.Raw | None) -> int:
+    header = None if raw is None else array_header(memoryview(raw))
+    return 0 if header is None else header[0]
+
+
 def decode_message(
     frames: Sequence[bytes],
     *,
@@ -322,9 +442,13 @@ def decode_message(
         :class:`DeadLetter` for a wrong frame set (WRONG_FRAME_COUNT, BAD_SEQ_FRAME incl. a replay
         end marker or a negative seq, OVERSIZED_FRAME); otherwise :class:`ReceivedBatch` whose
         ``dead_letters`` hold a payload-level failure (MALFORMED_MSGPACK, BAD_BATCH_SHAPE,
-        VALUE_OUT_OF_RANGE for a NaN, infinite or negative ``ts``; then
-        ``events == []`` and ``ts == 0.0``) or per-event failures (``batch_index`` = position).
-        ``digest`` is xxh3_64 of the payload bytes.
+        VALUE_OUT_OF_RANGE for a NaN, infinite or negative ``ts`` or an out-of-range
+        ``data_parallel_rank``, MESSAGE_OVER_LIMIT past one of ``limits``' per-message counts, which
+        keeps only the payload's first ``oversized_keep_bytes``; then ``events == []`` and
+        ``ts == 0.0``) or per-event failures (``batch_index`` = position): among them
+        VALUE_OUT_OF_RANGE for any value its ledger column cannot hold (ledger.schema
+        ``STORED_FIELDS``), and MALFORMED_MSGPACK for an event nested too deeply to decode (found
+        by walking the payload, so its siblings are kept). ``digest`` is xxh3_64 of the payload bytes.
     """
     meta = (source_id, engine_id, received_at)
     bad = _check_frames(frames, limits)
@@ -336,30 +460,34 @@ def decode_message(
     payload = frames[2]
     digest = xxhash.xxh3_64_intdigest(payload)
     try:
-        batch = _BATCH.decode(payload)
-    except msgspec.ValidationError as exc:
-        return _payload_failure(meta, seq, digest, payload, _Why.BAD_BATCH_SHAPE, str(exc))
-    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
-        return _payload_failure(meta, seq, digest, payload, _Why.MALFORMED_MSGPACK, str(exc))
+        batch = _decode_batch(payload, limits)
+    except _Reject as rej:
+        kept = payload if rej.reason != _Why.MESSAGE_OVER_LIMIT else memoryview(payload)[:limits.oversized_keep_bytes]
+        return _payload_failure(meta, seq, digest, kept, rej.reason, rej.detail)
     ts = batch.ts
     if not (math.isfinite(ts) and ts >= 0.0):  # NaN/inf/negative must never reach the ledger
         return _payload_failure(meta, seq, digest, payload, _Why.VALUE_OUT_OF_RANGE,
                                 f"batch ts {ts!r} is not a finite time >= 0")
     rank = batch.data_parallel_rank
-    if rank is not None and rank < 0:
-        return _payload_failure(meta, seq, digest, payload, _Why.BAD_BATCH_SHAPE,
-                                f"data_parallel_rank {rank} < 0")
     events: list[EngineEvent] = []
     dead: list[DeadLetter] = []
+    budget = _Budget(limits)
     for index, item in enumerate(batch.events):
         raw = bytes(item)
         try:
-            events.append(_decode_event(raw, rank or 0))
+            event = _decode_event(raw, rank or 0, budget)
         except _Reject as rej:
             dead.append(DeadLetter(source_id, engine_id, rej.reason, rej.detail, raw, seq, index,
                                    received_at))
+            continue
+        except _OverLimit as over:
+            return _payload_failure(meta, seq, digest, memoryview(payload)[:limits.oversized_keep_bytes],
+                                    _Why.MESSAGE_OVER_LIMIT, f"{over}; payload is {len(payload)} bytes, "
+                                    f"kept first {limits.oversized_keep_bytes}")
+        events.append(event)
     if dead:  # keep each event's payload position: (source, seq, index) is the log's idempotency key
-        kept = [i for i in range(len(batch.events)) if i not in {d.batch_index for d in dead}]
+        refused = {d.batch_index for d in dead}
+        kept = [i for i in range(len(batch.events)) if i not in refused]
         events = [msgspec.structs.replace(e, batch_index=i) for e, i in zip(events, kept)]
     return ReceivedBatch(source_id, engine_id, seq, batch.ts, digest, events, rank, received_at,
                          dead)
@@ -390,6 +518,79 @@ def _frames_raw(frames: Sequence[bytes], limits: WireLimits) -> bytes:
     return pack_frames([f if len(f) <= limit else memoryview(f)[:keep] for f in frames])
 
 
+def _decode_batch(payload: bytes, limits: WireLimits) -> _Batch:
+    """The batch with its events as raw slices; an event count over the limit is refused before
+    any event is sliced (one ``Raw`` per event would already cost memory).
+
+    Raises:
+        _Reject: BAD_BATCH_SHAPE, MALFORMED_MSGPACK, VALUE_OUT_OF_RANGE, MESSAGE_OVER_LIMIT.
+    """
+    count = _event_count(payload)
+    if count is not None and count > limits.max_events_per_message:
+        raise _Reject(_Why.MESSAGE_OVER_LIMIT, f"{count} events > max_events_per_message "
+                      f"{limits.max_events_per_message}; payload is {len(payload)} bytes, kept first "
+                      f"{limits.oversized_keep_bytes}")
+    try:
+        return _BATCH.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise _range_failure(exc) or _Reject(_Why.BAD_BATCH_SHAPE, str(exc)) from None
+    except RecursionError:  # an event nested deeper than msgspec recurses: isolate it
+        return _batch_by_scan(payload)
+    except msgspec.DecodeError as exc:
+        raise _Reject(_Why.MALFORMED_MSGPACK, str(exc)) from None
+
+
+def _event_count(payload: bytes) -> int | None:
+    """The length of the payload's events array, read from its header (None if the payload is
+    not shaped ``[ts, [events…], …]``: the decoder then says why)."""
+    try:
+        outer = array_header(payload)
+        if outer is None or outer[0] < 2:
+            return None
+        events = array_header(payload, skip_object(payload, outer[1], 1))
+    except ScanError:
+        return None
+    return None if events is None else events[0]
+
+
+def _batch_by_scan(payload: bytes) -> _Batch:
+    """Slice the events with :func:`consumer.wire_scan.skip_object` (no recursion), so an event
+    nested too deeply for msgspec is a dead letter alone (``_decode_event`` meets the
+    RecursionError) and its siblings are applied.
+
+    Raises:
+        _Reject: MALFORMED_MSGPACK (not msgpack, or more than :data:`_SCAN_BUDGET` objects),
+            BAD_BATCH_SHAPE, VALUE_OUT_OF_RANGE.
+    """
+    try:
+        outer = array_header(payload)
+        if outer is None or not 2 <= outer[0] <= 3:
+            raise _Reject(_Why.BAD_BATCH_SHAPE, "payload is not [ts, events, data_parallel_rank?]")
+        ts_end = skip_object(payload, outer[1], _SCAN_BUDGET)
+        events = array_header(payload, ts_end)
+        if events is None:
+            raise _Reject(_Why.BAD_BATCH_SHAPE, "payload element 1 (events) is not an array")
+        spans, pos = [], events[1]
+        for _ in range(events[0]):
+            end = skip_object(payload, pos, _SCAN_BUDGET)
+            spans.append(msgspec.Raw(payload[pos:end]))
+            pos = end
+        rest = [skip_object(payload, pos, _SCAN_BUDGET)] if outer[0] == 3 else []
+    except ScanError as exc:
+        raise _Reject(_Why.MALFORMED_MSGPACK, f"nested too deeply to decode and not walkable: {exc}") from None
+    if (rest[0] if rest else pos) != len(payload):
+        raise _Reject(_Why.MALFORMED_MSGPACK, "trailing bytes after the payload")
+    # The header elements alone, re-framed: [ts, [], rank?] (validated as a whole payload is).
+    header = bytes([0x90 | outer[0]]) + payload[outer[1]:ts_end] + b"\x90" + payload[pos:]
+    try:
+        shell = _BATCH.decode(header)
+    except msgspec.ValidationError as exc:
+        raise _range_failure(exc) or _Reject(_Why.BAD_BATCH_SHAPE, str(exc)) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _Reject(_Why.MALFORMED_MSGPACK, str(exc)) from None
+    return _Batch(shell.ts, spans, shell.data_parallel_rank)
+
+
 def _payload_failure(
     meta: tuple[str, str, float], seq: int, digest: int, payload: bytes,
     reason: DeadLetterReason, detail: str,
@@ -400,15 +601,25 @@ def _payload_failure(
     return ReceivedBatch(source_id, engine_id, seq, 0.0, digest, [], None, received_at, [letter])
 
 
-def _decode_event(raw: bytes, batch_rank: int) -> EngineEvent:
+def _decode_event(raw: bytes, batch_rank: int, budget: _Budget) -> EngineEvent:
+    """One event, within what is left of the message's limits.
+
+    Raises:
+        _Reject: the event alone is a dead letter.
+        _OverLimit: the message went over a limit (the whole message is a dead letter).
+    """
     dialect = _sniff(raw)
+    if len(raw) > _PRECHECK_BYTES:  # count before decoding: a large list costs ~40 bytes an element
+        budget.precheck(raw, dialect)
     try:
         wire = _DECODERS[dialect].decode(raw)
     except msgspec.ValidationError as exc:
         raise _classify(raw, dialect, exc) from None
     except (msgspec.DecodeError, RecursionError) as exc:  # bad UTF-8 is not seen when slicing
         raise _Reject(_Why.MALFORMED_MSGPACK, str(exc)) from None
-    return _CONVERTERS[type(wire)](wire, raw, batch_rank)
+    event = _CONVERTERS[type(wire)](wire, raw, batch_rank)
+    budget.spend(event.body)
+    return event
 
 
 def _sniff(raw: bytes) -> str:
@@ -439,8 +650,21 @@ def _generic(raw: bytes) -> Any:
         raise _Reject(_Why.MALFORMED_MSGPACK, str(exc)) from None
 
 
+def _range_failure(exc: msgspec.ValidationError) -> _Reject | None:
+    """A bound of :func:`_stored` / ``_Count`` / ``_Salt`` failed (msgspec says "Expected `int` <= …",
+    "Expected `str` of length <= …"): VALUE_OUT_OF_RANGE; None for any other validation error."""
+    text = str(exc)
+    if _RANGE_MESSAGE.match(text):
+        return _Reject(_Why.VALUE_OUT_OF_RANGE, text)
+    return None
+
+
 def _classify(raw: bytes, dialect: str, exc: msgspec.ValidationError) -> _Reject:
-    """Error path only: an unknown type tag gets its own reason, anything else is a schema error."""
+    """Error path only: a bound that failed and an unknown type tag get their own reasons,
+    anything else is a schema error."""
+    out_of_range = _range_failure(exc)
+    if out_of_range is not None:
+        return out_of_range
     obj = _generic(raw)
     tag: Any = None
     if dialect == "a" and isinstance(obj, dict) and isinstance(obj.get("data"), dict):
@@ -455,12 +679,6 @@ def _classify(raw: bytes, dialect: str, exc: msgspec.ValidationError) -> _Reject
 
 
 # --- Range checks and hashes ---------------------------------------------------------------------
-
-
-def _nonneg(value: int | None, name: str) -> int | None:
-    if value is not None and value < 0:
-        raise _Reject(_Why.VALUE_OUT_OF_RANGE, f"{name} {value} < 0")
-    return value
 
 
 def _trt_hash(value: int | str, algo: str | None) -> BlockHash:
@@ -507,11 +725,8 @@ def _checked(pack: Any, *args: Any) -> Any:
 
 
 def _from_trt(ev: _TrtEvent, raw: bytes, batch_rank: int) -> EngineEvent:
-    _nonneg(ev.event_id, "event_id")
-    _nonneg(ev.window_size, "window_size")
-    _nonneg(ev.layer_group_id, "layer_group_id")
     # Absent outside attention DP: then the publishing rank is the emitting rank.
-    rank = _nonneg(ev.attention_dp_rank, "attention_dp_rank")
+    rank = ev.attention_dp_rank
     data = ev.body
     algo = ev.hash_algo
     if type(data) is _TrtStored:
@@ -520,17 +735,15 @@ def _from_trt(ev: _TrtEvent, raw: bytes, batch_rank: int) -> EngineEvent:
         body = BlockRemoved(block_hashes=[_trt_hash(h, algo) for h in data.block_hashes])
     elif type(data) is _TrtUpdated:
         body = BlockUpdated(block_hash=_trt_hash(data.block_hash, algo),
-                            cache_level=_diff(data.cache_level, "cache_level"),
-                            priority=_diff(data.priority, "priority"))
+                            cache_level=_diff(data.cache_level), priority=_diff(data.priority))
     else:
-        for n in data.num_blocks_per_cache_level:
-            _nonneg(n, "num_blocks_per_cache_level")
         body = EngineCreated(num_blocks_per_cache_level=data.num_blocks_per_cache_level)
     return EngineEvent(body, data.__struct_config__.tag, raw, ev.event_id, ev.window_size,
                        batch_rank if rank is None else rank)
 
 
 def _trt_stored(data: _TrtStored, algo: str | None) -> BlockStored:
+    _check_trt_block_sizes(data.blocks)
     blocks = []
     lora_id = None
     for b in data.blocks:
@@ -539,36 +752,44 @@ def _trt_stored(data: _TrtStored, algo: str | None) -> BlockStored:
             _trt_hash(b.block_hash, algo),
             len(tokens),
             _checked(tokens_digest, list(map(_TOKEN_ID, tokens)), list(map(_EXTRA_ID, tokens))),
-            _nonneg(b.cache_level, "cache_level"),
-            _nonneg(b.priority, "priority"),
+            b.cache_level,
+            b.priority,
             b.cache_salt,
         ))
         if lora_id is None:
-            lora_id = _nonneg(b.lora_id, "lora_id")
+            lora_id = b.lora_id
     parent = None if data.parent_hash is None else _trt_hash(data.parent_hash, algo)
     return BlockStored(parent_hash=parent, blocks=blocks, lora_id=lora_id)
 
 
-def _diff(diff: _Diff | None, name: str) -> LevelDiff | None:
-    if diff is None:
-        return None
-    _nonneg(diff.old_value, name)
-    _nonneg(diff.new_value, name)
-    return LevelDiff(old_value=diff.old_value, new_value=diff.new_value)
+def _check_trt_block_sizes(blocks: list[_TrtBlock]) -> None:
+    """Dialect (a)'s rule (reference/WIRE.md §A): the blocks of one event are one chain of full
+    blocks whose last may be partial, so every block but the last holds the same number of tokens
+    and the last at most that many; none is empty. (The event does not say ``tokens_per_block``.)"""
+    if not blocks:
+        return
+    full = len(blocks[0].tokens)
+    for position, block in enumerate(blocks):
+        count = len(block.tokens)
+        last = position == len(blocks) - 1
+        if count == 0 or count > full or (count != full and not last):
+            raise _Reject(_Why.SCHEMA_MISMATCH, f"block {position} of {len(blocks)} holds {count} tokens; "
+                          f"blocks before the last hold {full} (only the last may be partial, none empty)")
+
+
+def _diff(diff: _Diff | None) -> LevelDiff | None:
+    return None if diff is None else LevelDiff(old_value=diff.old_value, new_value=diff.new_value)
 
 
 def _from_vllm_stored(ev: _VStored, raw: bytes, rank: int) -> EngineEvent:
     n, size, num_tokens = len(ev.block_hashes), ev.tokens_per_block, len(ev.token_ids)
-    if size <= 0:
-        raise _Reject(_Why.VALUE_OUT_OF_RANGE, f"block_size {size} <= 0")
-    # Full blocks normally; tolerate a partial last block, nothing else.
-    if not (n - 1) * size < num_tokens <= n * size:
+    # Dialects (b)/(c) publish full blocks only (reference/WIRE.md §B: vLLM caches full blocks;
+    # TensorRT-LLM's native publisher and Dynamo say so): block_size is bounded by the schema.
+    if num_tokens != n * size:
         raise _Reject(_Why.SCHEMA_MISMATCH,
-                      f"{num_tokens} token_ids do not fill {n} blocks of {size}")
+                      f"{num_tokens} token_ids are not {n} full blocks of block_size {size}")
     if ev.extra_keys is not None and len(ev.extra_keys) != n:
         raise _Reject(_Why.SCHEMA_MISMATCH, f"{len(ev.extra_keys)} extra_keys for {n} blocks")
-    _nonneg(ev.lora_id, "lora_id")
-    _nonneg(ev.group_idx, "group_idx")
     tokens = memoryview(_checked(_pack_i64, ev.token_ids))
     level = _level(ev.medium)
     salt = _salt(ev)
@@ -581,7 +802,7 @@ def _from_vllm_stored(ev: _VStored, raw: bytes, rank: int) -> EngineEvent:
         salt = None  # the salt belongs to the first block only
         lo += step
     parent = None if ev.parent_hash is None else _vllm_hash(ev.parent_hash)
-    body = BlockStored(parent_hash=parent, blocks=blocks, lora_id=ev.lora_id)
+    body = BlockStored(parent_hash=parent, blocks=blocks, lora_id=ev.lora_id, lora_name=ev.lora_name)
     return EngineEvent(body, "BlockStored", raw, None, 0, rank)
 
 
@@ -598,12 +819,13 @@ def _salt(ev: _VStored) -> str | None:
     following = (keys[1] or ()) if len(keys) > 1 else ()
     for key in keys[0]:
         if type(key) is str and key != ev.lora_name and key not in following:
+            if len(key) > _SALT_CHARS:
+                raise _Reject(_Why.VALUE_OUT_OF_RANGE, f"cache salt of {len(key)} characters > {_SALT_CHARS}")
             return key
     return None
 
 
 def _from_vllm_removed(ev: _VRemoved, raw: bytes, rank: int) -> EngineEvent:
-    _nonneg(ev.group_idx, "group_idx")
     body = BlockRemoved(block_hashes=[h & _U64 if type(h) is int else _normalize(h)
                                       for h in ev.block_hashes], cache_level=_level(ev.medium))
     return EngineEvent(body, "BlockRemoved", raw, None, 0, rank)

@@ -30,6 +30,10 @@ joined); a ``removed`` of a quarantined block removes it and is counted ``remove
 Likewise an ``updated`` of a removed block is ``updated_unknown``, of a quarantined one
 ``updated_not_live``. This errs only toward *not live* — a missed reuse, never a promise on evicted
 KV (DESIGN §2 rules 3 and 9).
+
+A late batch (logged stale by ``ledger.decide``) changes nothing but counters: its events are
+logged with ``applied`` False, and its ``batch_received`` row, at or below the source's last seq in
+the same epoch, leaves the source position where it is (counted ``batches_stale``).
 """
 
 from __future__ import annotations
@@ -315,6 +319,14 @@ def _on_updated(proj: Projection, entry: LogEntry, body: ev.BlockUpdated) -> Non
 
 
 def _on_batch(proj: Projection, entry: LogEntry, body: ev.BatchReceived) -> None:
+    source = proj.sources.get(body.source_id)
+    if source is not None and source["epoch"] == body.source_epoch and body.seq <= source["last_seq"]:
+        # A late batch, logged stale in the current epoch (ledger.decide.Decider._place): the
+        # source position stays where the run is, or its next batches would look like a gap and
+        # batches already logged past this seq would be logged again.
+        proj.count(body.engine_id, "batches")
+        proj.count(body.engine_id, "batches_stale")
+        return
     proj.put("sources", body.source_id, {
         "source_id": body.source_id, "engine_id": body.engine_id, "epoch": body.source_epoch,
         "last_seq": body.seq, "last_ts": body.ts,

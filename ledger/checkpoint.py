@@ -23,8 +23,11 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 
 import structlog
+
+from ledger.errors import LedgerUnwritable
 
 BACKSTOP_PAGES = 4096
 """``wal_autocheckpoint`` of the writer connection (pages; 16 MiB at the default 4 KiB page)."""
@@ -42,8 +45,16 @@ class WalCheckpointer:
     Errors are logged and retried on the next commit; they never reach the writer.
     """
 
-    def __init__(self, path: str, *, min_interval_s: float = MIN_INTERVAL_S) -> None:
+    def __init__(self, path: str, *, min_interval_s: float = MIN_INTERVAL_S,
+                 same_file: Callable[[], None] = lambda: None) -> None:
+        """``same_file`` raises :class:`~ledger.errors.LedgerUnwritable` when ``path`` (or its
+        ``-wal``/``-shm``) no longer names the file the writer opened (``LedgerFiles.check_same``);
+        it runs before and after this thread (re)connects, which it does by path: a connection to
+        a file renamed over the ledger would checkpoint the writer's WAL, still at ``path``-wal,
+        into it, and one opened after the WAL was deleted would start another WAL beside the
+        writer's."""
         self.path = path
+        self._same_file = same_file
         self.min_interval_s = min_interval_s
         self.checkpoints = 0
         self._wake = threading.Event()
@@ -61,6 +72,16 @@ class WalCheckpointer:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
+    def _connect(self) -> sqlite3.Connection:
+        self._same_file()
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            self._same_file()  # so the file just opened is the one checked
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
     def _run(self) -> None:
         conn: sqlite3.Connection | None = None
         try:
@@ -72,9 +93,11 @@ class WalCheckpointer:
                 started = time.monotonic()
                 try:
                     if conn is None:
-                        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+                        conn = self._connect()
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                     self.checkpoints += 1
+                except LedgerUnwritable as exc:  # the writer's next transaction stops the daemon
+                    _log.warning("ledger.checkpoint_skipped", error=str(exc), path=self.path)
                 except sqlite3.Error as exc:
                     _log.warning("ledger.checkpoint_failed", error=str(exc), path=self.path)
                     if conn is not None:

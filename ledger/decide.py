@@ -1,7 +1,8 @@
 """Decisions: turn what the consumer received into log entries (DESIGN §5).
 
-:class:`Decider` is the only place where continuity is judged: duplicate batch vs. engine
-restart, ZMQ sequence gaps, ``event_id`` order per stream, generation bumps. It emits log
+:class:`Decider` is the only place where continuity is judged: duplicate batch vs. late batch
+vs. engine restart (:meth:`Decider._place`), ZMQ sequence gaps, ``event_id`` order per stream,
+generation bumps. It emits log
 entries through :func:`ledger.apply.apply` one by one, so each decision sees the state left by
 the previous one (a batch holding a store and then a removal of the same block applies both).
 
@@ -12,16 +13,35 @@ beforehand and writes the entries afterwards.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ledger import events as ev
 from ledger.apply import LogEntry, Projection, apply
-from ledger.types import GenerationReason, StreamKey
+from ledger.types import DeadLetterReason, GenerationReason, StreamKey
 
 # batch_index of the BatchReceived row; events use 0..n-1 (DESIGN §5 idempotency key).
 BATCH_ROW_INDEX = -1
 _new = tuple.__new__
 DigestLookup = Callable[[str, int, int], int | None]
+"""(source_id, source epoch, zmq seq) -> digest of the batch logged there, or None."""
+EarlierDigests = Callable[[str, int, int], Iterable[int]]
+"""(source_id, source epoch, zmq seq) -> digests of the batches logged at that seq in the
+:data:`EARLIER_EPOCHS_CHECKED` epochs before that epoch."""
+EARLIER_EPOCHS_CHECKED = 16
+"""A batch at or below the source's last seq whose (seq, digest) is logged in one of this many
+epochs before the current one is a duplicate, not a new run. Epochs end at engine restarts, and
+a copy of an older run's batch can only come from the network or from a consumer that re-fed
+what it had passed on (the engine's replay buffer holds only its current run), so the few epochs
+just before the current one are where such a copy is found; the bound keeps the look-up at one
+statement of at most this many index probes, however often the engine restarted."""
+
+
+_ANOTHER_RUN = (0, True)
+"""What :meth:`Decider._place` returns for a late batch of an engine run the ledger moved past."""
+
+
+def _no_earlier_digests(source_id: str, epoch: int, seq: int) -> Iterable[int]:
+    return ()
 
 
 @dataclasses.dataclass
@@ -32,6 +52,8 @@ class AppendResult:
     duplicate_batches: int = 0
     events_applied: int = 0
     events_stale: int = 0
+    stale_batches: int = 0
+    """Batches logged and not applied: late batches of the current run (see :meth:`Decider._place`)."""
     events_duplicate: int = 0
     dead_letters: int = 0
     gaps: int = 0
@@ -50,14 +72,18 @@ class AppendResult:
 class Decider:
     """Turns inputs into log entries, applying each to ``proj`` as it is emitted."""
 
-    def __init__(self, proj: Projection, next_seq: int, now: float, logged_digest: DigestLookup) -> None:
+    def __init__(self, proj: Projection, next_seq: int, now: float, logged_digest: DigestLookup,
+                 earlier_digests: EarlierDigests = _no_earlier_digests) -> None:
         self.proj = proj
         self.next_seq = next_seq
         self.now = now
         self.entries: list[LogEntry] = []
         self.result = AppendResult()
         self._logged_digest = logged_digest
+        self._earlier_digests = earlier_digests
         self._digests: dict[tuple[str, int, int], int] = {}
+        """(source_id, epoch, seq) -> digest of the batches logged by this transaction (not yet
+        in the database, where the look-ups read)."""
 
     # -- emission --------------------------------------------------------------------------
 
@@ -85,12 +111,15 @@ class Decider:
         self.result.generation_bumps += 1
 
     def gap(self, engine_id: str, source_id: str | None, reason: GenerationReason, expected: int, got: int,
-            stream: StreamKey | None = None) -> None:
+            stream: StreamKey | None = None, *, bump: bool = True) -> None:
+        """Log a gap and, unless ``bump`` is False (a bump for the same loss was just logged),
+        bump the generation."""
         self.emit(ev.GapDetected(engine_id=engine_id, source_id=source_id, reason=reason, expected=expected, got=got,
                                  attention_dp_rank=stream.attention_dp_rank if stream else None,
                                  window_size=stream.window_size if stream else None), engine_id=engine_id)
         self.result.gaps += 1
-        self.bump(engine_id, reason)
+        if bump:
+            self.bump(engine_id, reason)
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -109,11 +138,17 @@ class Decider:
     def ingest(self, batch: ev.ReceivedBatch) -> None:
         """Accept one ZMQ message: duplicate check, restart/gap detection, then its events."""
         self.ensure_engine(batch.engine_id)
-        epoch = self._source_epoch(batch)
-        if epoch is None:
+        placed = self._place(batch)
+        if placed is None:
             self.result.duplicate_batches += 1
             self.result.events_duplicate += len(batch.events)
             return
+        if placed is _ANOTHER_RUN:
+            self._dead_letter_batch(batch, DeadLetterReason.LATE_FROM_ANOTHER_RUN,
+                                    f"late batch at seq {batch.seq}, which the ledger holds another payload for: "
+                                    "of an engine run the ledger has moved past (never applied)")
+            return
+        epoch, stale = placed
         source_cols = {"source_id": batch.source_id, "source_epoch": epoch, "zmq_seq": batch.seq}
         self.emit(ev.BatchReceived(source_id=batch.source_id, engine_id=batch.engine_id, source_epoch=epoch,
                                    seq=batch.seq, ts=batch.ts, digest=batch.digest, num_events=len(batch.events),
@@ -121,13 +156,26 @@ class Decider:
                   engine_id=batch.engine_id, batch_index=BATCH_ROW_INDEX, **source_cols)
         self._digests[(batch.source_id, epoch, batch.seq)] = batch.digest
         self.result.batches += 1
+        self.result.stale_batches += stale
         ts = self.result.max_event_ts
         self.result.max_event_ts = batch.ts if ts is None else max(ts, batch.ts)
         for index, event in enumerate(batch.events):
             self._engine_event(batch.engine_id, index if event.batch_index is None else event.batch_index,
-                               event, source_cols)
+                               event, source_cols, stale)
         for letter in batch.dead_letters:
             self.dead_letter(letter, epoch)
+
+    def _dead_letter_batch(self, batch: ev.ReceivedBatch, reason: DeadLetterReason, detail: str) -> None:
+        """Every event of a batch that cannot be logged as a batch into the dead-letter table
+        (each with its raw bytes and index; one letter for an empty batch), and the batch's own
+        dead letters as they are."""
+        letters = [ev.DeadLetter(batch.source_id, batch.engine_id, reason, detail, event.raw, batch.seq,
+                                 index if event.batch_index is None else event.batch_index)
+                   for index, event in enumerate(batch.events)]
+        if not batch.events and not batch.dead_letters:
+            letters.append(ev.DeadLetter(batch.source_id, batch.engine_id, reason, detail, b"", batch.seq))
+        for letter in [*letters, *batch.dead_letters]:
+            self.dead_letter(letter, epoch=None)
 
     def dead_letter(self, letter: ev.DeadLetter, epoch: int | None) -> None:
         cols = {}
@@ -141,40 +189,91 @@ class Decider:
 
     # -- continuity ------------------------------------------------------------------------
 
-    def _source_epoch(self, batch: ev.ReceivedBatch) -> int | None:
-        """The source epoch this batch belongs to, or None for a duplicate (a no-op).
+    def _place(self, batch: ev.ReceivedBatch) -> tuple[int, bool] | None:
+        """(source epoch, stale) for this batch, or None for a duplicate (a no-op).
 
-        A seq at or below the last accepted one is a duplicate when its payload digest equals
-        the logged batch's; otherwise the engine restarted (its seq starts again at 0), or a batch
-        already declared lost arrived late — either way our knowledge is no longer continuous,
-        so the generation is bumped (fail closed).
+        ``stale`` batches are logged and never applied: nothing in them may change a projection
+        (DESIGN §5: a late Stored(A) must not resurrect A after Removed(A)). A batch whose seq is
+        past the source's last one is new (a gap before it is logged, generation bumped), unless
+        the consumer proved a restart (``new_run``). At or below the last seq, in this order:
+
+        1. its digest is the logged batch's at that seq in this epoch, or in one of the
+           :data:`EARLIER_EPOCHS_CHECKED` epochs before: a duplicate (a re-sent or re-fed batch;
+           the idempotency key is per epoch, the batch's identity is (source, seq, digest));
+        2. ``new_run`` (the consumer proved a restart): a new epoch (:meth:`_new_epoch`);
+        3. nothing logged at that seq in this epoch (a seq declared lost, or before the first one
+           received): a late batch of this run, logged stale in this epoch without moving the
+           source position. ``late`` (the consumer proved the engine did not restart) needs no
+           more; without that proof it may also be a restarted engine's batch landing on that seq,
+           so the generation is bumped (fail closed);
+        4. another digest logged at that seq: the engine restarted (its seq starts again at 0), a
+           new epoch; unless the consumer says ``late`` (it proved the engine did not restart), or
+           the batch was stamped (engine ``ts``) before the last batch the ledger accepted, which
+           no first batch of a new run is (unless the engine's clock stepped back: then this fails
+           closed too). One run publishes one payload per seq, so such a batch is of a run the
+           ledger has moved past (a late batch of the current run whose seq the ledger holds
+           another run's batch at, or a straggler of an earlier run). It cannot be logged at that
+           seq in this epoch, must not be applied, and must not move the source position (the
+           next batches of the current run would then be logged twice): its events go to the
+           dead-letter table (``late_from_another_run``), and without the consumer's proof the
+           generation is bumped (fail closed).
         """
         source = self.proj.sources.get(batch.source_id)
         if source is None:
-            return 1
+            return 1, False
         epoch, last_seq = source["epoch"], source["last_seq"]
         if source["engine_id"] != batch.engine_id:
             raise ValueError(f"source {batch.source_id!r} is bound to engine {source['engine_id']!r}, "
                              f"not {batch.engine_id!r}")
-        if batch.seq <= last_seq:
-            key = (batch.source_id, epoch, batch.seq)
-            logged = self._digests.get(key)
-            if logged is None:
-                logged = self._logged_digest(*key)
-            if logged == batch.digest:
-                return None
-            self.bump(batch.engine_id, GenerationReason.SEQ_RESET)
-            return epoch + 1
-        if batch.seq > last_seq + 1:
-            self.gap(batch.engine_id, batch.source_id, GenerationReason.SEQ_GAP, last_seq + 1, batch.seq)
-        return epoch
+        if batch.seq > last_seq and not batch.new_run:
+            if batch.seq > last_seq + 1:
+                self.gap(batch.engine_id, batch.source_id, GenerationReason.SEQ_GAP, last_seq + 1, batch.seq)
+            return epoch, False
+        logged = self._digest_at(batch.source_id, epoch, batch.seq)
+        if logged == batch.digest or self._logged_earlier(batch, epoch):
+            return None
+        if batch.new_run:
+            return self._new_epoch(batch, epoch), False
+        if logged is None:
+            if not batch.late:
+                self.bump(batch.engine_id, GenerationReason.SEQ_RESET)
+            return epoch, True
+        if batch.late or 0 < batch.ts < source["last_ts"]:
+            if not batch.late:
+                self.bump(batch.engine_id, GenerationReason.SEQ_RESET)
+            return _ANOTHER_RUN
+        return self._new_epoch(batch, epoch), False
 
-    def _engine_event(self, engine_id: str, index: int, event: ev.EngineEvent, source_cols: dict) -> None:
+    def _new_epoch(self, batch: ev.ReceivedBatch, epoch: int) -> int:
+        """An engine restart: bump the generation and, when the new run is first heard of past
+        its seq 0, log the gap ``[0, seq)`` (what the engine's replay buffer no longer held)."""
+        self.bump(batch.engine_id, GenerationReason.SEQ_RESET)
+        if batch.seq > 0:
+            self.gap(batch.engine_id, batch.source_id, GenerationReason.SEQ_GAP, 0, batch.seq, bump=False)
+        return epoch + 1
+
+    def _digest_at(self, source_id: str, epoch: int, seq: int) -> int | None:
+        logged = self._digests.get((source_id, epoch, seq))
+        return self._logged_digest(source_id, epoch, seq) if logged is None else logged
+
+    def _logged_earlier(self, batch: ev.ReceivedBatch, epoch: int) -> bool:
+        """True if (seq, digest) is logged in one of the epochs just before ``epoch``."""
+        if epoch <= 1:
+            return False
+        for earlier in range(max(1, epoch - EARLIER_EPOCHS_CHECKED), epoch):
+            if self._digests.get((batch.source_id, earlier, batch.seq)) == batch.digest:
+                return True
+        return batch.digest in self._earlier_digests(batch.source_id, epoch, batch.seq)
+
+    def _engine_event(self, engine_id: str, index: int, event: ev.EngineEvent, source_cols: dict,
+                      stale: bool = False) -> None:
         stream = _new(StreamKey, (engine_id, event.attention_dp_rank, event.window_size))
         row = self.proj.streams.get(stream)
         has_baseline = row is not None and row["last_event_id"] is not None and not row["resync"]
-        applied = True
-        if isinstance(event.body, ev.EngineCreated):
+        applied = not stale
+        if stale:
+            pass  # a late batch: logged as received, judged by nothing in it (see _place)
+        elif isinstance(event.body, ev.EngineCreated):
             if has_baseline:
                 self.bump(engine_id, GenerationReason.CREATED)
         elif event.event_id is not None and has_baseline:

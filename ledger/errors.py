@@ -20,6 +20,16 @@ class PersistenceError(LedgerError):
         self.transient = transient
 
 
+class LedgerUnwritable(PersistenceError):
+    """The ledger as a whole can no longer be written (its SQLite file, ``-wal`` or ``-shm``
+    deleted, replaced or made read-only, or its directory made read-only;
+    ``ledger.sqlite_writer.LedgerFiles``): no transaction of any input can succeed, so this is
+    never a verdict on the inputs of the transaction that met it. Always permanent."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=False)
+
+
 class DeadlineExceeded(PersistenceError):
     """A read was interrupted because the caller's deadline passed (see ``LedgerClient.deadline``)."""
 

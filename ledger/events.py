@@ -59,6 +59,9 @@ class BlockStored(_Event, frozen=True):
     parent_hash: BlockHash | None
     blocks: list[StoredBlock]
     lora_id: int | None = None
+    lora_name: str | None = None
+    """The LoRA adapter's name as vLLM reports it (``lora_name``); kept for audits: the ledger
+    keys blocks by ``lora_id``."""
 
 
 class BlockRemoved(_Event, frozen=True):
@@ -120,6 +123,17 @@ class ReceivedBatch(msgspec.Struct, frozen=True, gc=False):
     dead_letters: list["DeadLetter"] = []
     """Events of this batch (or the whole payload) that failed validation; logged in the same
     transaction. The batch still advances the source position: replay would only resend them."""
+    late: bool = False
+    """The consumer proved by replay that the engine did not restart since the last batch it
+    passed on, so this batch, whose seq is at or below that one's, is an old batch of the current
+    run arriving late (reordered after its gap was declared lost). The ledger logs it once and
+    never applies it (a late Stored(A) must not resurrect A after Removed(A)), and neither bumps
+    the generation nor moves the source position for it."""
+    new_run: bool = False
+    """The consumer proved by replay that the engine restarted (another payload at a seq it had
+    passed on): this is the first batch it passes on of the new run, whatever its seq. The ledger
+    starts a new source epoch, bumps the generation and logs a gap for the new run's seqs below
+    this one (``[0, seq)``: the engine's replay buffer no longer held them)."""
 
 
 class DeadLetter(msgspec.Struct, frozen=True, gc=False):

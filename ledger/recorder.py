@@ -48,7 +48,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from ledger import events as ev
 from ledger.apply import GLOBAL, LogEntry, Projection
 from ledger.db import Prepared, Sql
-from ledger.decide import BATCH_ROW_INDEX, AppendResult, Decider
+from ledger.decide import BATCH_ROW_INDEX, EARLIER_EPOCHS_CHECKED, AppendResult, Decider
 from ledger.errors import PersistenceError
 from ledger.schema import (
     BlockRow,
@@ -99,7 +99,8 @@ def transact(conn: Connection | Sql, fn: Callable[[Decider], T], *, now: float |
         _load_engines(sql, proj, engine_ids)
         _load_by_id(sql, proj, "donors", donor_ids)
         _load_by_id(sql, proj, "leases", lease_ids)
-        decider = Decider(proj, _next_seq(sql), time.time() if now is None else now, _digest_lookup(sql))
+        decider = Decider(proj, _next_seq(sql), time.time() if now is None else now, _digest_lookup(sql),
+                          _earlier_digests(sql))
         value = fn(decider)
         write(sql, proj, decider.entries)
         return value
@@ -142,6 +143,13 @@ _BY_ID = {name: Prepared(select(_TABLES[name]).where(_TABLES[name].primary_key.c
 _LOGGED_DIGEST = Prepared(select(_LOG.c.body).where(
     _LOG.c.source_id == bindparam("source_id"), _LOG.c.source_epoch == bindparam("epoch"),
     _LOG.c.zmq_seq == bindparam("seq"), _LOG.c.batch_index == BATCH_ROW_INDEX))
+_EPOCH_PARAMS = [f"e{i}" for i in range(EARLIER_EPOCHS_CHECKED)]
+_EARLIER_DIGESTS = Prepared(select(_LOG.c.body).where(
+    _LOG.c.source_id == bindparam("source_id"), _LOG.c.source_epoch.in_([bindparam(n) for n in _EPOCH_PARAMS]),
+    _LOG.c.zmq_seq == bindparam("seq"), _LOG.c.batch_index == BATCH_ROW_INDEX))
+"""The batches logged at one seq in the epochs just before the current one: one probe of the
+log's unique (source_id, source_epoch, zmq_seq, batch_index) index per epoch. (A range over the
+epochs would scan every row of those epochs: the index cannot skip to the seq.)"""
 _STREAM_BLOCKS = (_BLOCKS.c.engine_id == bindparam("engine_id"),
                   _BLOCKS.c.attention_dp_rank == bindparam("attention_dp_rank"),
                   _BLOCKS.c.window_size == bindparam("window_size"))
@@ -250,6 +258,17 @@ def _digest_lookup(sql: Sql) -> Callable[[str, int, int], int | None]:
     def lookup(source_id: str, epoch: int, seq: int) -> int | None:
         row = sql.one(_LOGGED_DIGEST, {"source_id": source_id, "epoch": epoch, "seq": seq})
         return None if row is None else ev.BODY_DECODER.decode(row[0]).digest
+
+    return lookup
+
+
+def _earlier_digests(sql: Sql) -> Callable[[str, int, int], list[int]]:
+    def lookup(source_id: str, epoch: int, seq: int) -> list[int]:
+        first = max(1, epoch - EARLIER_EPOCHS_CHECKED)
+        epochs = list(range(first, epoch)) or [0]  # epochs start at 1: 0 pads, never matches
+        params = dict(zip(_EPOCH_PARAMS, epochs + [epochs[-1]] * (len(_EPOCH_PARAMS) - len(epochs))))
+        rows = sql.all(_EARLIER_DIGESTS, {"source_id": source_id, "seq": seq, **params})
+        return [ev.BODY_DECODER.decode(row[0]).digest for row in rows]
 
     return lookup
 

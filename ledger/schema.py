@@ -22,7 +22,7 @@ from sqlalchemy import (
     String,
     UniqueConstraint,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Mapped, mapped_column
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -238,3 +238,61 @@ PROJECTION_TABLES = (
     DeadLetterRow.__table__,
     CounterRow.__table__,
 )
+
+
+# --------------------------------------------------------------------------------------------
+# What fits: the one place that says which engine-reported values the columns can hold
+# --------------------------------------------------------------------------------------------
+
+INT32_RANGE = (-(2**31), 2**31 - 1)
+INT64_RANGE = (-(2**63), 2**63 - 1)
+
+STORED_FIELDS: dict[str, tuple[InstrumentedAttribute, ...]] = {
+    "event_id": (LogRow.event_id, StreamRow.last_event_id),
+    "window_size": (LogRow.window_size, StreamRow.window_size, BlockRow.window_size, DonorRow.window_size),
+    "attention_dp_rank": (LogRow.attention_dp_rank, StreamRow.attention_dp_rank, BlockRow.attention_dp_rank,
+                          DonorRow.attention_dp_rank),
+    "num_tokens": (BlockRow.num_tokens,),
+    "cache_level": (BlockRow.cache_level,),
+    "priority": (BlockRow.priority,),
+    "lora_id": (BlockRow.lora_id,),
+    "cache_salt": (BlockRow.cache_salt,),
+}
+"""Each field of a normalized engine event (:mod:`ledger.events`) that lands in a column, and the
+columns it lands in (:mod:`ledger.apply` writes them). The wire decoder bounds these fields with
+:func:`integer_range` and :func:`max_length`, so a value no column can hold is a dead letter at
+decode instead of a refused transaction (which would take its batch's good siblings with it)."""
+
+
+def integer_range(field: str) -> tuple[int, int]:
+    """The integers every column of ``field`` holds on both backends, inclusive: ``INTEGER`` is
+    int32 (PostgreSQL enforces it; SQLite would store 64 bits, but a ledger must survive a move to
+    PostgreSQL), ``BIGINT`` int64 (a Python int above it raises ``OverflowError`` in pysqlite and
+    "out of int64 range" in asyncpg).
+
+    Raises:
+        KeyError: ``field`` is not in :data:`STORED_FIELDS`.
+        TypeError: one of its columns is not an integer column.
+    """
+    low, high = INT64_RANGE
+    for attribute in STORED_FIELDS[field]:
+        column_type = attribute.property.columns[0].type
+        if not isinstance(column_type, Integer):
+            raise TypeError(f"{attribute} is not an integer column")
+        bounds = INT64_RANGE if isinstance(column_type, BigInteger) else INT32_RANGE
+        low, high = max(low, bounds[0]), min(high, bounds[1])
+    return low, high
+
+
+def max_length(field: str) -> int:
+    """The longest string (characters) every column of ``field`` holds (PostgreSQL enforces
+    ``VARCHAR(n)``; SQLite does not).
+
+    Raises:
+        KeyError: ``field`` is not in :data:`STORED_FIELDS`.
+        TypeError: one of its columns is not a bounded string column.
+    """
+    lengths = [getattr(attribute.property.columns[0].type, "length", None) for attribute in STORED_FIELDS[field]]
+    if None in lengths:
+        raise TypeError(f"{field} has a column that is not a bounded string")
+    return min(lengths)  # type: ignore[type-var]

@@ -181,6 +181,9 @@ class DeadLetterReason(enum.StrEnum):
     SCHEMA_MISMATCH = "schema_mismatch"
     HASH_OUT_OF_RANGE = "hash_out_of_range"
     VALUE_OUT_OF_RANGE = "value_out_of_range"
+    MESSAGE_OVER_LIMIT = "message_over_limit"  # too many events, blocks or tokens in one message
+    REFUSED_BY_LEDGER = "refused_by_ledger"  # the database refused the event's batch (consumer/daemon.py)
+    LATE_FROM_ANOTHER_RUN = "late_from_another_run"  # a late batch of an engine run the ledger moved past (ledger/decide.py)
 
 
 class FreshnessPolicy(enum.StrEnum):

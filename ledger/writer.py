@@ -26,7 +26,13 @@ Backends:
   daemon's health read) runs on a second, reading connection in a worker thread, so it is not
   queued behind a transaction that waits for the write lock (WAL: readers never wait for the
   writer), as with aiosqlite's pool.
-* PostgreSQL: SQLAlchemy's AsyncEngine on asyncpg, the recorder under ``run_sync``.
+
+  The ledger file is watched: a transaction is reported done only once its writer found the path
+  still naming the file it opened (and its ``-wal``/``-shm``), all writable; otherwise
+  :meth:`LedgerWriter.append` raises :class:`~ledger.errors.LedgerUnwritable`
+  (:class:`ledger.sqlite_writer.LedgerFiles`).
+* PostgreSQL: SQLAlchemy's AsyncEngine on asyncpg, the recorder under ``run_sync``. Not a file:
+  nothing to watch (the server's own errors arrive as errors).
 """
 
 from __future__ import annotations
@@ -38,29 +44,48 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, TypeVar
 
 import structlog
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, and_, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from ledger import recorder, writer_process
 from ledger.db import async_engine, is_sqlite, normalize_url, sync_engine
-from ledger.decide import AppendResult
+from ledger import events as ev
+from ledger.decide import BATCH_ROW_INDEX, AppendResult
 from ledger.errors import PersistenceError
 from ledger.migrate import check_schema
-from ledger.schema import SourceRow
-from ledger.sqlite_writer import SQLiteWriterConnection, check_writable
+from ledger.schema import LogRow, SourceRow
+from ledger.sqlite_writer import FileId, SQLiteWriterConnection, check_writable, ledger_path
 
 T = TypeVar("T")
 _log = structlog.get_logger("ledger.writer")
 _SOURCES = SourceRow.__table__
-_POSITIONS = select(_SOURCES.c.source_id, _SOURCES.c.engine_id, _SOURCES.c.epoch, _SOURCES.c.last_seq)
+_LOG = LogRow.__table__
+_POSITIONS = select(_SOURCES.c.source_id, _SOURCES.c.engine_id, _SOURCES.c.epoch, _SOURCES.c.last_seq,
+                    _LOG.c.body).select_from(_SOURCES.outerjoin(_LOG, and_(
+                        _LOG.c.source_id == _SOURCES.c.source_id, _LOG.c.source_epoch == _SOURCES.c.epoch,
+                        _LOG.c.zmq_seq == _SOURCES.c.last_seq, _LOG.c.batch_index == BATCH_ROW_INDEX)))
+"""Each source row with the ``batch_received`` log row of its last seq (one probe of the log's
+unique (source_id, source_epoch, zmq_seq, batch_index) index per source)."""
 
 
 class SourcePosition(NamedTuple):
-    """Where a source stands in the ledger: its epoch and last accepted ZMQ seq."""
+    """Where a source stands in the ledger: its epoch, last accepted ZMQ seq, and the payload
+    digest (xxh3_64) of the batch logged at that seq, so that a resuming consumer can tell the run
+    it knows from an engine restart it did not see (``consumer.source``); None if that batch's
+    row cannot be found."""
 
     engine_id: str
     epoch: int
     last_seq: int
+    last_digest: int | None = None
+
+
+def _position(row) -> SourcePosition:  # noqa: ANN001 - a result row of _POSITIONS
+    digest = None
+    if row.body is not None:
+        body = ev.BODY_DECODER.decode(bytes(row.body))
+        digest = body.digest if isinstance(body, ev.BatchReceived) else None
+    return SourcePosition(row.engine_id, row.epoch, row.last_seq, digest)
 
 
 class LedgerWriter:
@@ -108,7 +133,12 @@ class LedgerWriter:
         """Record ``items`` and apply them to the projections in ONE transaction.
 
         Raises:
-            PersistenceError: the transaction failed; nothing of ``items`` was recorded.
+            PersistenceError: the transaction failed; nothing of ``items`` was recorded in the
+                ledger the path names.
+            LedgerUnwritable: (a permanent PersistenceError) the SQLite ledger file, its
+                ``-wal``/``-shm`` or its directory was deleted, replaced or made read-only since it
+                was opened: what this transaction committed, if anything, went to a file nobody
+                will read or cannot be checkpointed, and must not be acknowledged.
         """
         try:
             if self._sqlite is not None:
@@ -126,13 +156,14 @@ class LedgerWriter:
         return "process" if isinstance(self._sqlite, _SQLiteProcess) else "thread"
 
     async def source_positions(self) -> dict[str, SourcePosition]:
-        """Every known source's position (the consumer resumes from these after a restart)."""
+        """Every known source's position, with the digest of its last logged batch (the consumer
+        resumes from these after a restart)."""
         if self._sqlite is not None:
             rows = await asyncio.to_thread(self._sqlite.reader.read, _POSITIONS)
         else:
             async with self._engine.connect() as conn:
                 rows = (await conn.execute(_POSITIONS)).all()
-        return {r.source_id: SourcePosition(r.engine_id, r.epoch, r.last_seq) for r in rows}
+        return {r.source_id: _position(r) for r in rows}
 
     async def close(self) -> None:
         """Wait for the transaction in flight, if any, then release the connections (idempotent)."""
@@ -230,6 +261,8 @@ class _SQLiteProcess(_OneThread):
         self.child: writer_process.Child | None = None
         self.deaths_in_a_row = 0
         self.closed = False
+        self.ledger_file: FileId | None = None
+        """The file whose schema was checked: every child writes this one or refuses to start."""
 
     async def check_schema(self) -> None:
         def check() -> None:
@@ -238,6 +271,7 @@ class _SQLiteProcess(_OneThread):
             try:
                 with engine.connect() as conn:
                     check_schema(conn, self.db)
+                    self.ledger_file = FileId.of(ledger_path(self.db))  # while open: the file just checked
             finally:
                 engine.dispose()
             self._child()  # start the child now: a daemon pays its start-up before the first message
@@ -255,7 +289,8 @@ class _SQLiteProcess(_OneThread):
                     raise PersistenceError(f"the ledger writer process died {self.deaths_in_a_row} times in a row "
                                            "without a commit", transient=False)
                 _log.warning("ledger.writer_process_restarted", deaths_in_a_row=self.deaths_in_a_row)
-            self.child = writer_process.Child.start(self.db)
+            assert self.ledger_file is not None, "check_schema first"
+            self.child = writer_process.Child.start(self.db, self.ledger_file)
         return self.child
 
     def _append(self, items: Sequence[recorder.Input], now: float | None) -> AppendResult:

@@ -27,6 +27,12 @@ before its reply leaves the outcome unknown: the retry of a received batch is th
 log's idempotency key, DESIGN §5), but a gap report or a dead letter sent on its own has no such
 key and is recorded twice (a second generation bump: a needless quarantine, never a stale
 promise). PostgreSQL has the same window when a connection drops during COMMIT.
+
+The ledger file: the parent takes its identity (``st_dev``, ``st_ino``) when it checks the schema
+and gives it to every child (argv), which refuses a path that names another file, or none, before
+it opens anything (a restarted child would otherwise write a file renamed over the ledger, or
+create an empty one where it was deleted); every transaction is then checked against it
+(:class:`ledger.sqlite_writer.LedgerFiles`).
 """
 
 from __future__ import annotations
@@ -47,9 +53,9 @@ import structlog
 import ledger.db
 from ledger import events as ev
 from ledger.decide import AppendResult
-from ledger.errors import PersistenceError, is_transient
+from ledger.errors import LedgerUnwritable, PersistenceError, is_transient
 from ledger.recorder import Input
-from ledger.sqlite_writer import SQLiteWriterConnection
+from ledger.sqlite_writer import FileId, SQLiteWriterConnection
 
 _KINDS = (ev.ReceivedBatch, ev.DeadLetter, ev.GapReport)
 _CLOSE_TIMEOUT_S = 30.0
@@ -74,6 +80,8 @@ class _Reply(msgspec.Struct, array_like=True, gc=False):
     result: AppendResult | None = None
     error: str | None = None
     transient: bool = False
+    unwritable: bool = False
+    """The error is :class:`~ledger.errors.LedgerUnwritable` (the type does not cross the socket)."""
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -117,12 +125,15 @@ class Child:
         self._conn: Connection | None = conn
 
     @classmethod
-    def start(cls, db: str) -> Child:
-        """Start a child and wait until it is ready.
+    def start(cls, db: str, expected: FileId) -> Child:
+        """Start a child writing the ledger file ``expected`` (the one the parent checked) and wait
+        until it is ready.
 
         Raises:
             PersistenceError: (transient) the child could not be started, exited, or did not
-                become ready within :data:`START_TIMEOUT_S`; or its connection could not be opened.
+                become ready within :data:`START_TIMEOUT_S`; or its connection could not be
+                opened. Permanent when the path no longer names ``expected``, or the file is
+                read-only (:class:`~ledger.sqlite_writer.LedgerFiles`).
         """
         parent_end, child_end = socket.socketpair()
         # -P: no working directory in front of sys.path; the parent's path, its "" made explicit
@@ -130,7 +141,7 @@ class Child:
         try:
             process = subprocess.Popen(
                 [sys.executable, "-P", "-m", "ledger.writer_process", str(child_end.fileno()), db,
-                 str(ledger.db.SQLITE_BUSY_TIMEOUT_MS)],
+                 str(ledger.db.SQLITE_BUSY_TIMEOUT_MS), str(expected.device), str(expected.inode)],
                 pass_fds=(child_end.fileno(),), env={**os.environ, "PYTHONPATH": path},
                 stdin=subprocess.DEVNULL, process_group=0)
         except OSError as exc:
@@ -146,7 +157,7 @@ class Child:
             raise
         if reply.error is not None:
             child.close()
-            raise PersistenceError(reply.error, transient=reply.transient)
+            raise _error(reply)
         return child
 
     @property
@@ -170,7 +181,7 @@ class Child:
                                    transient=True) from exc
         reply = self._reply(reply_timeout_s())
         if reply.error is not None:
-            raise PersistenceError(reply.error, transient=reply.transient)
+            raise _error(reply)
         assert reply.result is not None
         return reply.result
 
@@ -210,14 +221,27 @@ class Child:
             conn.close()
 
 
-def serve(conn: Connection, db: str) -> None:
+def _error(reply: _Reply) -> PersistenceError:
+    assert reply.error is not None
+    if reply.unwritable:
+        return LedgerUnwritable(reply.error)
+    return PersistenceError(reply.error, transient=reply.transient)
+
+
+def _failure(exc: Exception) -> _Reply:
+    """The reply for an error in the child (its type reduced to what the parent needs)."""
+    if isinstance(exc, PersistenceError):
+        return _Reply(error=str(exc), transient=is_transient(exc), unwritable=isinstance(exc, LedgerUnwritable))
+    return _Reply(error=f"{type(exc).__name__}: {exc}", transient=False)
+
+
+def serve(conn: Connection, db: str, expected: FileId | None = None) -> None:
     """The child's loop: one transaction per request until the socket closes."""
     try:
-        writer = SQLiteWriterConnection(db)
+        writer = SQLiteWriterConnection(db, expected=expected)
         writer.connect()
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the start
-        transient = is_transient(exc) if isinstance(exc, PersistenceError) else False
-        _send(conn, _Reply(error=f"{type(exc).__name__}: {exc}", transient=transient))
+        _send(conn, _failure(exc))
         return
     _tune_gc()
     try:
@@ -272,10 +296,8 @@ def _run(writer: SQLiteWriterConnection, data: bytes) -> _Reply:
     try:
         items, now = decode_append(data)
         return _Reply(result=writer.append(items, now))
-    except PersistenceError as exc:
-        return _Reply(error=str(exc), transient=is_transient(exc))
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the transaction
-        return _Reply(error=f"{type(exc).__name__}: {exc}", transient=False)
+        return _failure(exc)
 
 
 def main() -> None:
@@ -285,8 +307,9 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     fd, db, busy_timeout_ms = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    expected = FileId(int(sys.argv[4]), int(sys.argv[5]))
     ledger.db.SQLITE_BUSY_TIMEOUT_MS = busy_timeout_ms  # the parent's, so both wait on a lock alike
-    serve(Connection(fd), db)
+    serve(Connection(fd), db, expected)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ transaction, yields
 
 1. live projections equal to a replay of the log, and
 2. block states equal to a clean-room reference model of DESIGN §5 — in particular no block is
-   live after its removal in event_id order, and nothing learnt before a lost batch stays live.
+   live after its removal in event_id order, nothing learnt before a lost batch stays live, and a
+   batch that arrives after its seq was declared lost is logged and never applied.
 
 The reference model below is written independently of ``ledger.decide``/``ledger.apply`` (the
 differential-harness habit of Dynamo's kv-router, STYLE §5). ``test_property_suite_catches_a_broken_apply``
@@ -105,7 +106,7 @@ def reference(arrived):
     block has no row (ledger.apply's module docstring), so it is absent here too."""
     blocks: dict = {}
     last_seq = last_event_id = None
-    digests: dict = {}
+    epochs: list[dict] = [{}]  # seq -> digest of what was logged, per source epoch (the last: current)
     continuous = False  # do we have an event_id baseline we trust?
 
     def lose_continuity():
@@ -116,14 +117,20 @@ def reference(arrived):
 
     for b in arrived:
         if last_seq is not None and b.seq <= last_seq:
-            if digests.get(b.seq) == b.digest:
-                continue  # duplicate
-            lose_continuity()  # restart or late batch: fail closed
-            digests = {}
+            if any(logged.get(b.seq) == b.digest for logged in epochs[-17:]):
+                continue  # duplicate (in this epoch or one of the 16 before)
+            if b.seq not in epochs[-1]:
+                # a late batch (its seq was declared lost): logged, never applied; without the
+                # consumer's proof that the engine did not restart, continuity is lost (fail closed)
+                epochs[-1][b.seq] = b.digest
+                lose_continuity()
+                continue
+            lose_continuity()  # another payload at a seq we have: the engine restarted
+            epochs.append({})
         elif last_seq is not None and b.seq > last_seq + 1:
             lose_continuity()
         last_seq = b.seq
-        digests[b.seq] = b.digest
+        epochs[-1][b.seq] = b.digest
         for e in b.events:
             kind = type(e.body).__name__
             if kind == "EngineCreated":

@@ -251,10 +251,27 @@ def test_b_removed_and_cleared_and_dynamo_minimal_map():
     assert ev.body.blocks[0].block_hash == 3 and ev.body.blocks[0].cache_level is None
 
 
-def test_b_partial_last_block_is_tolerated():
-    ev = one({"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
-              "token_ids": [1, 2, 3, 4, 5], "block_size": 4})
-    assert [b.num_tokens for b in ev.body.blocks] == [4, 1]
+@pytest.mark.parametrize("token_ids, block_size", [
+    ([1, 2, 3, 4, 5], 4),  # a partial last block: (b)/(c) publish full blocks only
+    ([1, 2, 3, 4], 2**64 - 1),  # block_size no column holds, which any token count used to "fill"
+    ([1, 2, 3, 4], 2**31),
+    ([], 0),
+])
+def test_b_blocks_must_be_full_blocks_of_a_block_size_that_fits(token_ids, block_size):
+    letter = rejected({"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                       "token_ids": token_ids, "block_size": block_size})
+    assert letter.reason in (R.SCHEMA_MISMATCH, R.VALUE_OUT_OF_RANGE)
+
+
+def test_a_only_the_last_block_may_be_partial_and_none_is_empty():
+    def stored(*sizes: int) -> dict:
+        blocks = [{"type": "stored_block", "block_hash": 10 + i, "cache_salt": None,
+                   "tokens": [{"token_id": t} for t in range(size)]} for i, size in enumerate(sizes)]
+        return {"event_id": 1, "data": {"type": "stored", "parent_hash": None, "blocks": blocks}}
+
+    assert [b.num_tokens for b in one(stored(4, 4, 1)).body.blocks] == [4, 4, 1]
+    for sizes in ((4, 1, 4), (4, 5), (4, 0), (0,)):
+        assert rejected(stored(*sizes)).reason == R.SCHEMA_MISMATCH, sizes
 
 
 def test_c_positional_arrays_full_and_short():
@@ -465,14 +482,15 @@ _MAP_STORED = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": 
     (enc([1.0]), R.BAD_BATCH_SHAPE),
     (enc(["now", [], 0]), R.BAD_BATCH_SHAPE),
     (enc([1.0, [], "rank"]), R.BAD_BATCH_SHAPE),
-    (enc([1.0, [], -1]), R.BAD_BATCH_SHAPE),
+    (enc([1.0, [], -1]), R.VALUE_OUT_OF_RANGE),
+    (enc([1.0, [], 2**31]), R.VALUE_OUT_OF_RANGE),  # no attention_dp_rank column holds it
     (enc([float("nan"), [_MAP_STORED], 0]), R.VALUE_OUT_OF_RANGE),
     (enc([float("inf"), [_MAP_STORED], 0]), R.VALUE_OUT_OF_RANGE),
     (enc([float("-inf"), [], 0]), R.VALUE_OUT_OF_RANGE),
     (enc([-1.5, [_MAP_STORED], 0]), R.VALUE_OUT_OF_RANGE),
     (enc([-1, [], 0]), R.VALUE_OUT_OF_RANGE),
 ], ids=["truncated", "trailing-bytes", "empty", "reserved-byte", "map", "events-map", "events-str",
-        "no-events", "ts-str", "rank-str", "rank-negative", "ts-nan", "ts-inf", "ts-minus-inf",
+        "no-events", "ts-str", "rank-str", "rank-negative", "rank-over-int32", "ts-nan", "ts-inf", "ts-minus-inf",
         "ts-negative", "ts-negative-int"])
 def test_payload_level_dead_letter_still_advances_the_source(body: bytes, reason: R):
     out = decode(encode_frames(b"kv", 4, body))

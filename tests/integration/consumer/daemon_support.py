@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import os
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -28,9 +32,12 @@ import msgspec
 import xxhash
 import zmq
 
+from sqlalchemy import text
+
 from consumer.bridge import ReplayBuffer, ReplayStats, serve_replay_request
 from consumer.daemon import Daemon, DaemonStats
 from consumer.settings import ConsumerSettings, load_settings
+from ledger.db import sync_engine
 from ledger.migrate import upgrade
 
 REPO = Path(__file__).resolve().parents[3]
@@ -330,3 +337,56 @@ def ledger_counts(path: Path, engine_id: str | None = None) -> LedgerCounts:
     finally:
         conn.close()
     return LedgerCounts(sum(by_type.values()), by_type, sum(dead.values()), dead, batches, counters, dup, states)
+
+
+# --------------------------------------------------------------------------------------------
+# the daemon as an operator runs it
+# --------------------------------------------------------------------------------------------
+
+
+class RunningConsumer:
+    """``semkv-ledger consume`` in its own process, subscribed to a :class:`FaultPublisher`."""
+
+    def __init__(self, db: str, log: Path, *extra_args: str) -> None:
+        self.db, self.pub = db, FaultPublisher()
+        self.seqs = itertools.count()
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ledger", "consume", "--db", db, "--engine-id", "e", "--source-id", "s",
+             "--endpoint", self.pub.endpoint, "--replay-endpoint", self.pub.replay_endpoint or "",
+             "--batch-max-delay-ms", "2", "--idle-replay-s", "0", *extra_args],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.pub.wait_for_subscriber(30)
+        self.engine = sync_engine(db)
+
+    def send(self, events: list, rank: int | None) -> int:
+        seq = next(self.seqs)
+        self.pub.publish(seq, _ENC.encode([time.time(), events, rank]))
+        return seq
+
+    def outcome(self, seq: int, timeout_s: float = 20.0) -> tuple[dict[int | None, str], dict[int | None, str]]:
+        """Once the batch ``seq`` is logged: {batch_index: engine event kind}, {batch_index: dead-letter reason}."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, f"the daemon exited with {self.proc.returncode}"
+            with self.engine.connect() as conn:
+                logged = conn.execute(text("SELECT count(*) FROM log WHERE source_id = 's' AND zmq_seq = :seq "
+                                           "AND kind = 'batch_received'"), {"seq": seq}).scalar()
+                if logged:
+                    kinds = dict(conn.execute(text(
+                        "SELECT batch_index, kind FROM log WHERE source_id = 's' AND zmq_seq = :seq AND kind IN "
+                        f"({','.join(repr(k) for k in ENGINE_KINDS)})"), {"seq": seq}).all())
+                    letters = dict(conn.execute(text("SELECT batch_index, reason FROM dead_letters "
+                                                     "WHERE zmq_seq = :seq"), {"seq": seq}).all())
+                    return kinds, letters
+            assert time.monotonic() < deadline, f"batch {seq} never logged"
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.engine.dispose()
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        finally:
+            self.pub.close()
+            self._log.close()

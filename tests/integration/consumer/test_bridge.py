@@ -17,7 +17,8 @@ import msgspec
 import pytest
 import zmq
 
-from consumer.bridge import KvEventPublisher, LlmEventBridge, group_by_dp_rank
+from consumer.bridge import KvEventPublisher, LlmEventBridge, group_by_dp_rank, split_to_limits
+from consumer.wire import WireLimits
 
 LOOPBACK = "tcp://127.0.0.1:*"  # ephemeral port, read back from publisher.endpoint
 END_MARKER = (-1).to_bytes(8, "big", signed=True)
@@ -359,3 +360,16 @@ def test_group_by_dp_rank_keeps_order_and_tolerates_odd_events() -> None:
         (1, [events[0], events[3]]),
         (None, [events[1], events[2], events[4]]),
     ]
+
+
+def test_a_drain_larger_than_the_consumers_limits_is_cut_into_batches_it_accepts() -> None:
+    limits = WireLimits(max_events_per_message=3, max_blocks_per_message=5)
+
+    def removed(blocks: int) -> dict[str, Any]:
+        return {"event_id": 0, "data": {"type": "removed", "block_hashes": list(range(blocks))}}
+    events = [removed(2), removed(2), removed(2), removed(1), removed(1), removed(1), removed(1), removed(9), "odd"]
+    parts = split_to_limits(events, limits)
+    assert [x for part in parts for x in part] == events  # order kept, nothing lost
+    assert [len(p) for p in parts] == [2, 3, 2, 1, 1]  # 2+2 blocks; 2+1+1 (3 events); 1+1; 9 alone; "odd"
+    assert all(len(p) <= 3 for p in parts)
+    assert split_to_limits([], limits) == []

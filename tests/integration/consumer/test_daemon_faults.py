@@ -122,9 +122,12 @@ async def test_reordered_without_replay_fails_closed_and_loses_nothing(tmp_path)
             await wait_until(lambda: run.daemon.stats.batches == 30, what="30 batches")
             stats = await run.stop()
     counts = ledger_counts(path)
-    assert counts.engine_events == 30 * EVENTS_PER_BATCH == stats.events_applied  # every event logged once
-    # 21 arrives after 19: a gap; 20 then looks like a restart (new digest at an old seq); 22 after 20: a gap
-    assert counts.bumps() == {"seq_gap": 2, "seq_reset": 1}
+    assert counts.engine_events == 30 * EVENTS_PER_BATCH  # every event logged once
+    # 21 arrives after 19: a gap. 20, at a seq the ledger declared lost, is logged and never applied
+    # (a late Stored(A) must not resurrect A); without replay nobody can prove that the engine did not
+    # restart, so the generation is bumped too (fail closed). 22 follows 21: no gap.
+    assert stats.events_applied == 29 * EVENTS_PER_BATCH and stats.events_stale == EVENTS_PER_BATCH
+    assert counts.bumps() == {"seq_gap": 1, "seq_reset": 1}
     assert replay(db).equal
 
 
@@ -227,7 +230,9 @@ async def test_resume_after_restart_replays_what_was_missed(tmp_path):
             stats = await run.stop()
     counts = ledger_counts(path)
     assert counts.engine_events == 40 * EVENTS_PER_BATCH
-    assert stats.duplicate_batches == 1  # seq 19 re-requested to prove continuity: a no-op
+    # seq 19 re-requested to prove continuity: its digest came with the ledger's position, so the
+    # source drops the copy itself (it never reaches the ledger)
+    assert stats.duplicate_batches == 0 and counts.batches == 40
     assert counts.gaps() == {} and counts.bumps() == {}
 
 
@@ -292,8 +297,9 @@ async def test_two_engines_one_daemon(tmp_path):
 
 
 async def test_late_batch_after_its_gap_was_declared_lost_is_logged_once(tmp_path):
-    """Reordered beyond the replay buffer: 11 arrives after 15. Replay from 0 shows the same run (13
-    is known), so 11 is a late batch: logged once (the ledger fails closed), nothing re-fed."""
+    """Reordered beyond the replay buffer: 11 arrives after 15. Replay from 15 shows the same run (15's
+    digest is known), so 11 is a late batch: logged once, never applied, nothing re-fed, and no
+    generation bump for it (the consumer proved the engine did not restart)."""
     db, path = migrated_db(tmp_path)
     make = PayloadMaker()
     with FaultPublisher(buffer_steps=3) as pub:
@@ -309,12 +315,15 @@ async def test_late_batch_after_its_gap_was_declared_lost_is_logged_once(tmp_pat
             await wait_until(lambda: run.daemon.stats.batches == 18, what="16..19")
             stats = await run.stop()
     counts = ledger_counts(path)
-    assert counts.batches == 18 and counts.engine_events == 18 * EVENTS_PER_BATCH == stats.events_applied
+    assert counts.batches == 18 and counts.engine_events == 18 * EVENTS_PER_BATCH
+    assert stats.events_applied == 17 * EVENTS_PER_BATCH and stats.events_stale == EVENTS_PER_BATCH
     conn = sqlite3.connect(path)
     seqs = [r[0] for r in conn.execute("SELECT zmq_seq FROM log WHERE kind = 'batch_received' ORDER BY seq")]
+    late = {r[0] for r in conn.execute("SELECT DISTINCT applied FROM log WHERE zmq_seq = 11 AND batch_index >= 0")}
     conn.close()
     assert sorted(seqs) == sorted(set(seqs)) == [*range(10), 11, *range(13, 20)]
-    assert counts.bumps() == {"seq_gap": 2, "seq_reset": 1}
+    assert late == {0}  # logged, not applied
+    assert counts.bumps() == {"seq_gap": 1}  # the gap 10..12 only
     assert replay(db).equal
 
 
