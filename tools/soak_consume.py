@@ -54,7 +54,7 @@ TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(TOOLS))
-from bench_consume import CLI, free_port, make_stream, process_tree, rss_mib, scrape  # noqa: E402
+from bench_consume import CLI, _slope, free_port, make_stream, process_tree, rss_mib, scrape  # noqa: E402
 
 from consumer.bridge import ReplayBuffer, ReplayStats, serve_replay_request  # noqa: E402
 from consumer.wire import encode_frames  # noqa: E402
@@ -226,15 +226,6 @@ def replay_equal(db: str) -> tuple[bool, str]:
     done = subprocess.run([sys.executable, "-c", CLI, "replay", "--db", db, "--json"], capture_output=True, text=True,
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     return done.returncode == 0, (done.stdout or done.stderr).strip()[-400:]
-
-
-def _slope(points: list[tuple[float, float]]) -> float:
-    n = len(points)
-    if n < 2:
-        return 0.0
-    mt, mr = sum(t for t, _ in points) / n, sum(r for _, r in points) / n
-    var = sum((t - mt) ** 2 for t, _ in points)
-    return sum((t - mt) * (r - mr) for t, r in points) / var if var else 0.0
 
 
 def soak(args: argparse.Namespace, db: str, work: Path) -> tuple[dict, dict, list, Consumer]:
