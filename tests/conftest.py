@@ -65,15 +65,20 @@ def drop_pg_database(url: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def require_pg() -> None:
+    """Fail in CI, skip elsewhere, when the PostgreSQL server is not reachable."""
+    if not _pg_available():
+        if os.environ.get("CI"):
+            pytest.fail(f"PostgreSQL is required in CI and not reachable at {PG_ADMIN_URL}")
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}")
+
+
 @pytest.fixture
 def postgres_db() -> Iterator[str]:
     """A migrated ledger in a scratch PostgreSQL database (dropped afterwards)."""
     from ledger.migrate import upgrade
 
-    if not _pg_available():
-        if os.environ.get("CI"):
-            pytest.fail(f"PostgreSQL is required in CI and not reachable at {PG_ADMIN_URL}")
-        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}")
+    require_pg()
     url = create_pg_database()
     try:
         upgrade(url)

@@ -11,7 +11,6 @@ refusal net (``refused_by_ledger``): the decoder's bounds must be the columns' o
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -19,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ledger.migrate import upgrade
-from tests.conftest import _pg_available, create_pg_database, drop_pg_database
+from tests.conftest import create_pg_database, drop_pg_database, require_pg
 from tests.integration.consumer.daemon_support import RunningConsumer
 from tests.wire_fields import BOUNDARIES, FIELDS, U64_MAX, Field, batch_of, good_event
 
@@ -33,10 +32,7 @@ def consumer(request, tmp_path_factory) -> Iterator[RunningConsumer]:
     if request.param == "sqlite":
         db, drop = f"sqlite:///{tmp / 'ledger.db'}", None
     else:
-        if not _pg_available():
-            if os.environ.get("CI"):
-                pytest.fail("PostgreSQL is required in CI")
-            pytest.skip("PostgreSQL not reachable")
+        require_pg()
         db = drop = create_pg_database()
     upgrade(db)
     running = RunningConsumer(db, tmp / "consume.log")

@@ -9,7 +9,6 @@ the test refuses a block with priority 99, a value the decoder rightly lets thro
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -17,7 +16,7 @@ from sqlalchemy import text
 
 from ledger.db import sync_engine
 from ledger.migrate import upgrade
-from tests.conftest import _pg_available, create_pg_database, drop_pg_database
+from tests.conftest import create_pg_database, drop_pg_database, require_pg
 from tests.integration.consumer.daemon_support import RunningConsumer
 
 pytestmark = pytest.mark.slow
@@ -38,8 +37,7 @@ def test_a_batch_the_database_refuses_is_dead_letters_alone_and_the_daemon_stays
     if backend == "sqlite":
         db, drop = f"sqlite:///{tmp_path / 'ledger.db'}", None
     else:
-        if not _pg_available():
-            pytest.fail("PostgreSQL is required in CI") if os.environ.get("CI") else pytest.skip("no PostgreSQL")
+        require_pg()
         db = drop = create_pg_database()
     upgrade(db)
     engine = sync_engine(db)
