@@ -53,7 +53,7 @@ import xxhash
 from ledger.errors import EventRejected
 
 __all__ = ["MAX_OPEN_VERIFIED", "ChecksumMismatch", "DonorReader", "DonorStore", "DonorStoreError", "EntryHeader",
-           "EntryMissing", "FileDonorStore", "SecuredEntry", "StoreFull", "StoredEntry"]
+           "EntryMissing", "FileDonorStore", "SecuredEntry", "StoreDirUnusable", "StoreFull", "StoredEntry"]
 
 log = logging.getLogger(__name__)
 MAGIC = b"SEMKVDS1"
@@ -70,6 +70,14 @@ smaller (:func:`_open_budget`)."""
 
 class DonorStoreError(Exception):
     """Root of the donor store's errors."""
+
+
+class StoreDirUnusable(OSError):
+    """The donor store directory (``store_dir``) cannot be created; an ``OSError`` (errno kept)
+    whose message names the setting."""
+
+    def __str__(self) -> str:
+        return f"donor store directory {self.filename} (store_dir): cannot create it: {self.strerror}"
 
 
 class EntryMissing(DonorStoreError):
@@ -390,13 +398,19 @@ class FileDonorStore:
         capacity_bytes: bound on the published entries' total size.
         ledger: a :class:`ledger.queries.LedgerClient` for ``donor_saved``/``donor_evicted`` facts and
             lease checks; None keeps the store ledger-free (unit tests).
+
+    Raises:
+        StoreDirUnusable: ``root`` cannot be created (an ``OSError`` naming ``store_dir``).
     """
 
     def __init__(self, root: str | Path, capacity_bytes: int, ledger: Any = None) -> None:
         self.root = Path(root)
         self._root_str = str(self.root)
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        (self.root / "probe").mkdir(mode=0o700, exist_ok=True)
+        try:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            (self.root / "probe").mkdir(mode=0o700, exist_ok=True)
+        except OSError as exc:  # name the setting: "[Errno 2] … '/proc/semkv'" alone does not
+            raise StoreDirUnusable(exc.errno, exc.strerror, str(self.root)) from exc
         self.capacity_bytes = capacity_bytes
         self.ledger = ledger
         # Pins are shared by every store on the same directory in this process: TensorRT-LLM's

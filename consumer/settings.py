@@ -1,6 +1,6 @@
 """Settings of the consumer daemon (``semkv-ledger consume``): one frozen model built once at the edge.
 
-Sources of values, highest priority first (hypercorn's ``Config`` + pydantic-settings, STYLE §4):
+Sources of values, highest priority first (pydantic-settings):
 
 1. command-line flags (passed to :func:`load_settings` as ``overrides`` / ``cli_source``);
 2. environment variables, prefix ``SEMKV_``, nested fields with ``__``
@@ -21,7 +21,7 @@ Sources of values, highest priority first (hypercorn's ``Config`` + pydantic-set
 A source given on the command line (``--engine-id``/``--endpoint``) is *added* to the sources of
 the environment or TOML file; two sources with the same ``source_id`` are an error.
 
-Defaults follow reference/WIRE.md §B: engines bind port 5557, so a consumer on the same host
+Defaults follow the engines' own: TensorRT-LLM and vLLM publishers bind port 5557, so a consumer on the same host
 connects to ``tcp://127.0.0.1:5557``. Replay is off unless ``replay_endpoint`` is set (the
 publisher bridge and ``semkv-ledger publish`` serve it on port 5558 by default).
 
@@ -81,7 +81,7 @@ def check_tcp_endpoint(endpoint: str, *, bind: bool, what: str = "endpoint") -> 
 
 
 class SourceSettings(BaseModel):
-    """One engine event endpoint (DESIGN §3 "source")."""
+    """One engine event endpoint: the ZMQ PUB socket (and optional replay ROUTER) of one engine."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
@@ -181,7 +181,7 @@ class ConsumerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Lowest level logged (JSON lines on stderr)."""
     record: Path | None = None
-    """Append every message passed to the ledger to this capture file (shared/fixtures format); mode
+    """Append every message passed to the ledger to this capture file (the format `semkv-ledger publish --from-file` reads); mode
     0600 whatever the umask (it holds prompt token ids)."""
     db_retry_initial_s: float = Field(0.05, gt=0)
     """First back-off while the database refuses a transaction (e.g. SQLite locked); doubles each retry."""

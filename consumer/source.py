@@ -339,7 +339,8 @@ class Source:
     def _note(self, kind: Kind, item: ReceivedBatch) -> None:
         if kind == "gap":
             self._m.gaps_seen.labels(**self._labels).inc()
-            self.log.info("source.gap_seen", seq=item.seq, expected=self.tracker.last_seq + 1)  # type: ignore[operator]
+            self.log.info("source.gap_seen", seq=item.seq, expected=self.tracker.last_seq + 1,  # type: ignore[operator]
+                          reason=str(GenerationReason.SEQ_GAP))
         elif kind == "restart":  # a restart, or a late batch: replay tells (counted when passed on)
             self.log.info("source.restart_seen", seq=item.seq, last_seq=self.tracker.last_seq)
 
@@ -375,7 +376,8 @@ class Source:
         ledger opens a new epoch whatever its seq (a new run first heard of past the old run's
         last seq would otherwise look like its continuation) and logs a gap for the new run's
         seqs the engine's buffer no longer held."""
-        self.log.warning("source.restart_found_by_replay", last_seq=self.tracker.last_seq, seq=until)
+        self.log.warning("source.restart_found_by_replay", last_seq=self.tracker.last_seq, seq=until,
+                         reason=str(GenerationReason.SEQ_RESET))
         self._verdict = None
         self._new_run = True
         await self._recover_before(0, until)
@@ -451,14 +453,16 @@ class Source:
         the batch: ``new_run`` (a restart) and ``late`` (an old batch of the run we know)."""
         if self._new_run:
             self._new_run = False
-            self.log.warning("source.new_run", seq=item.seq, last_seq=self.tracker.last_seq)
+            self.log.warning("source.new_run", seq=item.seq, last_seq=self.tracker.last_seq,
+                             reason=str(GenerationReason.SEQ_RESET))
             kind, item = "restart", msgspec.structs.replace(item, new_run=True)
         if kind == "first" and item.seq > 0 and not self._known_to_ledger:
             await self._submit(GapReport(self.source_id, self.config.engine_id, 0, item.seq,
                                          GenerationReason.SEQ_GAP))
-            self.log.warning("source.joined_late", seq=item.seq)
+            self.log.warning("source.joined_late", seq=item.seq, reason=str(GenerationReason.SEQ_GAP))
         elif kind == "gap":
-            self.log.warning("source.gap_unrecovered", seq=item.seq, expected=self.tracker.last_seq + 1)  # type: ignore[operator]
+            self.log.warning("source.gap_unrecovered", seq=item.seq, expected=self.tracker.last_seq + 1,  # type: ignore[operator]
+                             reason=str(GenerationReason.SEQ_GAP))
         elif kind == "late":
             self.log.warning("source.late_batch", seq=item.seq, last_seq=self.tracker.last_seq)
             item = msgspec.structs.replace(item, late=True)

@@ -5,7 +5,10 @@ Commands of the other packages (``consume``, ``publish``, ``demo``…) are regis
 ``semkv_ledger.commands`` entry-point group, each value a ``register(app: typer.Typer) -> None``;
 that keeps ``ledger`` free of imports from ``consumer`` and ``connector``.
 
-Exit codes: 0 success, 1 a check failed (e.g. replay differs), 2 usage or database error.
+Exit codes: 0 success; 1 a check failed or nothing was found (``replay`` differs, ``inspect`` of an item no
+log row names, ``publish`` without a subscriber in time, a ``demo`` check); 2 usage, configuration, database,
+connection, file or port error, printed as ONE line ``error: …`` on stderr (database errors through
+``ledger.errors.database_error_line``), never a traceback.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The ledger's own commands: ``migrate``, ``replay``, ``stats``, ``inspect``.
 
 Errors a user can cause (bad URL, unreachable database, schema not migrated) print one line and
-exit 2; a replay that disagrees with the live projections exits 1.
+exit 2; a replay that disagrees with the live projections exits 1, and so does an ``inspect`` that
+finds no log row for its item.
 """
 
 from __future__ import annotations
@@ -20,24 +21,27 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ledger.cli import app
 from ledger.db import DEFAULT_DB
-from ledger.errors import LedgerError, url_for_humans
+from ledger.errors import LedgerError, database_error_line, is_database_error, one_line, url_for_humans
+from ledger.views import count, id_column, output_console
 
 DbOption = Annotated[str, typer.Option("--db", envvar="SEMKV_DB", help="Ledger database: a SQLite file path, "
                                        "sqlite:///PATH or postgresql://USER@HOST:PORT/DB.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
-console = Console()
+console = output_console()
 err_console = Console(stderr=True)
 
 
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn ledger and database errors into one line on stderr and exit code 2."""
+    """Turn ledger, database, file and value errors into one line on stderr and exit code 2; a
+    database error names ``--db`` and the driver's reason (:func:`ledger.errors.database_error_line`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except (LedgerError, SQLAlchemyError, OSError, ValueError) as exc:
-            message = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            db = kwargs.get("db")
+            message = database_error_line(exc, db) if db and is_database_error(exc) else one_line(str(exc))
             err_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
@@ -47,7 +51,11 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 @app.command()
 @user_errors
 def migrate(db: DbOption = DEFAULT_DB) -> None:
-    """Create or upgrade the ledger schema to the newest revision (SQLite or PostgreSQL)."""
+    """Create or upgrade the ledger schema to the newest revision (SQLite or PostgreSQL).
+
+    A missing SQLite file is created (mode 0600) in an EXISTING directory; a missing directory is an
+    error (exit 2), never created: a mistyped path must not start a second ledger elsewhere.
+    """
     from ledger.migrate import upgrade
 
     before, after = upgrade(db)
@@ -66,7 +74,8 @@ def replay(
 ) -> None:
     """Rebuild every projection from the log in a scratch database and diff it against the live one.
 
-    Exit 0 when equal, 1 when not, 2 on usage or database errors.
+    Exit 0 when equal, 1 when not, 2 on usage or database errors. With --until nothing is compared
+    (exit 0; in --json "compared" is false and "equal" null).
     """
     from ledger.replay import replay as run_replay
 
@@ -91,7 +100,7 @@ def _with_progress(run, *, enabled: bool):
 
 def _report_json(report) -> dict[str, Any]:
     return {
-        "equal": report.equal, "compared": report.compared, "events": report.events, "last_seq": report.last_seq,
+        "equal": report.equal if report.compared else None, "compared": report.compared, "events": report.events, "last_seq": report.last_seq,
         "rebuild_seconds": report.rebuild_seconds, "events_per_second": report.events_per_second,
         "row_counts": report.row_counts, "scratch_path": report.scratch_path,
         "diffs": [{"table": d.table, "only_in_live": d.totals[0], "only_in_replay": d.totals[1], "changed": d.totals[2],
@@ -102,14 +111,14 @@ def _report_json(report) -> dict[str, Any]:
 
 
 def _print_report(report) -> None:
-    table = Table(title=f"replay of {report.events} log rows (through seq {report.last_seq})")
+    table = Table(title=f"replay of {count(report.events)} log rows (through seq {report.last_seq})")
     for column in ("projection", "rows rebuilt", "only in live", "only in replay", "changed"):
         table.add_column(column, justify="right" if column != "projection" else "left")
     diffs = {d.table: d for d in report.diffs}
-    for name, count in report.row_counts.items():
+    for name, rows in report.row_counts.items():
         d = diffs.get(name)
         totals = d.totals if d else ("-", "-", "-")
-        table.add_row(name, str(count), *(str(t) for t in totals))
+        table.add_row(name, count(rows), *(t if isinstance(t, str) else count(t) for t in totals))
     console.print(table)
     console.print(f"rebuild: {report.rebuild_seconds:.3f} s, {report.events_per_second:,.0f} events/s", highlight=False)
     for d in report.diffs:
@@ -169,9 +178,16 @@ def inspect(
     ident: Annotated[str, typer.Argument(help="engine id, donor id, or block hash (decimal, 0x…, or 64 hex chars)")],
     db: DbOption = DEFAULT_DB,
     limit: Annotated[int, typer.Option(help="At most this many log rows (newest).", min=1)] = 200,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: kind, id and every log row "
+                                           "with its full decoded body (block hashes as decimal integers, "
+                                           "wide ones as 64 hex chars).")] = False,
 ) -> None:
-    """Show one item's history from the log."""
-    from ledger.stats import block_history, describe, history
+    """Show one item's history from the log.
+
+    Exit codes: 0 the item has log rows, 1 nothing found (no log row names it), 2 usage or
+    database error.
+    """
+    from ledger.stats import block_history, history
     from ledger.types import parse_hash
 
     engine, conn = _open(db)
@@ -180,13 +196,42 @@ def inspect(
     finally:
         conn.close()
         engine.dispose()
-    table = Table(title=f"{kind} {ident}: {len(rows)} log row(s)")
-    for column in ("seq", "kind", "type", "engine", "zmq seq", "event_id", "applied", "details"):
-        table.add_column(column)
-    for r in rows:
-        table.add_row(str(r["seq"]), r["kind"], r["type_name"], r["engine_id"] or "", str(r["zmq_seq"] if r["zmq_seq"] is not None else ""),
-                      str(r["event_id"] if r["event_id"] is not None else ""), "yes" if r["applied"] else "no",
-                      describe(r["body"]))
-    console.print(table)
+    if json_out:
+        print(json.dumps({"kind": kind, "id": ident, "rows": [_log_row_json(r) for r in rows]}, default=_json_bytes))
+    else:
+        _print_history(kind, ident, rows)
     if not rows:
         raise typer.Exit(1)
+
+
+def _log_row_json(row: dict[str, Any]) -> dict[str, Any]:
+    import msgspec
+
+    return {**row, "body": {"tag": type(row["body"]).__name__,
+                            **msgspec.to_builtins(row["body"], builtin_types=(bytes,))}}
+
+
+def _json_bytes(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.hex()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _print_history(kind: str, ident: str, rows: list[dict[str, Any]]) -> None:
+    from ledger.stats import describe
+
+    table = Table(title=f"{kind} {ident}: {count(len(rows))} log row(s)")
+    for column in ("seq", "kind", "type"):
+        table.add_column(column)
+    id_column(table, "engine")
+    for column in ("zmq seq", "event_id", "applied"):
+        table.add_column(column)
+    id_column(table, "details")
+    for r in rows:
+        table.add_row(str(r["seq"]), r["kind"], r["type_name"], r["engine_id"] or "", _blank_if_none(r["zmq_seq"]),
+                      _blank_if_none(r["event_id"]), "yes" if r["applied"] else "no", describe(r["body"]))
+    console.print(table)
+
+
+def _blank_if_none(value: int | None) -> str:
+    return "" if value is None else str(value)

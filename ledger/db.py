@@ -71,10 +71,11 @@ def _ensure_sqlite_file(url: URL, create: bool) -> None:
         raise LedgerError("the ledger needs a SQLite file, not an in-memory database")
     file = Path(path)
     if not file.exists():
+        if not file.parent.is_dir():  # a mistyped path: no ledger there, and none may quietly start there
+            what = "cannot create the ledger" if create else "no ledger at"
+            raise LedgerError(f"{what} {path}: directory {file.parent} does not exist")
         if not create:
             raise LedgerError(f"no ledger at {path}: run `semkv-ledger migrate --db {path}` first")
-        if not file.parent.is_dir():  # a mistyped path must not quietly start a second ledger elsewhere
-            raise LedgerError(f"cannot create the ledger {path}: directory {file.parent} does not exist")
         os.close(os.open(file, os.O_CREAT | os.O_WRONLY, 0o600))
 
 

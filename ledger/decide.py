@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
+from typing import Literal
+
+import msgspec
 
 from ledger import events as ev
 from ledger.apply import LogEntry, Projection, apply
@@ -44,9 +47,32 @@ def _no_earlier_digests(source_id: str, epoch: int, seq: int) -> Iterable[int]:
     return ()
 
 
+class Loss(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One loss of continuity a transaction logged, for the consumer's logs and labelled metrics.
+
+    ``kind`` "gap": ``[expected, got)`` were lost (ZMQ seqs for ``seq_gap``, ``event_id``s for
+    ``event_id_gap``; for ``event_id_regression`` ``got`` is the older ``event_id`` that arrived
+    after ``expected - 1``). ``kind`` "bump": the engine's generation went to ``generation``.
+    ``reason`` is an enum value (bounded: it labels metrics); ``source_id`` is None for a bump
+    that no source caused (``engine_started``).
+    """
+
+    kind: Literal["gap", "bump"]
+    engine_id: str
+    source_id: str | None
+    reason: GenerationReason
+    expected: int | None = None
+    got: int | None = None
+    generation: int | None = None
+
+
 @dataclasses.dataclass
 class AppendResult:
-    """What one transaction did, for the consumer's metrics. Counts are events unless named."""
+    """What one transaction did, for the consumer's metrics. Counts are events unless named.
+
+    Crosses the writer process's socket as msgpack (``ledger/writer_process.py``): fields must be
+    types msgspec encodes and decodes.
+    """
 
     batches: int = 0
     duplicate_batches: int = 0
@@ -61,11 +87,15 @@ class AppendResult:
     first_seq: int | None = None
     last_seq: int | None = None
     max_event_ts: float | None = None
+    losses: list[Loss] = dataclasses.field(default_factory=list)
+    """Each gap and generation bump, in the order logged (``gaps``/``generation_bumps`` count them)."""
 
     def merge(self, other: AppendResult) -> None:
         for field in dataclasses.fields(self):
             mine, theirs = getattr(self, field.name), getattr(other, field.name)
-            if isinstance(mine, int) and field.name not in ("first_seq", "last_seq"):
+            if field.name == "losses":
+                mine.extend(theirs)
+            elif isinstance(mine, int) and field.name not in ("first_seq", "last_seq"):
                 setattr(self, field.name, mine + theirs)
 
 
@@ -105,10 +135,12 @@ class Decider:
         if engine_id not in self.proj.engines:
             self.emit(ev.EngineRegistered(engine_id=engine_id, generation=1), engine_id=engine_id)
 
-    def bump(self, engine_id: str, reason: GenerationReason) -> None:
+    def bump(self, engine_id: str, reason: GenerationReason, source_id: str | None = None) -> None:
+        """Bump the engine's generation; ``source_id`` is the source whose input showed the loss."""
         generation = self.proj.engines[engine_id]["generation"] + 1
         self.emit(ev.GenerationBumped(engine_id=engine_id, generation=generation, reason=reason), engine_id=engine_id)
         self.result.generation_bumps += 1
+        self.result.losses.append(Loss("bump", engine_id, source_id, reason, generation=generation))
 
     def gap(self, engine_id: str, source_id: str | None, reason: GenerationReason, expected: int, got: int,
             stream: StreamKey | None = None, *, bump: bool = True) -> None:
@@ -118,8 +150,9 @@ class Decider:
                                  attention_dp_rank=stream.attention_dp_rank if stream else None,
                                  window_size=stream.window_size if stream else None), engine_id=engine_id)
         self.result.gaps += 1
+        self.result.losses.append(Loss("gap", engine_id, source_id, reason, expected, got))
         if bump:
-            self.bump(engine_id, reason)
+            self.bump(engine_id, reason, source_id)
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -236,18 +269,18 @@ class Decider:
             return self._new_epoch(batch, epoch), False
         if logged is None:
             if not batch.late:
-                self.bump(batch.engine_id, GenerationReason.SEQ_RESET)
+                self.bump(batch.engine_id, GenerationReason.SEQ_RESET, batch.source_id)
             return epoch, True
         if batch.late or 0 < batch.ts < source["last_ts"]:
             if not batch.late:
-                self.bump(batch.engine_id, GenerationReason.SEQ_RESET)
+                self.bump(batch.engine_id, GenerationReason.SEQ_RESET, batch.source_id)
             return _ANOTHER_RUN
         return self._new_epoch(batch, epoch), False
 
     def _new_epoch(self, batch: ev.ReceivedBatch, epoch: int) -> int:
         """An engine restart: bump the generation and, when the new run is first heard of past
         its seq 0, log the gap ``[0, seq)`` (what the engine's replay buffer no longer held)."""
-        self.bump(batch.engine_id, GenerationReason.SEQ_RESET)
+        self.bump(batch.engine_id, GenerationReason.SEQ_RESET, batch.source_id)
         if batch.seq > 0:
             self.gap(batch.engine_id, batch.source_id, GenerationReason.SEQ_GAP, 0, batch.seq, bump=False)
         return epoch + 1
@@ -275,7 +308,7 @@ class Decider:
             pass  # a late batch: logged as received, judged by nothing in it (see _place)
         elif isinstance(event.body, ev.EngineCreated):
             if has_baseline:
-                self.bump(engine_id, GenerationReason.CREATED)
+                self.bump(engine_id, GenerationReason.CREATED, source_cols["source_id"])
         elif event.event_id is not None and has_baseline:
             last = row["last_event_id"]  # type: ignore[index]
             if event.event_id <= last:
@@ -289,7 +322,7 @@ class Decider:
                 self.gap(engine_id, source_cols["source_id"], GenerationReason.EVENT_ID_GAP, last + 1,
                          event.event_id, stream)
         if applied and isinstance(event.body, ev.AllBlocksCleared):
-            self.bump(engine_id, GenerationReason.ALL_BLOCKS_CLEARED)
+            self.bump(engine_id, GenerationReason.ALL_BLOCKS_CLEARED, source_cols["source_id"])
         # Positional LogEntry (one per engine event on the ingest path; kwargs cost ~1 µs more):
         # seq, committed_at, body, type_name, engine_id, source_id, source_epoch, zmq_seq,
         # batch_index, event_id, attention_dp_rank, window_size, applied, payload.

@@ -1,6 +1,11 @@
-"""Error family of the ledger. Driver errors are translated at the recorder boundary."""
+"""Error family of the ledger. Driver errors are translated at the recorder boundary; for a person,
+:func:`database_error_line` turns any of them into the one ``error:`` line every command prints."""
 
 from __future__ import annotations
+
+import errno
+import os
+import socket
 
 
 class LedgerError(Exception):
@@ -54,6 +59,7 @@ class EventRejected(LedgerError):
 
 
 _SQLITE_BUSY = 5
+_SQLITE_NOTADB = 26
 _SQLITE_TRANSIENT = {_SQLITE_BUSY, 6, 10, 13, 15}
 """Primary SQLite result codes worth a retry: BUSY, LOCKED, IOERR, FULL, PROTOCOL
 (sqlite.org/rescode.html). Not READONLY (8), ERROR (1: "no such table", SQL errors), CORRUPT (11),
@@ -90,6 +96,60 @@ def sqlite_result_code(exc: BaseException | None) -> int | None:
     """The primary result code of an error raised by Python's sqlite3 (3.11+), else None."""
     code = getattr(exc, "sqlite_errorcode", None)
     return None if code is None else code & 0xFF
+
+
+_DRIVER_MODULES = ("sqlite3", "psycopg", "asyncpg", "aiosqlite")
+
+
+def is_database_error(exc: BaseException) -> bool:
+    """An error met while reaching or reading a database: SQLAlchemy's, a driver's own (sqlite3,
+    psycopg, asyncpg: asyncpg raises its errors and ``ConnectionRefusedError`` untranslated when it
+    connects), a :class:`PersistenceError`, or a network error (refused, unreachable, timed out)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    if isinstance(exc, (SQLAlchemyError, PersistenceError, ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _NETWORK_ERRNOS:
+        return True
+    return any(cls.__module__.split(".")[0] in _DRIVER_MODULES for cls in type(exc).__mro__)
+
+
+def database_error_line(exc: BaseException, db: str, *, setting: str = "--db") -> str:
+    """What went wrong opening the ledger ``db``, as ONE line for ``error: …``: the setting that
+    named it, the database (password hidden), and the driver's reason with its lines joined.
+
+    ``exc`` is any error :func:`is_database_error` accepts (a :class:`SchemaOutOfDate`, or another
+    :class:`LedgerError` that already names its path, is printed as it is). Every command that opens
+    a ledger (``migrate``, ``stats``, ``consume``, ``connector-check``, ``serve``…) prints this
+    line and exits 2, so one message shape covers unreachable servers, missing databases and
+    files that are not SQLite databases.
+    """
+    if isinstance(exc, LedgerError) and not isinstance(exc, PersistenceError):
+        return one_line(str(exc))
+    return f"{setting} {url_for_humans(db)}: cannot open the ledger database: {_database_reason(exc)}"
+
+
+def one_line(text: str) -> str:
+    """``text`` with its lines and runs of blanks joined by single spaces (driver messages span lines)."""
+    return " ".join(text.split())
+
+
+_NETWORK_ERRNOS = frozenset({
+    errno.ETIMEDOUT, errno.ECONNREFUSED, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETUNREACH,
+    errno.EADDRNOTAVAIL, socket.EAI_NONAME, socket.EAI_AGAIN, socket.EAI_NODATA,
+})
+"""Errors reaching a server: refused, unreachable, timed out, and getaddrinfo's (an unknown host name)."""
+
+
+def _database_reason(exc: BaseException) -> str:
+    cause = exc.__cause__ if isinstance(exc, PersistenceError) and exc.__cause__ is not None else exc
+    original = getattr(cause, "orig", None) or cause
+    text = one_line(str(original)) or type(original).__name__
+    if isinstance(original, OSError) and original.errno and original.errno > 0:  # asyncpg: "Connect call failed (…)"
+        return f"{os.strerror(original.errno).lower()} ({text})"
+    if sqlite_result_code(original) == _SQLITE_NOTADB or "file is not a database" in text:
+        return f"not a SQLite ledger ({text})"
+    return text
 
 
 def url_for_humans(url: str) -> str:

@@ -1,11 +1,15 @@
-"""Schema migrations (Alembic, ``migrations/`` at the repository root) and the schema-version gate.
+"""Schema migrations (Alembic) and the schema-version gate.
 
-Every command that opens a ledger calls :func:`check_schema`, which refuses a database that is
-not at the head revision with :class:`~ledger.errors.SchemaOutOfDate` naming ``semkv-ledger migrate``.
+The Alembic scripts live in the repository's ``migrations/`` folder (``alembic.ini`` points developers
+there) and are installed as the package ``ledger.migrations`` (``pyproject.toml`` maps one onto the
+other), so a wheel or a plain ``pip install`` carries them. Every command that opens a ledger calls
+:func:`check_schema`, which refuses a database that is not at the head revision with
+:class:`~ledger.errors.SchemaOutOfDate` naming ``semkv-ledger migrate``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from functools import cache
 from pathlib import Path
 
@@ -18,19 +22,42 @@ from sqlalchemy import Connection
 from ledger.db import sync_engine
 from ledger.errors import LedgerError, SchemaOutOfDate
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_PACKAGE = "ledger.migrations"
+
+
+@cache
+def migrations_dir() -> Path:
+    """The folder holding the Alembic scripts (``env.py``, ``script.py.mako``, ``versions/``).
+
+    Found through the import system as the package ``ledger.migrations``: ``site-packages/ledger/
+    migrations`` when installed from a wheel or ``pip install .``, the checkout's ``migrations/`` with
+    ``pip install -e .``. A checkout used through ``PYTHONPATH`` without being installed (the vLLM
+    engine processes of ``tests/vllm_cpu``) has no such package; there the folder is the checkout's
+    ``migrations/``, recognised by the ``alembic.ini`` beside it.
+
+    Raises:
+        LedgerError: no folder with ``env.py`` was found (an installation without its migrations).
+    """
+    spec = importlib.util.find_spec(MIGRATIONS_PACKAGE)
+    candidates = [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "alembic.ini").is_file():
+        candidates.append(checkout / "migrations")
+    for candidate in candidates:
+        if (candidate / "env.py").is_file():
+            return candidate
+    raise LedgerError(f"this installation of semkv-ledger ({Path(__file__).resolve().parent}) lacks its schema "
+                      f"migrations (package {MIGRATIONS_PACKAGE}); reinstall it as docs/deploy.md says")
 
 
 def alembic_config() -> Config:
-    """An Alembic config pointing at the repository's ``migrations/`` folder.
+    """An Alembic config pointing at :func:`migrations_dir`.
 
     Raises:
-        LedgerError: the folder is missing (a non-editable install without the migrations).
+        LedgerError: the migrations are missing (see :func:`migrations_dir`).
     """
-    if not (MIGRATIONS_DIR / "env.py").exists():
-        raise LedgerError(f"migrations not found at {MIGRATIONS_DIR}; install semkv-ledger from its repository (pip install -e .)")
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("script_location", str(migrations_dir()))
     return config
 
 

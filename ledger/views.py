@@ -1,37 +1,68 @@
-"""Rich tables for ``semkv-ledger stats`` (and the demo, which prints the same)."""
+"""Rich output of the commands: ``semkv-ledger stats`` tables (the demo prints the same) and the
+console every table goes to.
+
+Identifiers (engine ids, hashes, donor ids) are never cut: on a terminal their cells wrap
+(``overflow="fold"``); off a terminal (piped, redirected) lines are as long as the table needs, so
+``grep`` and ``cut`` see whole rows. Counts carry thousands separators.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
+
+PIPED_WIDTH = 100_000
+"""Console width off a terminal (characters): wide enough that no table row is ever wrapped or cut;
+a table only takes the width its content needs."""
+
+
+def output_console(*, stderr: bool = False, file: TextIO | None = None) -> Console:
+    """A console for tables and reports: the terminal's width on a terminal, else :data:`PIPED_WIDTH`
+    (rich leaves colour codes out off a terminal; ``NO_COLOR`` and ``FORCE_COLOR`` work as usual)."""
+    stream = file or (sys.stderr if stderr else sys.stdout)
+    if stream.isatty():
+        return Console(file=file, stderr=stderr)
+    return Console(file=file, stderr=stderr, width=PIPED_WIDTH, highlight=False)
+
+
+def count(value: int) -> str:
+    """A count for people: ``1,874,690``."""
+    return f"{value:,}"
+
+
+def id_column(table: Table, header: str) -> None:
+    """Add a column of identifiers: wrapped on a narrow terminal, never cut with an ellipsis."""
+    table.add_column(header, overflow="fold")
 
 
 def print_stats(console: Console, data: dict[str, Any]) -> None:
     """Render :func:`ledger.stats.ledger_stats` output as tables."""
     engines = Table(title="engines")
-    for column in ("engine", "generation", "status", "events by type", "gaps", "generation bumps", "dead letters"):
-        engines.add_column(column)
+    id_column(engines, "engine")
+    for column in ("generation", "status", "events by type", "gaps", "generation bumps", "dead letters"):
+        engines.add_column(column, overflow="fold")
     for engine in data["engines"]:
         counters = engine["counters"]
         engines.add_row(
-            engine["engine_id"], str(engine["generation"]), engine["status"],
-            ", ".join(f"{k}={v}" for k, v in sorted(engine["events_by_type"].items())),
+            engine["engine_id"], count(engine["generation"]), engine["status"],
+            ", ".join(f"{k}={count(v)}" for k, v in sorted(engine["events_by_type"].items())),
             _prefixed(counters, "gaps."), _prefixed(counters, "generation_bumps."), _prefixed(counters, "dead_letters."))
     console.print(engines)
     summary = Table(title="ledger")
     summary.add_column("what")
     summary.add_column("count", justify="right")
-    summary.add_row("engine events logged", str(data["events_total"]))
-    summary.add_row("log rows (events and decisions)", str(data["log_rows"]))
-    summary.add_row("dead letters", str(data["dead_letters"]))
+    summary.add_row("engine events logged", count(data["events_total"]))
+    summary.add_row("log rows (events and decisions)", count(data["log_rows"]))
+    summary.add_row("dead letters", count(data["dead_letters"]))
     for title in ("blocks_by_state", "donors_by_state", "leases_by_state"):
-        for state, count in sorted(data[title].items()):
-            summary.add_row(f"{title.split('_')[0]} {state}", str(count))
+        for state, value in sorted(data[title].items()):
+            summary.add_row(f"{title.split('_')[0]} {state}", count(value))
     console.print(summary)
 
 
 def _prefixed(counters: dict[str, int], prefix: str) -> str:
-    parts = [f"{k.removeprefix(prefix)}={v}" for k, v in sorted(counters.items()) if k.startswith(prefix)]
+    parts = [f"{k.removeprefix(prefix)}={count(v)}" for k, v in sorted(counters.items()) if k.startswith(prefix)]
     return ", ".join(parts) or "0"

@@ -22,6 +22,7 @@ prove the checks are real) breaks one thing on purpose.
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -46,7 +47,7 @@ from ledger.migrate import upgrade
 from ledger.replay import replay
 from ledger.schema import SourceRow
 from ledger.stats import ledger_stats
-from ledger.views import print_stats
+from ledger.views import id_column, output_console, print_stats
 
 FAULTS = ("tamper-projection", "drop-recorded-message")
 RECORDED_ENGINE = "vllm-recorded"
@@ -334,27 +335,45 @@ def print_report(demo: Demo) -> None:
         print_stats(console, r["stats"])
     if "metrics" in r:
         table = Table(title="connectors (reference engine harness, exact_equivalent)")
-        for column in ("engine", "lookups", "promises", "materialized", "tokens materialized", "declines by reason"):
-            table.add_column(column)
+        id_column(table, "engine")
+        for column in ("lookups", "promises", "materialized", "tokens materialized", "declines by reason"):
+            table.add_column(column, overflow="fold")
         for engine_id, m in r["metrics"].items():
-            table.add_row(engine_id, f"{m['lookups']:.0f}", f"{m['promises']:.0f}", f"{m['materialized']:.0f}",
-                          f"{m['materialized_tokens']:.0f}",
-                          ", ".join(f"{k}={v:.0f}" for k, v in sorted(m["misses"].items())) or "none")
+            table.add_row(engine_id, f"{m['lookups']:,.0f}", f"{m['promises']:,.0f}", f"{m['materialized']:,.0f}",
+                          f"{m['materialized_tokens']:,.0f}",
+                          ", ".join(f"{k}={v:,.0f}" for k, v in sorted(m["misses"].items())) or "none")
         console.print(table)
     table = Table(title="checks")
     for column in ("check", "result", "detail"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for c in demo.checks:
         table.add_row(c.name, "[green]PASS[/green]" if c.ok else "[red]FAIL[/red]", c.detail)
     console.print(table)
 
 
+def report_json(demo: Demo, ok: bool, seconds: float) -> dict[str, Any]:
+    """``{"ok", "seconds", "workdir", "checks": [{"name", "ok", "detail"}], "stats", "connectors"}``:
+    ``stats`` is ``semkv-ledger stats --json``'s object, ``connectors`` each engine's connector counters."""
+    return {"ok": ok, "seconds": round(seconds, 3), "workdir": str(demo.workdir),
+            "checks": [dataclasses.asdict(c) for c in demo.checks],
+            "stats": demo.results.get("stats"), "connectors": demo.results.get("metrics")}
+
+
 def run_demo(*, workdir: Path | None = None, keep: bool = False, quick: bool = False, fault: str | None = None,
-             console: Console | None = None) -> int:
-    """Run the demo; returns the exit status (0: every check held)."""
-    console = console or Console()
+             console: Console | None = None, json_out: bool = False) -> int:
+    """Run the demo; returns the exit status (0: every check held). With ``json_out`` the progress goes
+    to stderr and stdout holds one JSON object (:func:`report_json`) instead of the tables.
+
+    Raises:
+        ValueError: an unknown ``fault``, or ``workdir`` already holds a demo run (its ledger would be
+            reused and every count check would fail): the demo checks one fresh run.
+    """
+    console = console or output_console(stderr=json_out)
     if fault is not None and fault not in FAULTS:
         raise ValueError(f"unknown fault {fault!r}: {', '.join(FAULTS)}")
+    if workdir is not None and (workdir / "ledger.db").exists():
+        raise ValueError(f"--dir {workdir} already holds a demo run ({workdir / 'ledger.db'}); the demo checks "
+                         "one fresh run: remove the directory or give a new one")
     own_dir = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="semkv-demo-")) if own_dir else workdir
     workdir.mkdir(parents=True, exist_ok=True)
@@ -368,8 +387,11 @@ def run_demo(*, workdir: Path | None = None, keep: bool = False, quick: bool = F
         demo.check("demo ran to the end", False, str(exc).splitlines()[0])
     finally:
         demo.cleanup()
-    print_report(demo)
     ok = bool(demo.checks) and all(c.ok for c in demo.checks)
+    if json_out:
+        print(json.dumps(report_json(demo, ok, time.monotonic() - started), default=str))
+    else:
+        print_report(demo)
     console.print(f"{'[green]all checks passed' if ok else '[red]some checks FAILED'}[/] in "
                   f"{time.monotonic() - started:.0f} s")
     if keep or not ok:

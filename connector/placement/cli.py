@@ -5,14 +5,21 @@
 
 Reads the ledger the consumer daemon writes (read-only), keeps its own semantic index of donors
 posted to ``/v1/donors``, and serves ``/v1/placement``, ``/healthz``, ``/metrics`` and the OpenAPI
-schema (``/openapi.json``, ``/docs``) with uvicorn. Discovery settings default to the ``[discovery]``
-table of ``TRTLLM_SEMKV_CONFIG`` / ``TRTLLM_SEMKV_DISCOVERY__*``; ``--provider`` replaces the list.
-Exit codes follow ``ledger.cli``: 2 when the settings, the providers or the ledger are not usable.
+schema (``/openapi.json``; ``/docs`` lists it without any CDN) with uvicorn, logging JSON lines.
+Discovery settings default to the ``[discovery]`` table of ``TRTLLM_SEMKV_CONFIG`` /
+``TRTLLM_SEMKV_DISCOVERY__*``; ``--provider`` replaces the list.
+Exit codes follow ``ledger.cli``: 0 stopped by a signal, 2 when the settings, the providers, the
+ledger or the port are not usable.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import contextlib
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -36,40 +43,128 @@ def serve(
                                                            help="Let providers see request/donor text.")] = None,
     tokens_per_block: Annotated[int, typer.Option(help="The fleet's KV block size (tokens).", min=1)] = 32,
     semantic_timeout_s: Annotated[float, typer.Option(help="Deadline of the semantic part of an answer (s).")] = 0.05,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    log_level: Annotated[str, typer.Option(help="Level of the JSON log lines on stderr (uvicorn's included): "
+                                           "critical, error, warning, info, debug or trace.")] = "info",
 ) -> None:
-    """Serve placement advice over HTTP from fresh ledger state (advice only, never a promise)."""
+    """Serve placement advice over HTTP from fresh ledger state (advice only, never a promise).
+
+    Logs are JSON lines on stderr, uvicorn's server and access logs included (``serve.started``
+    gives the address). API docs: ``/docs``, a page this process serves (no CDN: it works on an
+    offline host), and the schema at ``/openapi.json``. Exit codes: 0 stopped by SIGINT/SIGTERM;
+    2 a setting, a provider, the ledger or the port is not usable (one ``error:`` line, before
+    anything listens).
+    """
+    import structlog
     import uvicorn
-    from sqlalchemy.exc import SQLAlchemyError
 
     from connector.discovery.service import DiscoveryService
     from connector.discovery.settings import load_discovery_settings
     from connector.placement.advice import PlacementAdvisor
     from connector.placement.http import create_app
     from connector.settings import ConnectorConfigError
-    from ledger.db import sync_engine
-    from ledger.errors import LedgerError, url_for_humans
-    from ledger.migrate import check_schema
+    from ledger.errors import url_for_humans
+    from ledger.logs import configure_json_logging
 
-    discovery = None
     try:
-        engine = sync_engine(db)
-        with engine.connect() as conn:
-            check_schema(conn, db)
-        engine.dispose()
+        configure_json_logging(log_level)
+    except ValueError as exc:
+        _fail(f"--log-level: {exc}")
+    _check_ledger(db)
+    sock = _bind(host, port)
+    discovery = advisor = None
+    try:
         if discovery_on:
             overrides = {"providers": provider or None, "allow_prompt_text": allow_prompt_text}
             discovery = DiscoveryService(load_discovery_settings(overrides), db=db)
         advisor = PlacementAdvisor(db, discovery=discovery, tokens_per_block=tokens_per_block,
                                    semantic_timeout_s=semantic_timeout_s)
-    except (ConnectorConfigError, LedgerError, SQLAlchemyError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"semkv placement advice on http://{host}:{port} ledger={url_for_humans(db)} "
-               f"providers={[p.name for p in discovery.providers] if discovery else []}", err=True)
+    except Exception as exc:  # noqa: BLE001 - settings, ledger and driver errors are the user's; the rest re-raised
+        sock.close()
+        if discovery is not None:
+            discovery.close()
+        if isinstance(exc, ConnectorConfigError):
+            _fail(str(exc))
+        _fail_on_database_error(exc, db)
+        raise
+    log = structlog.get_logger("connector.placement")
+    sock.listen(2048)  # now, not when uvicorn starts: a client that read serve.started is queued, not refused
+    bound_host, bound_port = sock.getsockname()[:2]
+    log.info("serve.started", url=f"http://{host}:{bound_port}", address=bound_host, port=bound_port,
+             ledger=url_for_humans(db), providers=[p.name for p in discovery.providers] if discovery else [])
+    server = uvicorn.Server(uvicorn.Config(create_app(advisor, discovery=discovery), log_config=None,
+                                          log_level=log_level.lower()))
     try:
-        uvicorn.run(create_app(advisor, discovery=discovery), host=host, port=port, log_level=log_level)
+        with _signals_end_the_server():
+            server.run(sockets=[sock])
     finally:
+        sock.close()
         advisor.close()
         if discovery is not None:
             discovery.close()
+    log.info("serve.stopped")
+
+
+def _check_ledger(db: str) -> None:
+    """Refuse (exit 2, one line) a ledger that cannot be opened or is not at the schema head."""
+    from ledger.db import sync_engine
+    from ledger.migrate import check_schema
+
+    try:
+        engine = sync_engine(db)
+        try:
+            with engine.connect() as conn:
+                check_schema(conn, db)
+        finally:
+            engine.dispose()
+    except Exception as exc:  # noqa: BLE001 - ledger and driver errors are the user's; the rest re-raised
+        _fail_on_database_error(exc, db)
+        raise
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The service's socket, bound now: a port in use is refused in one line (exit 2) before
+    anything says the service is up; uvicorn listens on it later (``Server.run(sockets=…)``)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        _fail(f"--host {host}: cannot resolve it: {exc.strerror}")
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait out TIME_WAIT
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        _fail(f"--port {port} (--host {host}): the placement service cannot listen on {host}:{port}: "
+              f"{exc.strerror} (errno {exc.errno})")
+    return sock
+
+
+@contextlib.contextmanager
+def _signals_end_the_server() -> Iterator[None]:
+    """uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the
+    handler it found (the default one kills the process: exit 143 for SIGTERM). Under these
+    handlers the second delivery does nothing, so a signal stop exits 0 like the other daemons."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _fail_on_database_error(exc: BaseException, db: str) -> None:
+    """Exit 2 with one line when ``exc`` is a ledger or database error; return otherwise."""
+    from ledger.errors import LedgerError, database_error_line, is_database_error
+
+    if isinstance(exc, LedgerError) or is_database_error(exc):
+        _fail(database_error_line(exc, db))
+
+
+def _fail(message: str) -> NoReturn:
+    """One line ``error: …`` on stderr, exit code 2."""
+    typer.echo(f"error: {' '.join(message.split())}", err=True)
+    raise typer.Exit(2)

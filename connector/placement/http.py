@@ -1,6 +1,8 @@
 """HTTP face of placement advice (FastAPI; served by uvicorn from ``semkv-ledger serve``).
 
-Endpoints (OpenAPI 3 schema at ``/openapi.json``, interactive docs at ``/docs``):
+Endpoints (OpenAPI 3 schema at ``/openapi.json``; ``/docs`` is a page listing them, served from this
+process: FastAPI's default Swagger UI and ReDoc pages load their scripts from a public CDN and are
+blank on an offline host, so they are off):
 
 * ``POST /v1/placement`` — :class:`PlacementRequest` → :class:`~connector.placement.advice.Advice`: engines ranked by exact
   live overlap (blocks) and fresh donor spans, semantic candidates, each with the generation it was
@@ -18,11 +20,12 @@ characters → ``422``; a body over ``max_body_bytes`` → ``413``. Ledger failu
 
 from __future__ import annotations
 
+import html
 import time
 from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import SQLAlchemyError
@@ -31,7 +34,7 @@ from connector.discovery.types import DonorRecord, readonly_tokens
 from connector.placement.advice import Advice, PlacementAdvisor
 from ledger.errors import LedgerError
 
-__all__ = ["PlacementRequest", "create_app"]
+__all__ = ["PlacementRequest", "create_app", "docs_page"]
 
 MAX_TOKENS = 262_144
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -73,7 +76,8 @@ def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: Co
     """The FastAPI application over ``advisor`` (and ``discovery`` for ``/v1/donors``)."""
     app = FastAPI(title="semkv-ledger placement advice", version="1",
                   description="Mode 3: engines ranked by exact live overlap and semantic candidates, "
-                              "from fresh ledger state only. Advice, never a promise.")
+                              "from fresh ledger state only. Advice, never a promise.",
+                  docs_url=None, redoc_url=None)  # both load a CDN's scripts: /docs below is self-contained
     reg = registry if registry is not None else CollectorRegistry(auto_describe=True)
     requests = Counter("semkv_placement_requests_total", "Placement requests by outcome", ("outcome",), registry=reg)
     seconds = Histogram("semkv_placement_advice_seconds", "Placement advice duration (server side)",
@@ -131,4 +135,28 @@ def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: Co
     def metrics() -> str:
         return "".join(generate_latest(r).decode() for r in registries)
 
+    @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+    def docs() -> str:
+        return docs_page(app.openapi())
+
     return app
+
+
+def docs_page(schema: dict[str, Any]) -> str:
+    """A self-contained HTML page (no script, style sheet or font from elsewhere) listing the
+    operations of an OpenAPI ``schema`` with their summaries and response codes, and linking
+    the schema itself (``/openapi.json``) for tools."""
+    info = schema.get("info", {})
+    rows = []
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
+            codes = ", ".join(sorted(operation.get("responses", {})))
+            summary = html.escape(operation.get("summary", ""))
+            rows.append(f"<tr><td><code>{html.escape(method.upper())}</code></td><td><code>{html.escape(path)}"
+                        f"</code></td><td>{summary}</td><td>{html.escape(codes)}</td></tr>")
+    return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>{html.escape(info.get('title', 'API'))}"
+            f"</title></head><body><h1>{html.escape(info.get('title', 'API'))} (version "
+            f"{html.escape(str(info.get('version', '')))})</h1><p>{html.escape(info.get('description', ''))}</p>"
+            "<table border=\"1\" cellpadding=\"4\"><tr><th>method</th><th>path</th><th>what</th><th>responses</th></tr>"
+            f"{''.join(rows)}</table><p>Request and response schemas: <a href=\"openapi.json\">/openapi.json</a> "
+            "(OpenAPI 3).</p></body></html>")

@@ -139,3 +139,26 @@ def test_alert_rules_are_valid_prometheus_rule_groups() -> None:
                    "semkv_consumer_dead_letters_total", "semkv_consumer_lag_last_seconds"):
         assert metric in covered  # issue 8: gaps, quarantine storms, dead letters, lag
     assert len(alert_exprs()) == len(names)
+
+
+def test_consumer_panels_filter_and_legend_by_engine() -> None:
+    """Every dashboard query of a consumer metric labelled engine_id filters by the dashboard's
+    ``engine_id`` variable, keeps the label and names the engine in its legend (docs/deploy.md)."""
+    names = exported()
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert "engine_id" in variables and "engine_id" in variables["engine_id"]["definition"]
+    checked = 0
+    for panel in dashboard()["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            per_engine = [n for n, _ in metric_references(expr)
+                          if n.startswith("semkv_consumer_") and "engine_id" in names[n]]
+            if not per_engine:
+                continue
+            checked += 1
+            for name in per_engine:
+                assert re.search(re.escape(name) + r'\{[^}]*engine_id=~"\$engine_id"', expr), (panel["title"], expr)
+            for _, grouping in re.findall(r"\b(sum|max|min|avg|count)\s*(?:by\s*\(([^)]*)\))?\s*\(", expr):
+                assert "engine_id" in grouping, (panel["title"], expr)  # a plain sum(...) drops the engine
+            assert "{{engine_id}}" in target["legendFormat"], (panel["title"], target["legendFormat"])
+    assert checked >= 10

@@ -54,7 +54,8 @@ def test_make_targets_resolve_in_a_fresh_clone(clone: Path, target: str, runs: s
                             env={k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "VIRTUAL_ENV"))})
     assert result.returncode == 0, result.stderr
     recipe = result.stdout
-    assert "-m venv .venv" in recipe and "pip install -q -e '.[dev]'" in recipe, recipe  # first use installs
+    assert "-m venv .venv" in recipe and "pip install -e '.[dev]'" in recipe, recipe  # first use installs
+    assert "echo \"installing semkv-ledger" in recipe, recipe  # and says so before minutes of pip
     assert runs in recipe.splitlines()[-1], recipe
 
 

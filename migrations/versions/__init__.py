@@ -1,0 +1,1 @@
+"""Alembic revisions (``ledger.migrations.versions`` when installed); Alembic skips this file."""

