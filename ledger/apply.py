@@ -33,7 +33,8 @@ KV (DESIGN §2 rules 3 and 9).
 
 A late batch (logged stale by ``ledger.decide``) changes nothing but counters: its events are
 logged with ``applied`` False, and its ``batch_received`` row, at or below the source's last seq in
-the same epoch, leaves the source position where it is (counted ``batches_stale``).
+the same epoch, leaves the source position where it is (counted ``batches_stale``); only the
+source's ``last_ts`` moves, to the newest engine ``ts`` heard.
 """
 
 from __future__ import annotations
@@ -326,6 +327,8 @@ def _on_batch(proj: Projection, entry: LogEntry, body: ev.BatchReceived) -> None
         # batches already logged past this seq would be logged again.
         proj.count(body.engine_id, "batches")
         proj.count(body.engine_id, "batches_stale")
+        if body.ts > source["last_ts"]:  # the newest engine ts heard, late batches included (decide's case 4)
+            proj.put("sources", body.source_id, {**source, "last_ts": body.ts})
         return
     proj.put("sources", body.source_id, {
         "source_id": body.source_id, "engine_id": body.engine_id, "epoch": body.source_epoch,

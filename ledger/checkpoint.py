@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import structlog
 
+from ledger.db import sqlite_open_uri
 from ledger.errors import LedgerUnwritable
 
 BACKSTOP_PAGES = 4096
@@ -74,7 +75,7 @@ class WalCheckpointer:
 
     def _connect(self) -> sqlite3.Connection:
         self._same_file()
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(sqlite_open_uri(self.path), uri=True, isolation_level=None, check_same_thread=False)
         try:
             self._same_file()  # so the file just opened is the one checked
         except BaseException:

@@ -24,6 +24,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
@@ -79,6 +80,23 @@ def _ensure_sqlite_file(url: URL, create: bool) -> None:
         os.close(os.open(file, os.O_CREAT | os.O_WRONLY, 0o600))
 
 
+def sqlite_open_uri(path: str) -> str:
+    """The SQLite URI that opens the ledger file ``path`` read-write and never creates it
+    (sqlite.org/uri.html, ``mode=rw``): a connection made after the file was deleted fails with
+    "unable to open database file" instead of quietly starting an empty ledger at the path.
+    Only :func:`_ensure_sqlite_file` (``migrate``, a writer told to create) makes the file."""
+    return f"{_sqlite_file(path)}?mode=rw"
+
+
+def _sqlite_file(path: str) -> str:
+    return f"file:{quote(os.path.abspath(path))}"
+
+
+def _sqlite_url(url: URL, driver: str) -> URL:
+    """``url`` opening :func:`sqlite_open_uri` (pysqlite and aiosqlite pass ``mode`` into the URI)."""
+    return url.set(drivername=driver, database=_sqlite_file(url.database or ""), query={"mode": "rw", "uri": "true"})
+
+
 def _sqlite_listeners(sync_engine: Engine, *, writer: bool) -> None:
     begin = "BEGIN IMMEDIATE" if writer else "BEGIN"
 
@@ -122,7 +140,7 @@ def sync_engine(db: str, *, writer: bool = False, create: bool | None = None, po
     url = normalize_url(db)
     if is_sqlite(url):
         _ensure_sqlite_file(url, writer if create is None else create)
-        engine = create_engine(url.set(drivername="sqlite+pysqlite"))
+        engine = create_engine(_sqlite_url(url, "sqlite+pysqlite"))
         _sqlite_listeners(engine, writer=writer)
         return engine
     connect_args = {}
@@ -142,7 +160,7 @@ def async_engine(db: str) -> AsyncEngine:
     url = normalize_url(db)
     if is_sqlite(url):
         _ensure_sqlite_file(url, create=True)
-        engine = create_async_engine(url.set(drivername="sqlite+aiosqlite"))
+        engine = create_async_engine(_sqlite_url(url, "sqlite+aiosqlite"))
         _sqlite_listeners(engine.sync_engine, writer=True)
         return engine
     return create_async_engine(url.set(drivername="postgresql+asyncpg"), pool_pre_ping=True,

@@ -241,8 +241,8 @@ class Decider:
            so the generation is bumped (fail closed);
         4. another digest logged at that seq: the engine restarted (its seq starts again at 0), a
            new epoch; unless the consumer says ``late`` (it proved the engine did not restart), or
-           the batch was stamped (engine ``ts``) before the last batch the ledger accepted, which
-           no first batch of a new run is (unless the engine's clock stepped back: then this fails
+           the batch was stamped (engine ``ts``) before the newest batch the ledger logged from
+           this source (a stale one included: ``sources.last_ts``), which no first batch of a new run is (unless the engine's clock stepped back: then this fails
            closed too). One run publishes one payload per seq, so such a batch is of a run the
            ledger has moved past (a late batch of the current run whose seq the ledger holds
            another run's batch at, or a straggler of an earlier run). It cannot be logged at that
