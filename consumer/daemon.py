@@ -623,7 +623,7 @@ def serve(settings: ConsumerSettings, *, migrate: bool = False, exit_when_idle_s
             log.info("ledger.migrated", db=url_for_humans(settings.db), before=before, after=after)
         stats = asyncio.run(daemon.run())
     except SchemaOutOfDate as exc:
-        print(f"error: {exc} (or start with --migrate)", file=sys.stderr)
+        print(f"error: {exc}" + ("" if exc.unknown else " (or start with --migrate)"), file=sys.stderr)
         return 2
     except (ConfigurationError, zmq.ZMQError) as exc:
         print(f"error: {one_line(str(exc))}", file=sys.stderr)

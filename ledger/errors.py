@@ -42,12 +42,14 @@ class DeadlineExceeded(PersistenceError):
 class SchemaOutOfDate(LedgerError):
     """The ledger database is not at the schema head; run ``semkv-ledger migrate``."""
 
-    def __init__(self, url: str, current: str | None, head: str) -> None:
-        self.current, self.head = current, head
+    def __init__(self, url: str, current: str | None, head: str, *, unknown: bool = False) -> None:
+        self.current, self.head, self.unknown = current, head, unknown
+        if unknown:  # a newer semkv-ledger migrated it (or a rolled-back upgrade): migrate cannot go back
+            advice = "it is newer than this semkv-ledger knows: run the semkv-ledger version that migrated it"
+        else:
+            advice = f"run `semkv-ledger migrate --db {url_for_humans(url)}` first"
         super().__init__(
-            f"ledger schema at {url_for_humans(url)} is {current or 'not created'}, expected {head}: "
-            f"run `semkv-ledger migrate --db {url_for_humans(url)}` first"
-        )
+            f"ledger schema at {url_for_humans(url)} is {current or 'not created'}, expected {head}: {advice}")
 
 
 class EventRejected(LedgerError):

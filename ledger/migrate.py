@@ -78,6 +78,8 @@ def upgrade(db: str, revision: str = "head") -> tuple[str | None, str]:
     try:
         with engine.connect() as conn:
             before = current_revision(conn)
+        if before is not None and not _known(before):
+            raise SchemaOutOfDate(db, before, head_revision(), unknown=True)
         config = alembic_config()
         with engine.begin() as conn:
             config.attributes["connection"] = conn
@@ -89,7 +91,17 @@ def upgrade(db: str, revision: str = "head") -> tuple[str | None, str]:
 
 
 def check_schema(conn: Connection, db: str) -> None:
-    """Raise :class:`SchemaOutOfDate` unless the database is at the head revision."""
+    """Raise :class:`SchemaOutOfDate` unless the database is at the head revision (``unknown`` when
+    its revision is none this installation has: a newer semkv-ledger migrated it)."""
     current = current_revision(conn)
     if current != head_revision():
-        raise SchemaOutOfDate(db, current, head_revision())
+        raise SchemaOutOfDate(db, current, head_revision(), unknown=current is not None and not _known(current))
+
+
+@cache
+def _known_revisions() -> frozenset[str]:
+    return frozenset(script.revision for script in ScriptDirectory.from_config(alembic_config()).walk_revisions())
+
+
+def _known(revision: str) -> bool:
+    return revision in _known_revisions()

@@ -2,7 +2,8 @@
 
 The rebuild reads the live log in ``seq`` order (streamed, read-only), applies each row with
 :func:`ledger.apply.apply` to an in-memory :class:`~ledger.apply.Projection`, writes the result
-into a scratch SQLite file (created from ``Base.metadata``; the live database is never written),
+into a scratch SQLite file (created from ``Base.metadata``; the live database is never written, nor is
+any file that holds more than projection tables: :func:`refuse_foreign_scratch`),
 then compares every projection table row by row with the live one. Any difference is a bug.
 
 ``until`` stops after that log seq (time travel); the diff is then skipped, since the live
@@ -11,18 +12,22 @@ projections are at the head of the log.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sqlite3
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import Connection, Table, func, select
 
 from ledger import events as ev
 from ledger.apply import LogEntry, Projection, apply
 from ledger.db import sync_engine
+from ledger.errors import LedgerError
 from ledger.migrate import check_schema
 from ledger.recorder import write
 from ledger.schema import PROJECTION_TABLES, Base, LogRow
@@ -140,13 +145,16 @@ def replay(db: str, *, until: int | None = None, scratch: str | Path | None = No
         scratch: where to write the rebuilt projections; a temporary file (deleted) if None.
 
     Raises:
+        LedgerError: ``scratch`` is not a new file or an earlier replay's (see :func:`refuse_foreign_scratch`).
         SchemaOutOfDate, PersistenceError (as SQLAlchemy errors from the caller's view).
     """
-    live_engine = sync_engine(db)
     tmp = None
     if scratch is None:
         tmp = tempfile.TemporaryDirectory(prefix="semkv-replay-")
         scratch = Path(tmp.name) / "replay.db"
+    else:
+        refuse_foreign_scratch(Path(scratch))
+    live_engine = sync_engine(db)
     scratch_engine = sync_engine(str(scratch), writer=True)
     try:
         with live_engine.connect() as live:
@@ -170,3 +178,30 @@ def replay(db: str, *, until: int | None = None, scratch: str | Path | None = No
         scratch_engine.dispose()
         if tmp is not None:
             tmp.cleanup()
+
+
+def refuse_foreign_scratch(path: Path) -> None:
+    """Refuse a scratch path replay must not write: replay drops and recreates the projection tables
+    there, so it takes only a new file (in an existing directory), an empty one, or a file holding
+    nothing but projection tables (an earlier ``--out``). A ledger (it has a log) is never one.
+
+    Raises:
+        LedgerError: naming ``--out`` and why.
+    """
+    if not path.exists():
+        if not path.parent.is_dir():
+            raise LedgerError(f"--out {path}: directory {path.parent} does not exist")
+        return
+    if not path.is_file():
+        raise LedgerError(f"--out {path}: not a regular file")
+    if path.stat().st_size == 0:
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)) as conn:
+            tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as exc:
+        raise LedgerError(f"--out {path}: not a SQLite file ({exc}); replay writes a new file or an earlier --out") from exc
+    foreign = sorted(tables - {table.name for table in PROJECTION_TABLES})
+    if foreign:
+        raise LedgerError(f"--out {path} holds tables replay did not write ({', '.join(foreign[:4])}): it may be a "
+                          f"ledger, which replay never overwrites; choose a new file")
