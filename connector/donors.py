@@ -25,13 +25,14 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from connector.block_keys import request_v1_hashes
 from connector.namespace import DeploymentNamespace, Namespace, content_keys, probe_key
 from connector.plan import SaveInstruction
 from connector.settings import ConnectorSettings
 from ledger import events as ev
 from ledger.errors import LedgerError
 
-__all__ = ["DonorRegistrar", "LedgerBusy", "prefill_completed", "v1_hashes"]
+__all__ = ["DonorRegistrar", "LedgerBusy", "prefill_completed"]
 
 
 class LedgerBusy(LedgerError):
@@ -109,7 +110,7 @@ class DonorRegistrar:
         if existing is not None and existing.num_blocks >= n and (
                 s.freshness_policy != "engine" or self.reader.live_prefix(existing, n) >= n):
             return False  # the same bytes are already a fresh donor
-        hashes = block_hashes[:n] if block_hashes and len(block_hashes) >= n else v1_hashes(request, tpb, n)
+        hashes = block_hashes[:n] if block_hashes and len(block_hashes) >= n else request_v1_hashes(request, tpb, n)
         if hashes is None:
             return False
         engine = self.ledger.engine(s.engine_id)
@@ -127,18 +128,3 @@ def prefill_completed(request: Any) -> bool:
     that, e.g. in its first forward, may hold partial KV)."""
     return len(request.get_tokens(0)) > int(request.prompt_len)
 
-
-def v1_hashes(request: Any, tpb: int, n: int) -> list[int] | None:
-    """TensorRT-LLM 1.2 fallback: recompute ``v1_block_key`` of the first ``n`` blocks (1.1/1.2 salt
-    id = BLAKE3; WIRE.md §A.1). None for multimodal requests (their mm keys are not modelled)."""
-    if getattr(request, "multimodal_hashes", None):
-        return None
-    from connector.harness.block_hash import v1_block_key  # TensorRT-LLM's algorithm, replicated
-
-    salt = getattr(request, "cache_salt_id", None)
-    tokens, parent, out = request.get_tokens(0), 0, []
-    for i in range(n):
-        parent = v1_block_key(tokens[i * tpb : (i + 1) * tpb], parent, lora_task_id=request.lora_task_id,
-                              cache_salt_id=salt)
-        out.append(parent)
-    return out

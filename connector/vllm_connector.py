@@ -55,17 +55,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from connector._vllm import VLLM_VERSION, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from connector.block_keys import vllm_event_block_hash
 from connector.engine_contract import VLLM
 from connector.metrics import serve_metrics
 from connector.namespace import KvLayout, NamespaceUnknown
 from connector.plan import ConnectorMetadata
 from connector.settings import CONFIG_ENV, ConnectorSettings, load_connector_settings
 
-__all__ = ["EXTRA_CONFIG_KEY", "EXTRA_SETTINGS_KEY", "SemKvVllmConnector", "SemKvVllmMetadata", "VllmDeployment", "VllmRequest", "engine_block_hash",
+__all__ = ["EXTRA_CONFIG_KEY", "EXTRA_SETTINGS_KEY", "SemKvVllmConnector", "SemKvVllmMetadata", "VllmDeployment", "VllmRequest",
            "layer_views"]
 
 log = logging.getLogger(__name__)
-_U64 = (1 << 64) - 1
 EXTRA_CONFIG_KEY = "semkv_config"
 """``kv_connector_extra_config`` key naming the connector's TOML file."""
 EXTRA_SETTINGS_KEY = "semkv_settings"
@@ -80,15 +80,6 @@ class SemKvVllmMetadata(KVConnectorMetadata):
 
 
 # ==================================================================================== translation
-def engine_block_hash(block_hash: bytes) -> int | bytes:
-    """A vLLM ``BlockHash`` as its KV events publish it: ``int.from_bytes(h, "big") & (2**64 - 1)``,
-    or the bytes themselves when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (vLLM 0.32,
-    ``vllm/v1/core/kv_cache_utils.py: maybe_convert_block_hash``)."""
-    if os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") == "0":
-        return bytes(block_hash)
-    return int.from_bytes(block_hash, "big") & _U64
-
-
 class VllmRequest:
     """A vLLM ``Request`` as the core reads a request (``request_id``, ``prompt_len``,
     ``get_tokens``, ``cache_salt``, ``lora_task_id``, ``multimodal_hashes``, p-tuning)."""
@@ -142,7 +133,7 @@ class VllmRequest:
     @property
     def block_hashes(self) -> list[int | bytes]:
         """The engine's hashes of the request's full blocks, as its KV events carry them."""
-        return [engine_block_hash(h) for h in getattr(self._request, "block_hashes", ())]
+        return [vllm_event_block_hash(h) for h in getattr(self._request, "block_hashes", ())]
 
 
 class VllmDeployment:

@@ -65,7 +65,6 @@ from typing import Any
 import msgspec
 import structlog
 import zmq.asyncio
-from sqlalchemy.exc import SQLAlchemyError
 
 from consumer.capture import CaptureWriter
 from consumer.curve import CurveError, CurveKeys, ZapAuthorizer, exposure_warning, metrics_exposure_warning
@@ -77,6 +76,7 @@ from ledger.errors import (LedgerError, LedgerUnwritable, PersistenceError, Sche
 from ledger.decide import AppendResult, Loss
 from ledger.events import DeadLetter, GapReport, ReceivedBatch
 from ledger.logs import configure_json_logging
+from ledger.migrate import refuse_missing_ledger_file
 from ledger.types import DeadLetterReason
 from ledger.writer import LedgerWriter, SourcePosition
 
@@ -392,14 +392,13 @@ class Daemon:
         Raises:
             SchemaOutOfDate: not migrated, or (SQLite) no file at the path: it is refused before
                 anything opens it, since SQLite would create an empty file that stays behind.
-            PersistenceError: the database cannot be opened; asyncpg's own errors (it raises
-                ``ConnectionRefusedError`` untranslated) are translated here.
+            PersistenceError: the database cannot be opened.
         """
-        _refuse_missing_sqlite_ledger(self.settings.db)
+        refuse_missing_ledger_file(self.settings.db)
         delay = self.settings.db_retry_initial_s
         for attempt in range(1, OPEN_ATTEMPTS + 1):
             try:
-                return await self._open_writer_once()
+                return await LedgerWriter.open(self.settings.db, process=self.settings.writer_process)
             except PersistenceError as exc:
                 if not is_transient(exc) or attempt == OPEN_ATTEMPTS:
                     raise
@@ -409,15 +408,6 @@ class Daemon:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.db_retry_max_s)
         raise AssertionError("unreachable")  # the loop returns or raises
-
-    async def _open_writer_once(self) -> LedgerWriter:
-        try:
-            return await LedgerWriter.open(self.settings.db, process=self.settings.writer_process)
-        except Exception as exc:  # noqa: BLE001 - only a driver's own error is translated, the rest re-raised
-            if isinstance(exc, LedgerError) or not is_database_error(exc):
-                raise
-            raise PersistenceError(f"{type(exc).__name__}: {one_line(str(exc))}",
-                                   transient=isinstance(exc, (ConnectionError, TimeoutError))) from exc
 
     async def _commit(self, items: list[Item]) -> None:
         """One ledger transaction for ``items`` (transient database errors are retried forever); a
@@ -543,7 +533,7 @@ class Daemon:
         elif self._writer is not None:
             try:
                 await asyncio.wait_for(self._writer.source_positions(), _HEALTH_DB_TIMEOUT_S)
-            except (SQLAlchemyError, LedgerError, OSError, TimeoutError) as exc:
+            except (LedgerError, OSError, TimeoutError) as exc:
                 db = {"ok": False, "error": repr(exc)}
         writer_alive = self._writer_task is not None and not self._writer_task.done()
         sources = {s.source_id: s.status() for s in self.sources}
@@ -561,28 +551,6 @@ def refused_by_ledger(batch: ReceivedBatch, error: PersistenceError) -> Received
                           batch.seq, index if event.batch_index is None else event.batch_index, batch.received_at)
                for index, event in enumerate(batch.events)]
     return msgspec.structs.replace(batch, events=[], dead_letters=[*batch.dead_letters, *letters])
-
-
-def _refuse_missing_sqlite_ledger(db: str) -> None:
-    """Refuse a SQLite ledger path that names no file before anything opens it: SQLite would create
-    an empty file, which is no ledger (the schema check refuses it) and would stay behind the
-    refusal. ``--migrate`` runs before and creates the ledger on purpose.
-
-    Raises:
-        SchemaOutOfDate: no file there (run ``semkv-ledger migrate``, or start with ``--migrate``).
-        LedgerError: its directory does not exist either (a mistyped path), or the URL is unsupported.
-    """
-    from ledger.db import is_sqlite, normalize_url
-    from ledger.migrate import head_revision
-
-    url = normalize_url(db)
-    if not is_sqlite(url) or not url.database or url.database == ":memory:":
-        return
-    path = Path(url.database)
-    if not path.exists():
-        if not path.parent.is_dir():
-            raise LedgerError(f"no ledger at {path}: directory {path.parent} does not exist")
-        raise SchemaOutOfDate(db, None, head_revision())
 
 
 def _leaf(group: BaseExceptionGroup) -> BaseException:
@@ -628,7 +596,7 @@ def serve(settings: ConsumerSettings, *, migrate: bool = False, exit_when_idle_s
     except (ConfigurationError, zmq.ZMQError) as exc:
         print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return 2
-    except (PersistenceError, SQLAlchemyError) as exc:
+    except PersistenceError as exc:
         if daemon.ready.is_set() or isinstance(exc, LedgerUnwritable):  # while running, or a read-only file
             log.error("daemon.database_error", error=str(exc))
             print(f"error: ledger database: {one_line(str(exc))}", file=sys.stderr)

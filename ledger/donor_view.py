@@ -28,9 +28,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from ledger.freshness import DonorFacts, longest_prefix, stale_reason
 from ledger.liveness import LivenessCache
 from ledger.types import DonorState
 
@@ -86,7 +87,11 @@ class DonorView:
         self.liveness = LivenessCache()
         self._donors: dict[str, ViewDonor] = {}
         self._by_key: dict[bytes, list[str]] = {}
-        self._engines: dict[str, int] = {}
+        self._engines: dict[str, tuple[int, str]] = {}
+        """engine_id -> (current generation, status)"""
+        self._facts: dict[str, DonorFacts] = {}
+        """donor_id -> what freshness reads of it, with its engine's generation and status (kept
+        with the donors and the engines, so a lookup allocates nothing to apply the rule)"""
         self._blocks = 0
         self._lock = threading.Lock()
         self.catching_up = threading.Lock()
@@ -118,27 +123,14 @@ class DonorView:
     def longest_span(self, namespace: str, content_keys: Sequence[bytes], *, now: float, min_blocks: int = 1,
                      check_blocks: bool = True) -> tuple[ViewDonor, int] | None:
         """``(donor, n)``: the donor with the longest fresh live prefix ``content_keys[:n]``
-        (n ≥ ``min_blocks``), newest first among equals; None if there is none. Fresh: same
-        namespace, its engine's current generation, not expired, and (``check_blocks``, policy
-        ``engine``) its first n blocks live.
-        The last key is tried first (a whole-prompt hit is one dict probe), then binary search."""
+        (n ≥ ``min_blocks``), newest first among equals; None if there is none. Fresh:
+        :func:`ledger.freshness.stale_reason` is None and (``check_blocks``, policy ``engine``) its
+        first n blocks are live.
+        :func:`ledger.freshness.longest_prefix` searches (a whole-prompt hit is one dict probe)."""
         with self._lock:
-            if not content_keys or len(content_keys) < max(min_blocks, 1):
-                return None
-            lo, holders = len(content_keys), self._holders(namespace, content_keys[-1], now)
-            if not holders:
-                lo = max(min_blocks, 1)
-                holders = self._holders(namespace, content_keys[lo - 1], now)
-                if not holders:
-                    return None
-                hi = len(content_keys) - 1
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    found = self._holders(namespace, content_keys[mid - 1], now)
-                    if found:
-                        lo, holders = mid, found
-                    else:
-                        hi = mid - 1
+            lo, _ = longest_prefix(len(content_keys), lambda n: self._any_holder(namespace, content_keys[n - 1], now),
+                                   min_blocks=min_blocks)
+            holders = self._holders(namespace, content_keys[lo - 1], now) if lo else ()
             best = None
             for donor in holders:
                 live = self.liveness.live_prefix(donor.donor_id, lo) if check_blocks else lo
@@ -148,15 +140,23 @@ class DonorView:
                     break
             return best
 
-    def _holders(self, namespace: str, key: bytes, now: float) -> list[ViewDonor]:
-        """State-fresh donors holding ``key``, newest first."""
-        out = []
-        for donor_id in reversed(self._by_key.get(key, ())):
-            donor = self._donors[donor_id]
-            if (donor.namespace == namespace and self._engines.get(donor.engine_id) == donor.generation
-                    and (donor.expires_at is None or donor.expires_at > now)):
-                out.append(donor)
-        return out
+    def _holders(self, namespace: str, key: bytes, now: float) -> Iterator[ViewDonor]:
+        """Donors holding ``key`` that are fresh but for block liveness (:func:`ledger.freshness.stale_reason`
+        on :attr:`_facts`; the view holds saved donors only), newest first, judged as consumed."""
+        facts = self._facts
+        return (self._donors[d] for d in reversed(self._by_key.get(key, ()))
+                if stale_reason(facts[d], namespace=namespace, now=now) is None)
+
+    def _any_holder(self, namespace: str, key: bytes, now: float) -> bool:
+        """Whether any donor holding ``key`` is fresh but for block liveness (the search's probe:
+        usually the newest holder answers it)."""
+        facts = self._facts
+        return any(stale_reason(facts[d], namespace=namespace, now=now) is None
+                   for d in reversed(self._by_key.get(key, ())))
+
+    def _facts_of(self, donor: ViewDonor) -> DonorFacts:
+        generation, status = self._engines.get(donor.engine_id, (None, None))
+        return DonorFacts(donor.namespace, _LIVE, donor.expires_at, donor.generation, generation, status)
 
     def stats(self) -> dict[str, int]:
         """Donors and blocks held, donors dropped for size, the cursor (metrics, tests)."""
@@ -170,7 +170,7 @@ class DonorView:
                 removals: Iterable[Any],
                 load: Callable[[Any], tuple[list[bytes], list[tuple[int, bytes]], list[bool]]], *,
                 complete: bool = True) -> None:
-        """Apply what changed in ``(cursor, upto_seq]``: every engine's ``(engine_id, generation)``,
+        """Apply what changed in ``(cursor, upto_seq]``: every engine's ``(engine_id, generation, status)``,
         the donor rows whose ``updated_seq`` moved (``donor_id, namespace, engine_id, dp_rank,
         window_size, generation, tokens_per_block, provider_generation, expires_at, state,
         store_ref, checksum, registered_seq``), and the log's block rows (see
@@ -178,7 +178,10 @@ class DonorView:
         hashes and which blocks are live, read at ``upto_seq`` or later. ``complete``: the ledger
         holds nothing past ``upto_seq`` (a catch-up done in steps is caught up only at its last)."""
         with self._lock:
-            self._engines = dict(engines)
+            current = {engine_id: (generation, status) for engine_id, generation, status in engines}
+            if current != self._engines:  # an engine restarted, lost events or came back: re-derive facts
+                self._engines = current
+                self._facts = {donor_id: self._facts_of(donor) for donor_id, donor in self._donors.items()}
         self.liveness.apply(removals, upto_seq)
         for row in donors:
             donor_id, state, store_ref = row[0], row[9], row[10]
@@ -205,6 +208,7 @@ class DonorView:
                 self.dropped += 1
                 self._remove_locked(min(self._donors.values(), key=lambda d: d.registered_seq).donor_id)
             self._donors[donor.donor_id] = donor
+            self._facts[donor.donor_id] = self._facts_of(donor)
             for key in keys:
                 self._by_key.setdefault(key, []).append(donor.donor_id)
             self._blocks += len(keys)
@@ -220,6 +224,7 @@ class DonorView:
         donor = self._donors.pop(donor_id, None)
         if donor is None:
             return
+        del self._facts[donor_id]
         for key in donor.content_keys:
             holders = self._by_key.get(key)
             if holders is not None:

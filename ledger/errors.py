@@ -100,6 +100,16 @@ def sqlite_result_code(exc: BaseException | None) -> int | None:
     return None if code is None else code & 0xFF
 
 
+def persistence_error(exc: BaseException) -> PersistenceError:
+    """The ledger's error for a SQLAlchemy (or :meth:`~ledger.db.Sql.wrap`-ped driver) error: the one
+    translation of driver errors; raise it ``from exc`` so that ``__cause__`` keeps the SQLAlchemy
+    type (:func:`is_transient` classifies it)."""
+    from sqlalchemy.exc import DBAPIError
+
+    original = exc.orig if isinstance(exc, DBAPIError) else exc
+    return PersistenceError(f"{type(original).__name__}: {original}".strip())
+
+
 _DRIVER_MODULES = ("sqlite3", "psycopg", "asyncpg", "aiosqlite")
 
 

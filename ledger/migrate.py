@@ -18,9 +18,10 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection
+from sqlalchemy.exc import SQLAlchemyError
 
-from ledger.db import sync_engine
-from ledger.errors import LedgerError, SchemaOutOfDate
+from ledger.db import is_sqlite, normalize_url, sync_engine
+from ledger.errors import LedgerError, SchemaOutOfDate, persistence_error
 
 MIGRATIONS_PACKAGE = "ledger.migrations"
 
@@ -73,7 +74,12 @@ def current_revision(conn: Connection) -> str | None:
 
 
 def upgrade(db: str, revision: str = "head") -> tuple[str | None, str]:
-    """Upgrade the ledger at ``db`` to ``revision``; returns (revision before, revision after)."""
+    """Upgrade the ledger at ``db`` to ``revision``; returns (revision before, revision after).
+
+    Raises:
+        LedgerError: an unsupported URL, or a SQLite path in a missing directory.
+        PersistenceError: the database cannot be reached or written.
+    """
     engine = sync_engine(db, writer=True)
     try:
         with engine.connect() as conn:
@@ -86,6 +92,8 @@ def upgrade(db: str, revision: str = "head") -> tuple[str | None, str]:
             command.upgrade(config, revision)
         with engine.connect() as conn:
             return before, current_revision(conn) or ""
+    except SQLAlchemyError as exc:
+        raise persistence_error(exc) from exc
     finally:
         engine.dispose()
 
@@ -105,3 +113,22 @@ def _known_revisions() -> frozenset[str]:
 
 def _known(revision: str) -> bool:
     return revision in _known_revisions()
+
+
+def refuse_missing_ledger_file(db: str) -> None:
+    """Refuse a SQLite ledger path that names no file before anything opens it: SQLite would create
+    an empty file, which is no ledger (the schema check refuses it) and would stay behind the
+    refusal (``consume`` without ``--migrate``; ``migrate`` creates the file on purpose).
+
+    Raises:
+        SchemaOutOfDate: no file there (run ``semkv-ledger migrate``, or start with ``--migrate``).
+        LedgerError: its directory does not exist either (a mistyped path), or the URL is unsupported.
+    """
+    url = normalize_url(db)
+    if not is_sqlite(url) or not url.database or url.database == ":memory:":
+        return
+    path = Path(url.database)
+    if not path.exists():
+        if not path.parent.is_dir():
+            raise LedgerError(f"no ledger at {path}: directory {path.parent} does not exist")
+        raise SchemaOutOfDate(db, None, head_revision())

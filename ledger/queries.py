@@ -5,11 +5,9 @@ lock, reference/TRTLLM_CONNECTOR.md) and worker, so every call is synchronous, u
 point queries only, and never scans a table. Writes (donor registration, save/evict, leases)
 go through :func:`ledger.recorder.transact` and are ordinary log facts.
 
-Freshness (DESIGN §5): a donor is fresh iff state ``live`` ∧ generation = its engine's current
-generation ∧ (policy ``engine``: every needed block is live in that generation; policy
-``store``: the donor store holds checksummed bytes, i.e. state ``live``) ∧ namespace equal ∧ not
-expired. :meth:`LedgerClient.donor_freshness` returns ``None`` when fresh, else a
-:class:`~ledger.types.StaleReason`.
+Freshness is :mod:`ledger.freshness` (the one rule, in Python and as SQL); this module adds block
+liveness for policy ``engine``. :meth:`LedgerClient.donor_freshness` returns ``None`` when fresh,
+else a :class:`~ledger.types.StaleReason`.
 
 Speed (DESIGN §7: the whole lookup, hit or miss, p99 ≤ 250 µs at 2K tokens, ≤ 2 ms at 32K).
 Building and executing SQLAlchemy expressions per call cost 0.5–1.3 ms per query on the 2-core
@@ -32,18 +30,20 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import bindparam, exists, func, or_, select
+from sqlalchemy import bindparam, exists, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from ledger import events as ev
 from ledger import db as ledger_db
 from ledger.db import Prepared, Sql
 from ledger.decide import Decider
-from ledger.errors import DeadlineExceeded, EventRejected, PersistenceError
 from ledger.donor_view import DonorView
+from ledger.errors import DeadlineExceeded, EventRejected, PersistenceError, persistence_error
+from ledger.freshness import DonorFacts, fresh_donor_clause, longest_prefix, stale_reason
 from ledger.liveness import LIVENESS_KINDS
 from ledger.migrate import check_schema
-from ledger.recorder import persistence_error, transact
+from ledger.placement_reads import PlacementSnapshot, read_placement
+from ledger.recorder import transact
 from ledger.schema import BlockRow, DonorBlockRow, DonorRow, EngineRow, LeaseRow, LogRow
 from ledger.types import (
     BlockHash,
@@ -113,7 +113,6 @@ class Lease:
 # statements: the one place where the connector's SQL is written (compiled once per dialect)
 # ------------------------------------------------------------------------------------------------
 
-_LIVE = str(DonorState.LIVE)
 _SPAN_COLUMNS = (_DONORS.c.donor_id, _DONORS.c.engine_id, _DONORS.c.generation, _DONORS.c.tokens_per_block,
                  _DONORS.c.store_ref, _DONORS.c.checksum, _DONORS.c.provider_generation,
                  _DONORS.c.attention_dp_rank, _DONORS.c.window_size)
@@ -121,11 +120,10 @@ _HOLDING = Prepared(
     select(*_SPAN_COLUMNS)
     .select_from(_DBLOCKS.join(_DONORS, _DONORS.c.donor_id == _DBLOCKS.c.donor_id)
                  .join(_ENGINES, _ENGINES.c.engine_id == _DONORS.c.engine_id))
-    .where(_DBLOCKS.c.content_key == bindparam("content_key"), _DONORS.c.namespace == bindparam("namespace"),
-           _DONORS.c.state == _LIVE, _DONORS.c.generation == _ENGINES.c.generation,
-           or_(_DONORS.c.expires_at.is_(None), _DONORS.c.expires_at > bindparam("now")))
+    .where(_DBLOCKS.c.content_key == bindparam("content_key"),
+           fresh_donor_clause(_DONORS, _ENGINES, namespace=bindparam("namespace"), now=bindparam("now")))
     .order_by(_DONORS.c.registered_seq.desc()).limit(bindparam("limit")))
-"""Donors holding a content key whose STATE is fresh (live, current generation, not expired),
+"""Donors holding a content key that are fresh but for block liveness (:func:`ledger.freshness.fresh_donor_clause`),
 newest first. Chained keys: a donor holding key i holds every key before it."""
 
 _FIRST_DEAD = Prepared(
@@ -141,7 +139,7 @@ _FIRST_DEAD = Prepared(
 
 _CHECK = Prepared(
     select(_DONORS.c.namespace, _DONORS.c.state, _DONORS.c.expires_at, _DONORS.c.generation, _ENGINES.c.generation,
-           _DONORS.c.engine_id, _DONORS.c.attention_dp_rank, _DONORS.c.window_size, _DONORS.c.num_blocks,
+           _ENGINES.c.status, _DONORS.c.engine_id, _DONORS.c.attention_dp_rank, _DONORS.c.window_size, _DONORS.c.num_blocks,
            _LEASES.c.state, _LEASES.c.expires_at, _LEASES.c.donor_id)
     .select_from(_DONORS.outerjoin(_ENGINES, _ENGINES.c.engine_id == _DONORS.c.engine_id)
                  .outerjoin(_LEASES, _LEASES.c.lease_id == bindparam("lease_id")))
@@ -158,7 +156,7 @@ _BLOCK_ROWS = Prepared(
 
 _BLOCK_ROW_PARAMS = {f"kind{i}": kind for i, kind in enumerate(LIVENESS_KINDS)}
 
-_ENGINE_GENERATIONS = Prepared(select(_ENGINES.c.engine_id, _ENGINES.c.generation))
+_ENGINE_GENERATIONS = Prepared(select(_ENGINES.c.engine_id, _ENGINES.c.generation, _ENGINES.c.status))
 _DONORS_CHANGED = Prepared(
     select(_DONORS.c.donor_id, _DONORS.c.namespace, _DONORS.c.engine_id, _DONORS.c.attention_dp_rank,
            _DONORS.c.window_size, _DONORS.c.generation, _DONORS.c.tokens_per_block, _DONORS.c.provider_generation,
@@ -195,10 +193,6 @@ _HELD_LEASES = Prepared(select(func.count()).select_from(_LEASES).where(*_HELD))
 _HELD_LEASES_OF = Prepared(select(func.count()).select_from(_LEASES).where(
     *_HELD, _LEASES.c.donor_id == bindparam("donor_id")))
 
-_STATE_REASON = {str(DonorState.REGISTERED): StaleReason.NOT_SAVED, str(DonorState.EVICTED): StaleReason.EVICTED,
-                 str(DonorState.QUARANTINED): StaleReason.QUARANTINED}
-
-
 VIEW_CATCH_UP_MAX_SEQS = 100_000
 """Log rows one :meth:`LedgerClient.refresh_view` call reads at most (a view's first load reads
 no log rows, only donors)."""
@@ -214,7 +208,9 @@ class LedgerClient:
         statement_timeout_s: PostgreSQL: statements (lock waits included) are cancelled after this
             long, and so is connecting (see :func:`ledger.db.sync_engine`); None: no limit.
 
-    Every method raises PersistenceError when the database fails (or a statement timed out).
+    Raises (constructor): SchemaOutOfDate (``check``), LedgerError for an unsupported URL or a
+    missing SQLite file, PersistenceError when the database cannot be opened. Every method raises
+    PersistenceError when the database fails (or a statement timed out).
     """
 
     def __init__(self, db: str, *, check: bool = True, statement_timeout_s: float | None = None) -> None:
@@ -226,8 +222,12 @@ class LedgerClient:
         self._open: list[Any] = []
         self._open_lock = threading.Lock()
         if check:
-            with self._engine.connect() as conn:
-                check_schema(conn, db)
+            try:
+                with self._engine.connect() as conn:
+                    check_schema(conn, db)
+            except SQLAlchemyError as exc:  # unreachable, refused, not a database
+                self._engine.dispose()
+                raise persistence_error(exc) from exc
 
     @property
     def interruptible(self) -> bool:
@@ -259,12 +259,17 @@ class LedgerClient:
             reason = GenerationReason(bumped.reason)
         return EngineInfo(engine_id, generation, status, reason)
 
-    def longest_live_run(self, engine_id: str, block_hashes: Sequence[BlockHash], *, attention_dp_rank: int = 0,
-                         window_size: int = 0) -> int:
-        """Number of leading ``block_hashes`` that are live in the engine's current generation
-        (blocks). Audits and tests; one statement per hash."""
-        return self._read(lambda sql: _live_run(sql, engine_id, attention_dp_rank, window_size, block_hashes),
-                          snapshot=True)
+    def placement(self, block_hashes: Sequence[BlockHash], namespace: str | None, content_keys: Sequence[bytes], *,
+                  now: float | None = None) -> PlacementSnapshot:
+        """Per engine, the request's exact live overlap and longest fresh donor span, from one
+        snapshot (:mod:`ledger.placement_reads`; placement advice, never a promise)."""
+        now = time.time() if now is None else now
+        hashes = [split_hash(h) for h in block_hashes]
+        return self._read(lambda sql: read_placement(sql, hashes, namespace, content_keys, now), snapshot=True)
+
+    def last_seq(self) -> int:
+        """The log's last seq (0 when empty); also a reachability check."""
+        return int(self._read(lambda sql: sql.one(_MAX_SEQ, {})[0]) or 0)
 
     def find_donor_span(self, namespace: str, content_keys: Sequence[bytes], *,
                         policy: FreshnessPolicy = FreshnessPolicy.ENGINE, now: float | None = None,
@@ -625,23 +630,16 @@ class _Checked:
 
 
 def _check(sql: Sql, donor_id: str, namespace: str, lease_id: str | None, now: float) -> _Checked | StaleReason:
-    """Freshness without block liveness (namespace, state, expiry, generation, lease)."""
+    """Freshness without block liveness (:func:`ledger.freshness.stale_reason`), and the lease."""
     row = sql.one(_CHECK, {"donor_id": donor_id, "lease_id": lease_id})
     if row is None:
         return StaleReason.UNKNOWN_DONOR
-    (ns, state, expires_at, generation, engine_generation, engine_id, dp_rank, window, num_blocks,
+    (ns, state, expires_at, generation, engine_generation, engine_status, engine_id, dp_rank, window, num_blocks,
      l_state, l_expires, l_donor) = row
-    if ns != namespace:
-        return StaleReason.NAMESPACE_MISMATCH
-    reason = _STATE_REASON.get(state)
+    reason = stale_reason(DonorFacts(ns, state, expires_at, generation, engine_generation, engine_status),
+                          namespace=namespace, now=now)
     if reason is not None:
         return reason
-    if expires_at is not None and expires_at <= now:
-        return StaleReason.EXPIRED
-    if engine_generation is None:
-        return StaleReason.ENGINE_UNKNOWN
-    if engine_generation != generation:
-        return StaleReason.GENERATION_MISMATCH
     if lease_id is not None and (l_state != LeaseState.HELD or l_expires is None or l_expires <= now
                                  or l_donor != donor_id):
         return StaleReason.LEASE_NOT_HELD
@@ -672,26 +670,9 @@ def _holding(sql: Sql, namespace: str, key: bytes, now: float, limit: int) -> li
 
 def _longest_held(sql: Sql, namespace: str, keys: Sequence[bytes], now: float, min_blocks: int) -> tuple[int, list]:
     """``(n, rows)``: the most leading keys any state-fresh donor holds (0 if fewer than
-    ``min_blocks``) and the newest such donor (a one-row ``_HOLDING`` result). Tries the last key
-    first (a whole-prompt hit costs one query), then binary search."""
-    if not keys or len(keys) < max(min_blocks, 1):
-        return 0, []
-    found = _holding(sql, namespace, keys[-1], now, 1)
-    if found:
-        return len(keys), found
-    first = max(min_blocks, 1)
-    found = _holding(sql, namespace, keys[first - 1], now, 1) if first < len(keys) else []
-    if not found:
-        return 0, []
-    lo, hi = first, len(keys) - 1  # invariant: a fresh donor holds keys[:lo]; none holds keys[:hi+1]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        rows = _holding(sql, namespace, keys[mid - 1], now, 1)
-        if rows:
-            lo, found = mid, rows
-        else:
-            hi = mid - 1
-    return lo, found
+    ``min_blocks``) and the newest such donor (a one-row ``_HOLDING`` result)."""
+    n, rows = longest_prefix(len(keys), lambda k: _holding(sql, namespace, keys[k - 1], now, 1), min_blocks=min_blocks)
+    return n, rows or []
 
 
 def _span(row: Any, num_blocks: int) -> DonorSpan:
@@ -716,28 +697,3 @@ def _find_span(sql: Sql, namespace: str, keys: Sequence[bytes], check_blocks: bo
         if best is not None and best.num_blocks == lo:
             break
     return best
-
-
-_BLOCK_STATE = Prepared(
-    select(_BLOCKS.c.state, _BLOCKS.c.generation).where(
-        _BLOCKS.c.engine_id == bindparam("engine_id"), _BLOCKS.c.attention_dp_rank == bindparam("attention_dp_rank"),
-        _BLOCKS.c.window_size == bindparam("window_size"), _BLOCKS.c.block_hash == bindparam("block_hash"),
-        _BLOCKS.c.block_hash_ext == bindparam("block_hash_ext")))
-_GENERATION = Prepared(select(_ENGINES.c.generation).where(_ENGINES.c.engine_id == bindparam("engine_id")))
-
-
-def _live_run(sql: Sql, engine_id: str, dp_rank: int, window: int, hashes: Sequence[BlockHash]) -> int:
-    if not hashes:
-        return 0
-    row = sql.one(_GENERATION, {"engine_id": engine_id})
-    if row is None:
-        return 0
-    count = 0
-    where = {"engine_id": engine_id, "attention_dp_rank": dp_rank, "window_size": window}
-    for block_hash in hashes:
-        h, ext = split_hash(block_hash)
-        block = sql.one(_BLOCK_STATE, {**where, "block_hash": h, "block_hash_ext": ext})
-        if block is None or block[0] != BlockState.LIVE or block[1] != row[0]:
-            break
-        count += 1
-    return count

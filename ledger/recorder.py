@@ -43,13 +43,13 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from ledger import events as ev
 from ledger.apply import GLOBAL, LogEntry, Projection
 from ledger.db import Prepared, Sql
 from ledger.decide import BATCH_ROW_INDEX, EARLIER_EPOCHS_CHECKED, AppendResult, Decider
-from ledger.errors import PersistenceError
+from ledger.errors import PersistenceError, persistence_error
 from ledger.schema import (
     BlockRow,
     CounterRow,
@@ -427,10 +427,3 @@ def write(conn: Connection | Sql, proj: Projection, entries: Sequence[LogEntry])
     if proj.counters:
         _ADD_COUNTERS.write(sql, [{"engine_id": e or GLOBAL, "name": n, "value": v}
                                   for (e, n), v in sorted(proj.counters.items())])
-
-
-def persistence_error(exc: SQLAlchemyError) -> PersistenceError:
-    """The ledger's error for a SQLAlchemy (or :meth:`~ledger.db.Sql.wrap`-ped driver) error;
-    raise it ``from exc`` so that ``__cause__`` keeps the SQLAlchemy type."""
-    original = exc.orig if isinstance(exc, DBAPIError) else exc
-    return PersistenceError(f"{type(original).__name__}: {original}".strip())

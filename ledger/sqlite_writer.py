@@ -32,7 +32,7 @@ from ledger.db import normalize_url, sync_engine
 from ledger.decide import AppendResult
 from ledger.errors import LedgerUnwritable, PersistenceError
 from ledger.migrate import check_schema
-from ledger.recorder import persistence_error
+from ledger.errors import persistence_error
 
 _STOPPED = "stopping: nothing more is acknowledged (docs/troubleshooting.md)"
 _log = structlog.get_logger("ledger.sqlite_writer")

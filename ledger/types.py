@@ -202,6 +202,7 @@ class StaleReason(enum.StrEnum):
     QUARANTINED = "quarantined"
     GENERATION_MISMATCH = "generation_mismatch"
     ENGINE_UNKNOWN = "engine_unknown"
+    ENGINE_RESYNCING = "engine_resyncing"  # the engine lost continuity; nothing trusted until a new baseline
     BLOCKS_NOT_LIVE = "blocks_not_live"
     NAMESPACE_MISMATCH = "namespace_mismatch"
     EXPIRED = "expired"

@@ -51,7 +51,7 @@ from ledger import recorder, writer_process
 from ledger.db import async_engine, is_sqlite, normalize_url, sync_engine
 from ledger import events as ev
 from ledger.decide import BATCH_ROW_INDEX, AppendResult
-from ledger.errors import PersistenceError
+from ledger.errors import LedgerError, PersistenceError, is_database_error, one_line
 from ledger.migrate import check_schema
 from ledger.schema import LogRow, SourceRow
 from ledger.sqlite_writer import FileId, SQLiteWriterConnection, check_writable, ledger_path
@@ -124,9 +124,13 @@ class LedgerWriter:
         except SQLAlchemyError as exc:
             await writer.close()
             raise recorder.persistence_error(exc) from exc
-        except Exception:
+        except Exception as exc:
             await writer.close()
-            raise
+            if isinstance(exc, LedgerError) or not is_database_error(exc):
+                raise
+            # asyncpg raises its own errors (and ConnectionRefusedError) untranslated while connecting
+            raise PersistenceError(f"{type(exc).__name__}: {one_line(str(exc))}",
+                                   transient=isinstance(exc, (ConnectionError, TimeoutError))) from exc
         return writer
 
     async def append(self, items: Sequence[recorder.Input], *, now: float | None = None) -> AppendResult:
@@ -157,12 +161,19 @@ class LedgerWriter:
 
     async def source_positions(self) -> dict[str, SourcePosition]:
         """Every known source's position, with the digest of its last logged batch (the consumer
-        resumes from these after a restart)."""
-        if self._sqlite is not None:
-            rows = await asyncio.to_thread(self._sqlite.reader.read, _POSITIONS)
-        else:
-            async with self._engine.connect() as conn:
-                rows = (await conn.execute(_POSITIONS)).all()
+        resumes from these after a restart).
+
+        Raises:
+            PersistenceError: the ledger cannot be read.
+        """
+        try:
+            if self._sqlite is not None:
+                rows = await asyncio.to_thread(self._sqlite.reader.read, _POSITIONS)
+            else:
+                async with self._engine.connect() as conn:
+                    rows = (await conn.execute(_POSITIONS)).all()
+        except SQLAlchemyError as exc:
+            raise recorder.persistence_error(exc) from exc
         return {r.source_id: _position(r) for r in rows}
 
     async def close(self) -> None:

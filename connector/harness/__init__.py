@@ -3,7 +3,7 @@
 Reproduces, on the CPU, the parts of TensorRT-LLM the product touches, faithfully enough that a KV
 Cache Connector that passes here works there, per TensorRT-LLM version: the KV cache manager's block
 reuse, eviction, offload and KV-cache events (:mod:`.kv_cache_manager`, :mod:`.events`,
-:mod:`.block_hash`), a small PyTorch transformer that reads and writes the paged pool with a
+:mod:`connector.block_keys`), a small PyTorch transformer that reads and writes the paged pool with a
 batched forward (:mod:`.model`), TensorRT-LLM's non-overlap executor loop running many requests
 together (:mod:`.executor`) behind an ``LLM``-like facade (:mod:`.engine`), the connector manager
 that calls the connector's hooks and enforces the runtime's rules (:mod:`.connector_driver`), and
@@ -11,7 +11,6 @@ the behaviours that differ between versions (:mod:`.trtllm_versions`). :mod:`.re
 is a test-only connector that records calls and injects faults.
 
 Module map:
-    block_hash          v1_block_key (WIRE.md §A.1), cache salt id, block chains
     retention           KvCacheRetentionConfig / TokenRangeRetentionConfig, per-block priorities
     events              KV-event dicts, bounded drop-oldest buffer, sync drain and async iterator
     kv_cache_manager    block pools, radix reuse, LRU-within-priority eviction, offload/onboard
@@ -25,7 +24,7 @@ Module map:
     recording_connector test-only connector that records calls and injects behaviour
 """
 
-from .block_hash import block_hash_chain, cache_salt_id, v1_block_key
+from connector.block_keys import block_hash_chain, cache_salt_id, v1_block_key
 from .connector_driver import AttentionOrderError, ConnectorContractError, ConnectorWorkerError
 from .connector_driver import ExecutorStopped
 from .engine import HarnessLLM

@@ -9,7 +9,7 @@ from NVIDIA/TensorRT-LLM ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`` u
   of the same trailing shape (cache level 1). Token layout inside a block: NHD
   (``[tokens_per_block, num_kv_heads, head_dim]``).
 - **Reuse.** A radix tree keyed per parent by ``(tokens, lora_task_id, cache_salt_id)``; each stored
-  block carries its ``v1_block_key`` hash (:mod:`.block_hash`). ``add_sequence`` matches the FULL
+  block carries its ``v1_block_key`` hash (:mod:`connector.block_keys`). ``add_sequence`` matches the FULL
   blocks of ``prompt[:-1]`` (the last prompt token's KV is never reused: ``addSequence`` chops
   ``inputLength - 1`` tokens) and allocates the rest of the context blocks, then calls the connector
   callback with ``num_computed_tokens`` while still holding :attr:`lock` (``getNumNewMatchedTokens``).
@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_hash import cache_salt_id as compute_cache_salt_id
-from .block_hash import chop_into_blocks, v1_block_key
+from connector.block_keys import cache_salt_id as compute_cache_salt_id
+from connector.block_keys import chop_into_blocks, v1_block_key
 from .events import EventShape, KvEventBuffer
 from .retention import DEFAULT_RETENTION_PRIORITY, KvCacheRetentionConfig, per_block_priorities
 

@@ -247,7 +247,7 @@ def donor_from_engine(engine: Any, prompt: list[int], *, cache_salt: str | None 
     Blocks are looked up by their ``v1_block_key`` chain (salt and LoRA included) in
     ``engine.kv_cache_manager``; a missing block raises ``KeyError``.
     """
-    from .block_hash import block_hash_chain
+    from connector.block_keys import block_hash_chain
 
     tpb = engine.tokens_per_block
     hashes = block_hash_chain(prompt, tpb, cache_salt=cache_salt, lora_task_id=lora_task_id)

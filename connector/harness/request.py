@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_hash import cache_salt_id as compute_cache_salt_id
+from connector.block_keys import cache_salt_id as compute_cache_salt_id
 from .retention import KvCacheRetentionConfig
 
 __all__ = ["GenerationResult", "LlmRequest", "LlmRequestState"]

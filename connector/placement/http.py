@@ -28,7 +28,6 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy.exc import SQLAlchemyError
 
 from connector.discovery.types import DonorRecord, readonly_tokens
 from connector.placement.advice import Advice, PlacementAdvisor
@@ -104,7 +103,7 @@ def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: Co
         except ValueError as exc:
             requests.labels(outcome="rejected").inc()
             raise HTTPException(422, str(exc)) from None
-        except (SQLAlchemyError, LedgerError) as exc:
+        except LedgerError as exc:  # PersistenceError: the ledger could not be read
             requests.labels(outcome="ledger_error").inc()
             raise HTTPException(503, f"ledger unavailable: {type(exc).__name__}") from None
         seconds.observe(time.perf_counter() - started)
@@ -126,7 +125,7 @@ def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: Co
     def healthz() -> Any:
         try:
             seq = advisor.ledger_seq()
-        except SQLAlchemyError as exc:
+        except LedgerError as exc:
             return JSONResponse({"status": "ledger_unavailable", "detail": type(exc).__name__}, status_code=503)
         providers = [p.name for p in discovery.providers] if discovery is not None else []
         return {"status": "ok", "ledger_seq": seq, "providers": providers}

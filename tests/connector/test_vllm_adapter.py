@@ -10,7 +10,8 @@ import torch
 
 from connector.namespace import DeploymentNamespace, KvLayout, Namespace, NamespaceUnknown
 from connector.settings import NamespaceOverrides
-from connector.vllm_connector import VllmDeployment, VllmRequest, engine_block_hash, kv_layout, layer_views
+from connector.block_keys import vllm_event_block_hash
+from connector.vllm_connector import VllmDeployment, VllmRequest, kv_layout, layer_views
 from connector.worker import SemKvWorker
 
 BLOCKS, TPB, HEADS, HEAD = 6, 32, 2, 64
@@ -113,10 +114,10 @@ def test_request_scope_separates_salts_and_loras_and_refuses_prompt_embeds() -> 
 
 def test_block_hashes_are_converted_as_vllm_events_publish_them(monkeypatch) -> None:
     digest = bytes(range(32))
-    assert engine_block_hash(digest) == int.from_bytes(digest[-8:], "big")
+    assert vllm_event_block_hash(digest) == int.from_bytes(digest[-8:], "big")
     assert VllmRequest(_request()).block_hashes[1] == 2**64 - 1
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
-    assert engine_block_hash(digest) == digest
+    assert vllm_event_block_hash(digest) == digest
 
 
 @pytest.mark.parametrize("shape", ["cpu", "kv_first"])

@@ -52,15 +52,16 @@ def test_the_wheel_carries_the_migrations_and_every_module(installed_wheel: Inst
     versions = {p.name for p in (REPO / "migrations" / "versions").glob("0*.py")}
     assert versions and {f"ledger/migrations/versions/{v}" for v in versions} <= names
     assert {"ledger/migrations/env.py", "ledger/migrations/script.py.mako",
-            f"connector/demo/recordings/{RECORDING}", "connector/harness/block_hash.py"} <= names
+            f"connector/demo/recordings/{RECORDING}", "connector/block_keys.py"} <= names
 
 
 def test_installed_package_is_the_wheels_not_the_checkout(installed_wheel: InstalledWheel) -> None:
     site = installed_wheel.python_prints("import ledger.migrate as m, sysconfig; print(sysconfig.get_paths()['purelib'])")
     found = installed_wheel.python_prints("import ledger.migrate as m; print(m.migrations_dir())")
     assert Path(found) == Path(site) / "ledger" / "migrations"
-    # the placement advice loads connector/harness/block_hash.py by path (no torch needed)
-    installed_wheel.python_prints("import connector.placement.advice")
+    # placement imports neither torch nor the reference engine harness
+    installed_wheel.python_prints("import sys, connector.placement.advice; "
+                                  "assert 'torch' not in sys.modules and 'connector.harness' not in sys.modules")
 
 
 def test_migrate_consume_stats_replay_from_the_installed_wheel(installed_wheel: InstalledWheel) -> None:

@@ -19,7 +19,7 @@ import uvicorn
 
 from connector.discovery.service import DiscoveryService
 from connector.harness import LlmRequest
-from connector.harness.block_hash import block_hash_chain
+from connector.block_keys import block_hash_chain
 from connector.placement.advice import PlacementAdvisor
 from connector.placement.http import create_app
 from tests.builders import batch, stored

@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 
-from connector.harness.block_hash import (
+from connector.block_keys import (
     MASK64,
     block_hash_chain,
     cache_salt_id,

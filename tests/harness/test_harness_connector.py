@@ -19,7 +19,7 @@ from connector.harness import (
     LlmRequest,
     TokenRangeRetentionConfig,
 )
-from connector.harness.block_hash import block_hash_chain
+from connector.block_keys import block_hash_chain
 from connector.harness.executor import _ForwardHooks
 from connector.harness.recording_connector import RecordingPlan
 from tests.harness.helpers import FORWARD, NUM_BLOCKS, calls, cold, connected, donor, prompt

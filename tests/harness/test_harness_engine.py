@@ -16,7 +16,7 @@ from connector.harness import (
     ModelConfig,
     TokenRangeRetentionConfig,
 )
-from connector.harness.block_hash import block_hash_chain
+from connector.block_keys import block_hash_chain
 
 CFG = ModelConfig(vocab_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=64, tokens_per_block=8, max_context=512)

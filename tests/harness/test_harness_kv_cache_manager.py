@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import torch
 
-from connector.harness.block_hash import block_hash_chain
+from connector.block_keys import block_hash_chain
 from connector.harness.kv_cache_manager import KVCacheManager, KvCacheCapacityError
 from connector.harness.retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from connector.harness import TRTLLM_VERSIONS, ConnectorWorkerError, ExecutorStopped
-from connector.harness.block_hash import block_hash_chain
+from connector.block_keys import block_hash_chain
 from connector.harness.recording_connector import RecordingPlan
 from tests.harness.helpers import FORWARD, NUM_BLOCKS, calls, cold, connected, donor, plain, prompt
 from tests.harness.helpers import stored_hashes

@@ -1,33 +1,42 @@
-"""REFERENCE ENGINE HARNESS — TensorRT-LLM's ``v1_block_key`` block hash, in Python.
+"""Engine block keys: how each engine names a block in its KV-cache events, computed without the engine.
 
-Test and demo infrastructure only; never an engine for serving. This is the hash TensorRT-LLM's
-KV cache manager reports as ``block_hash`` in its KV-cache events and in
-``RequestData.block_hashes`` (WIRE.md §A.1). All arithmetic is unsigned 64-bit (mod 2**64).
+One production module (pure Python + blake3; no torch) used by the donor registration
+(:mod:`connector.donors`: a donor's engine block hashes when the request does not carry them),
+placement advice (:mod:`connector.placement.advice`: which engine holds a request's blocks) and the
+reference engine harness (:mod:`connector.harness`, whose KV cache manager hashes with it).
 
-Sources (NVIDIA/TensorRT-LLM):
+Schemes:
 
-- ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp`` (``BlockKeyHasher::hash``): seed =
-  ``num_tokens ^ parent_hash * 0xbf58476d1ce4e5b9``; the cache salt id is mixed (``hash64Mix``) only
-  into a root block (``parentHash == 0``); each token id is mixed with ``hash32Mix`` (and its extra id
-  with ``hash64Mix`` when the request uses extra ids); then the LoRA task id (``hash64Mix``); then
-  multimodal keys (not modelled here: text only).
-- ``tensorrt_llm/runtime/kv_cache_hash.py`` (``hash_v1_block_key``, ``get_cache_salt_id``): the Python
-  replica TensorRT-LLM tests bit-exact against the C++ hasher; in 1.1/1.2 the salt id is the first
-  8 bytes of BLAKE3(salt UTF-8), little-endian (``tensorrt_llm/inputs`` ``get_cache_salt_id`` uses
-  ``default_hasher`` = blake3).
-
-Newer TensorRT-LLM C++ mixes ``std::hash<std::string>(cache_salt)`` instead, which Python cannot
-reproduce: connectors must take salted hashes from events or ``RequestData.block_hashes``.
+* **TensorRT-LLM ``v1_block_key``** (:func:`v1_block_key`, :func:`block_hash_chain`,
+  :func:`request_v1_hashes`): the hash its KV cache manager reports as ``block_hash`` in KV-cache
+  events and in ``RequestData.block_hashes``. All arithmetic is unsigned 64-bit (mod 2**64).
+  Sources (NVIDIA/TensorRT-LLM): ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp``
+  (``BlockKeyHasher::hash``): seed = ``num_tokens ^ parent_hash * 0xbf58476d1ce4e5b9``; the cache
+  salt id is mixed (``hash64Mix``) only into a root block (``parentHash == 0``); each token id is
+  mixed with ``hash32Mix`` (and its extra id with ``hash64Mix`` when the request uses extra ids);
+  then the LoRA task id (``hash64Mix``); then multimodal keys (not computed here: text only).
+  ``tensorrt_llm/runtime/kv_cache_hash.py`` (``hash_v1_block_key``, ``get_cache_salt_id``) is the
+  Python replica TensorRT-LLM tests bit-exact against the C++ hasher; in 1.1/1.2 the salt id is the
+  first 8 bytes of BLAKE3(salt UTF-8), little-endian. Newer TensorRT-LLM C++ mixes
+  ``std::hash<std::string>(cache_salt)`` instead, which Python cannot reproduce: connectors take
+  salted hashes from events or ``RequestData.block_hashes`` when they have them.
+* **vLLM** (:func:`vllm_event_block_hash`): a vLLM ``BlockHash`` (bytes) as its KV events publish it.
+* TensorRT-LLM ``v2_sha256`` and Dynamo's block hashes are read from events (``consumer/wire.py``
+  normalizes them, :func:`ledger.types.normalize_hash`), not computed here.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import Any
 
 from blake3 import blake3
 
 __all__ = [
     "MASK32",
+    "request_v1_hashes",
+    "vllm_event_block_hash",
     "MASK64",
     "block_hash_chain",
     "cache_salt_id",
@@ -158,3 +167,31 @@ def block_hash_chain(
         parent = v1_block_key(block, parent, lora_task_id=lora_task_id, cache_salt_id=salt_id)
         hashes.append(parent)
     return hashes
+
+
+def request_v1_hashes(request: Any, tokens_per_block: int, num_blocks: int) -> list[int] | None:
+    """TensorRT-LLM 1.2 fallback for a request that carries no ``block_hashes``: the ``v1_block_key``
+    chain of its first ``num_blocks`` blocks (its ``lora_task_id`` and 1.1/1.2 ``cache_salt_id``
+    mixed in). None for multimodal requests (their multimodal keys are not computed here).
+
+    ``request`` is TensorRT-LLM's ``LlmRequest`` (``get_tokens(0)``, ``lora_task_id``,
+    ``cache_salt_id``, ``multimodal_hashes``) or anything shaped like it.
+    """
+    if getattr(request, "multimodal_hashes", None):
+        return None
+    salt = getattr(request, "cache_salt_id", None)
+    tokens, parent, out = request.get_tokens(0), 0, []
+    for i in range(num_blocks):
+        parent = v1_block_key(tokens[i * tokens_per_block : (i + 1) * tokens_per_block], parent,
+                              lora_task_id=request.lora_task_id, cache_salt_id=salt)
+        out.append(parent)
+    return out
+
+
+def vllm_event_block_hash(block_hash: bytes) -> int | bytes:
+    """A vLLM ``BlockHash`` as its KV events publish it: ``int.from_bytes(h, "big") & (2**64 - 1)``,
+    or the bytes themselves when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (vLLM 0.32,
+    ``vllm/v1/core/kv_cache_utils.py: maybe_convert_block_hash``)."""
+    if os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") == "0":
+        return bytes(block_hash)
+    return int.from_bytes(block_hash, "big") & MASK64
