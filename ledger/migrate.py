@@ -78,6 +78,7 @@ def upgrade(db: str, revision: str = "head") -> tuple[str | None, str]:
 
     Raises:
         LedgerError: an unsupported URL, or a SQLite path in a missing directory.
+        SchemaOutOfDate: the database is at a revision this installation does not know (newer).
         PersistenceError: the database cannot be reached or written.
     """
     engine = sync_engine(db, writer=True)
