@@ -3,6 +3,7 @@ PostgreSQL databases on the real server at 127.0.0.1:5432 (never mocks, DESIGN Â
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -73,9 +74,10 @@ def require_pg() -> None:
         pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}")
 
 
-@pytest.fixture
-def postgres_db() -> Iterator[str]:
-    """A migrated ledger in a scratch PostgreSQL database (dropped afterwards)."""
+@contextlib.contextmanager
+def scratch_pg_ledger() -> Iterator[str]:
+    """A migrated ledger in a scratch PostgreSQL database, dropped on exit (skips or fails the
+    test like :func:`require_pg` when the server is unreachable). For fixtures of any scope."""
     from ledger.migrate import upgrade
 
     require_pg()
@@ -85,3 +87,10 @@ def postgres_db() -> Iterator[str]:
         yield url
     finally:
         drop_pg_database(url)
+
+
+@pytest.fixture
+def postgres_db() -> Iterator[str]:
+    """A migrated ledger in a scratch PostgreSQL database (dropped afterwards)."""
+    with scratch_pg_ledger() as url:
+        yield url

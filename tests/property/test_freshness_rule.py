@@ -32,7 +32,7 @@ from ledger.freshness import DonorFacts, fresh_donor_clause, stale_reason
 from ledger.queries import LedgerClient
 from ledger.schema import DonorBlockRow, DonorRow, EngineRow
 from ledger.types import DonorState, EngineStatus, FreshnessPolicy, StaleReason
-from tests.conftest import create_pg_database, drop_pg_database, require_pg
+from tests.conftest import scratch_pg_ledger
 
 NOW = 1_000_000.0
 NAMESPACE = "ns-request"
@@ -79,13 +79,8 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         upgrade(url)
         yield url
         return
-    require_pg()
-    url = create_pg_database()
-    try:
-        upgrade(url)
-        yield url
-    finally:
-        drop_pg_database(url)
+    with scratch_pg_ledger() as pg_url:
+        yield pg_url
 
 
 def write(url: str, engines: dict[str, tuple[int, str]], donors: list[Donor]) -> None:

@@ -43,7 +43,7 @@ from ledger.replay import replay
 from ledger.schema import BlockRow, LogRow
 from ledger.types import join_hash
 from ledger.writer import LedgerWriter
-from tests.conftest import create_pg_database, drop_pg_database, require_pg
+from tests.conftest import scratch_pg_ledger
 from tests.engine_runs import DIALECTS, EngineRun, received
 
 POOL = [1, 2, 3, 2**64 - 1, 9622824665191806685]
@@ -186,13 +186,8 @@ def test_late_lost_duplicated_batches_on_sqlite(template_db, history):
 
 @pytest.fixture(scope="module")
 def shared_postgres_db():
-    require_pg()
-    url = create_pg_database()
-    try:
-        upgrade(url)
+    with scratch_pg_ledger() as url:
         yield url
-    finally:
-        drop_pg_database(url)
 
 
 @pytest.mark.postgres
