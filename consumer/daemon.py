@@ -72,7 +72,7 @@ from consumer.metrics import ConsumerMetrics, MetricsServer
 from consumer.settings import ConsumerSettings, SourceSettings
 from consumer.source import Item, Source
 from ledger.errors import (LedgerError, LedgerUnwritable, PersistenceError, SchemaOutOfDate, database_error_line,
-                           is_database_error, is_transient, one_line, url_for_humans)
+                           is_transient, one_line, url_for_humans)
 from ledger.decide import AppendResult, Loss
 from ledger.events import DeadLetter, GapReport, ReceivedBatch
 from ledger.logs import configure_json_logging

@@ -13,10 +13,14 @@ connection, file or port error, printed as ONE line ``error: …`` on stderr (da
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, NoReturn
 
 import typer
+import typer.core
 
 app = typer.Typer(
     name="semkv-ledger",
@@ -27,6 +31,53 @@ app = typer.Typer(
 )
 
 ENTRY_POINT_GROUP = "semkv_ledger.commands"
+
+
+HELP_WIDTH_OFF_TERMINAL = 160
+"""Columns of ``--help`` written off a terminal (stdout piped, ``COLUMNS`` and ``TERMINAL_WIDTH`` unset):
+rich would use 80, and cut the longest option names with ``…`` (tests/deploy/test_cli_help.py)."""
+
+
+class HelpCommand(typer.core.TyperCommand):
+    """A command whose ``--help`` off a terminal is :data:`HELP_WIDTH_OFF_TERMINAL` wide, so no option
+    name is cut; on a terminal, or with ``COLUMNS`` set, rich's width stands."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        from typer import rich_utils
+
+        if (rich_utils.MAX_WIDTH is not None or "COLUMNS" in os.environ
+                or (sys.stdout is not None and sys.stdout.isatty())):
+            return super().format_help(ctx, formatter)
+        rich_utils.MAX_WIDTH = HELP_WIDTH_OFF_TERMINAL
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            rich_utils.MAX_WIDTH = None
+
+
+def require_toml_file(flag: str, path: Path, what: str) -> None:
+    """Refuse ``path`` now, in one line naming ``flag``, unless it is a readable TOML file: a
+    directory, a missing or unreadable file and bad TOML each say so (exit 2)."""
+    import tomllib
+
+    def fail(why: str) -> NoReturn:
+        typer.echo(f"error: {flag} {path}{why}", err=True)
+        raise typer.Exit(2)
+
+    if path.is_dir():
+        fail(f" is a directory, not a {what} file")
+    try:
+        text = path.read_bytes().decode()
+    except FileNotFoundError:
+        fail(f": {what} file not found")
+    except OSError as exc:
+        fail(f": cannot read the {what} file: {exc.strerror or exc}")
+    except UnicodeDecodeError as exc:
+        fail(f": the {what} file is not UTF-8 text (TOML): {exc.reason} at byte {exc.start}")
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        fail(f": the {what} file is not valid TOML: {exc}")
 
 
 def _register_plugins() -> None:

@@ -55,6 +55,9 @@ def migrate(db: DbOption = DEFAULT_DB) -> None:
 
     A missing SQLite file is created (mode 0600) in an EXISTING directory; a missing directory is an
     error (exit 2), never created: a mistyped path must not start a second ledger elsewhere.
+
+    Exit codes: 0 the schema is at the newest revision (upgraded or already there); 2 usage or database
+    error, a missing directory, or a ledger a newer semkv-ledger migrated (one ``error:`` line).
     """
     from ledger.migrate import upgrade
 
@@ -155,7 +158,10 @@ def _open(db: str):
 @app.command()
 @user_errors
 def stats(db: DbOption = DEFAULT_DB, json_out: JsonOption = False) -> None:
-    """What the ledger knows: events per engine and type, generations, blocks, donors, dead letters."""
+    """What the ledger knows: events per engine and type, generations, blocks, donors, dead letters.
+
+    Exit codes: 0 printed (an empty ledger too); 2 usage or database error (one ``error:`` line naming --db).
+    """
     from ledger.stats import ledger_stats
     from ledger.views import print_stats
 

@@ -359,14 +359,52 @@ def report_json(demo: Demo, ok: bool, seconds: float) -> dict[str, Any]:
             "stats": demo.results.get("stats"), "connectors": demo.results.get("metrics")}
 
 
+DETAIL_MAX_CHARS = 500
+"""Longest reason a failed step shows in its check's detail (one line, in the table and in ``--json``)."""
+_TRACEBACK_HEAD = "Traceback (most recent call last):"
+
+
+def failure_detail(exc: BaseException, limit: int = DETAIL_MAX_CHARS) -> str:
+    """Why a step failed, on one line of at most ``limit`` characters.
+
+    The whole reason is kept (``engine A did not start: <why>``), not only its first line. A harness
+    process reports a failure with its traceback (``engine_process``): its frames are dropped and the
+    exception it ends with is kept, which is what the reader needs (the frames are noise in a table).
+    """
+    text = str(exc) or type(exc).__name__
+    if _TRACEBACK_HEAD in text:
+        head, _, trace = text.partition(_TRACEBACK_HEAD)
+        lines = trace.splitlines()
+        frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+        start = frames[-1] + 1 if frames else 0
+        while start < len(lines) and (lines[start].startswith("    ") or not lines[start].strip()):
+            start += 1  # the last frame's source line and its ^^^ markers
+        text = head + " " + "\n".join(lines[start:])
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit - 1].rstrip() + "…"
+
+
+def _make_workdir(workdir: Path) -> None:
+    """Create ``--dir`` (and its parents); refuse one that cannot be a directory with a ValueError
+    (one ``error:`` line, exit 2, in ``connector.cli.demo``), not a traceback."""
+    if workdir.exists() and not workdir.is_dir():
+        raise ValueError(f"--dir {workdir} is not a directory: give a new or an empty directory")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(workdir) else ""
+        raise ValueError(f"--dir {workdir}: cannot create the directory: {exc.strerror or exc}{where}") from None
+
+
 def run_demo(*, workdir: Path | None = None, keep: bool = False, quick: bool = False, fault: str | None = None,
              console: Console | None = None, json_out: bool = False) -> int:
     """Run the demo; returns the exit status (0: every check held). With ``json_out`` the progress goes
     to stderr and stdout holds one JSON object (:func:`report_json`) instead of the tables.
 
     Raises:
-        ValueError: an unknown ``fault``, or ``workdir`` already holds a demo run (its ledger would be
-            reused and every count check would fail): the demo checks one fresh run.
+        ValueError: an unknown ``fault``, ``workdir`` already holds a demo run (its ledger would be
+            reused and every count check would fail: the demo checks one fresh run), or ``workdir``
+            is not a directory and cannot be created as one.
     """
     console = console or output_console(stderr=json_out)
     if fault is not None and fault not in FAULTS:
@@ -376,7 +414,7 @@ def run_demo(*, workdir: Path | None = None, keep: bool = False, quick: bool = F
                          "one fresh run: remove the directory or give a new one")
     own_dir = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="semkv-demo-")) if own_dir else workdir
-    workdir.mkdir(parents=True, exist_ok=True)
+    _make_workdir(workdir)
     console.print(f"[bold]semkv-ledger demo[/bold] in {workdir}" + (f"  (fault injected: {fault})" if fault else ""))
     started = time.monotonic()
     demo = Demo(console, workdir, quick=quick, fault=fault)
@@ -384,7 +422,7 @@ def run_demo(*, workdir: Path | None = None, keep: bool = False, quick: bool = F
         demo.run()
         evaluate(demo)
     except DemoError as exc:
-        demo.check("demo ran to the end", False, str(exc).splitlines()[0])
+        demo.check("demo ran to the end", False, failure_detail(exc))
     finally:
         demo.cleanup()
     ok = bool(demo.checks) and all(c.ok for c in demo.checks)

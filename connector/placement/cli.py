@@ -9,7 +9,7 @@ schema (``/openapi.json``; ``/docs`` lists it without any CDN) with uvicorn, log
 Discovery settings default to the ``[discovery]`` table of ``TRTLLM_SEMKV_CONFIG`` /
 ``TRTLLM_SEMKV_DISCOVERY__*``; ``--provider`` replaces the list.
 Exit codes follow ``ledger.cli``: 0 stopped by a signal, 2 when the settings, the providers, the
-ledger or the port are not usable.
+ledger or the port are not usable, or the ``[discovery]`` extra (uvicorn, FastAPI) is not installed.
 """
 
 from __future__ import annotations
@@ -28,20 +28,22 @@ __all__ = ["register", "serve"]
 
 def register(app: typer.Typer) -> None:
     """Add ``serve`` to the ``semkv-ledger`` app."""
-    app.command("serve")(serve)
+    from ledger.cli import HelpCommand  # --help off a terminal: nothing cut
+
+    app.command("serve", cls=HelpCommand)(serve)
 
 
 def serve(
     db: Annotated[str, typer.Option(help="Ledger URL or SQLite path (the consumer daemon's).")],
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind (0: any free port).", min=0, max=65535)] = 9420,
+    port: Annotated[int, typer.Option(help="Port to bind, 0 to 65535 (0: any free port).")] = 9420,
     provider: Annotated[list[str] | None, typer.Option(help="Discovery provider (repeatable): exact, chunks, "
                                                        "minhash, embedding or package.module:Class.")] = None,
     discovery_on: Annotated[bool, typer.Option("--discovery/--no-discovery",
                                                help="Semantic candidates (off: exact overlap only).")] = True,
     allow_prompt_text: Annotated[bool | None, typer.Option("--allow-prompt-text/--no-prompt-text",
                                                            help="Let providers see request/donor text.")] = None,
-    tokens_per_block: Annotated[int, typer.Option(help="The fleet's KV block size (tokens).", min=1)] = 32,
+    tokens_per_block: Annotated[int, typer.Option(help="The fleet's KV block size (tokens, at least 1).")] = 32,
     semantic_timeout_s: Annotated[float, typer.Option(help="Deadline of the semantic part of an answer (s).")] = 0.05,
     log_level: Annotated[str, typer.Option(help="Level of the JSON log lines on stderr (uvicorn's included): "
                                            "critical, error, warning, info, debug or trace.")] = "info",
@@ -51,9 +53,14 @@ def serve(
     Logs are JSON lines on stderr, uvicorn's server and access logs included (``serve.started``
     gives the address). API docs: ``/docs``, a page this process serves (no CDN: it works on an
     offline host), and the schema at ``/openapi.json``. Exit codes: 0 stopped by SIGINT/SIGTERM;
-    2 a setting, a provider, the ledger or the port is not usable (one ``error:`` line, before
-    anything listens).
+    2 a setting, a provider, the ledger or the port is not usable, or the ``[discovery]`` extra
+    (uvicorn, FastAPI) is not installed (one ``error:`` line, before anything listens).
     """
+    if not 0 <= port <= 65535:  # here, not click's min/max: one error line, not a usage box
+        _fail(f"--port {port}: not a TCP port: give 0 to 65535 (0: any free port)")
+    if tokens_per_block < 1:
+        _fail(f"--tokens-per-block {tokens_per_block}: must be at least 1")
+    _require_http_extra()
     import structlog
     import uvicorn
 
@@ -102,6 +109,21 @@ def serve(
         if discovery is not None:
             discovery.close()
     log.info("serve.stopped")
+
+
+HTTP_EXTRA = "discovery"
+"""The optional extra (pyproject.toml) that carries uvicorn and FastAPI, which ``serve`` needs."""
+
+
+def _require_http_extra() -> None:
+    """Refuse (exit 2, one line naming the extra) when uvicorn or FastAPI cannot be imported: they
+    are not runtime dependencies of every install, only of ``semkv-ledger[discovery]``."""
+    for module in ("uvicorn", "fastapi"):
+        try:
+            __import__(module)
+        except ImportError as exc:
+            _fail(f"serve needs the optional [{HTTP_EXTRA}] extra (uvicorn, FastAPI): "
+                  f"pip install 'semkv-ledger[{HTTP_EXTRA}]' ({module}: {exc})")
 
 
 def _check_ledger(db: str) -> None:

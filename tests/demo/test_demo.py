@@ -11,10 +11,10 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
+def run_demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The demo with its stdout a pipe and no COLUMNS: what `make demo | tee` or a CI log shows."""
     return subprocess.run([sys.executable, "-m", "ledger", "demo", "--quick", *args], capture_output=True, text=True,
-                          timeout=400, env=_env())
+                          timeout=400, env={**_env(), **(env or {})}, stdin=subprocess.DEVNULL)
 
 
 def _env() -> dict[str, str]:
@@ -47,6 +47,46 @@ def test_a_directory_holding_an_earlier_run_is_refused(tmp_path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("error: --dir ") and "already holds a demo run" in done.stderr
     assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("below_a_file", [False, True])
+def test_a_dir_that_cannot_be_a_directory_is_refused(tmp_path, below_a_file: bool) -> None:
+    """``--dir FILE`` and ``--dir FILE/x``: one ``error:`` line and exit 2, as for an earlier run."""
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    done = run_demo("--dir", str(file / "x" if below_a_file else file))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(f"error: --dir {file}") and "directory" in done.stderr, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert file.read_text() == "x"
+
+
+def test_a_step_that_fails_keeps_its_whole_reason(tmp_path) -> None:
+    """A harness engine that cannot start: the check says why (the exception it died of, with the
+    setting and where its value came from), on one line, not only "engine A did not start:"."""
+    import json
+
+    done = run_demo("--json", "--dir", str(tmp_path / "demo"),  # a failed demo keeps its directory
+                    env={"TRTLLM_SEMKV_LOOKUP_TIMEOUT_S": "-1"})  # every harness engine refuses it
+    assert done.returncode == 1, done.stdout + done.stderr
+    failed = [c for c in json.loads(done.stdout)["checks"] if not c["ok"]]
+    assert failed and failed[0]["name"] == "demo ran to the end", failed
+    detail = failed[0]["detail"]
+    assert detail.startswith("engine A did not start: "), detail
+    assert "lookup_timeout_s" in detail and "TRTLLM_SEMKV_LOOKUP_TIMEOUT_S" in detail, detail
+    assert "\n" not in detail and "Traceback" not in detail and len(detail) <= 500, detail
+
+
+def test_failure_detail_is_one_bounded_line() -> None:
+    from connector.demo.run import DemoError, failure_detail
+
+    trace = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n    boom()\n    ^^^^^^\n"
+             "ValueError: 1 validation error\n  field\n    Input should be > 0\n")
+    assert failure_detail(DemoError(f"engine B failed sync:\n{trace}")) == (
+        "engine B failed sync: ValueError: 1 validation error field Input should be > 0")
+    assert failure_detail(DemoError("timed out\nafter 90 s\twaiting")) == "timed out after 90 s waiting"
+    long = failure_detail(DemoError("x" * 2000))
+    assert len(long) == 500 and long.endswith("…")
 
 
 @pytest.mark.parametrize(("fault", "failing_check"), [

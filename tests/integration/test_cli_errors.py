@@ -148,7 +148,11 @@ OTHER_ROWS: dict[str, Row] = {
     "consume-config_missing": Row(
         lambda s: [*CONSUME(s), "--config", str(s.tmp / "nope.toml")], lambda s: ["config file", "nope.toml"]),
     "consume-config_is_a_directory": Row(
-        lambda s: [*CONSUME(s), "--config", str(s.tmp)], lambda s: ["config file", str(s.tmp)]),
+        lambda s: [*CONSUME(s), "--config", str(s.tmp)], lambda s: ["--config", str(s.tmp), "is a directory"],
+        forbids=("not found",)),
+    "consume-config_not_toml": Row(
+        lambda s: [*CONSUME(s), "--config", str(s.toml("sources = [\n"))],
+        lambda s: ["--config", str(s.tmp / "connector.toml"), "not valid TOML"]),
     "consume-key_file_missing": Row(
         lambda s: [*CONSUME(s), "--db", s.migrated, "--curve-secret-key", str(s.tmp / "c.key_secret"),
                    "--curve-publisher-key", str(s.tmp / "e.key")], lambda s: ["CURVE key file", "not found"]),
@@ -177,9 +181,15 @@ OTHER_ROWS: dict[str, Row] = {
         lambda s: ["keygen", str(s.not_a_dir / "keys"), "--name", "n"], lambda s: ["DIRECTORY", "Not a directory"]),
     "keygen-directory_is_a_file": Row(
         lambda s: ["keygen", str(s.not_a_dir), "--name", "n"], lambda s: ["DIRECTORY", str(s.not_a_dir)]),
-    "connector-check-config_missing": Row(
+    "connector-check-config_missing": Row(  # the path came from the flag: the line names the flag
         lambda s: ["connector-check", "--config", str(s.tmp / "nope.toml")],
-        lambda s: ["TRTLLM_SEMKV_CONFIG", "nope.toml", "not found"]),
+        lambda s: ["--config", "nope.toml", "not found"], forbids=("TRTLLM_SEMKV_CONFIG",)),
+    "connector-check-config_missing_from_env": Row(
+        lambda s: ["connector-check"], lambda s: ["TRTLLM_SEMKV_CONFIG", "nope.toml", "not found"],
+        env=lambda s: {"TRTLLM_SEMKV_CONFIG": str(s.tmp / "nope.toml")}, forbids=("--config",)),
+    "connector-check-config_is_a_directory": Row(
+        lambda s: ["connector-check", "--config", str(s.tmp)], lambda s: ["--config", str(s.tmp), "is a directory"],
+        forbids=("not found",)),
     "connector-check-store_dir_from_env": Row(
         lambda s: ["connector-check"], lambda s: ["store_dir", "/proc/semkv", "from env TRTLLM_SEMKV_STORE_DIR"],
         env=lambda s: {"TRTLLM_SEMKV_DB": s.migrated, "TRTLLM_SEMKV_STORE_DIR": "/proc/semkv"}),
@@ -199,7 +209,24 @@ OTHER_ROWS: dict[str, Row] = {
     "serve-bad_log_level": Row(
         lambda s: ["serve", "--db", s.migrated, "--port", "0", "--log-level", "loud"],
         lambda s: ["--log-level", "loud"]),
+    "serve-port_out_of_range": Row(  # as consume --metrics-port: one line, not click's usage box
+        lambda s: ["serve", "--db", s.migrated, "--port", "70000", "--no-discovery"],
+        lambda s: ["--port 70000", "65535"], forbids=("serve.started", "Usage:")),
+    "serve-without_the_discovery_extra": Row(
+        lambda s: ["serve", "--db", s.migrated, "--port", "0", "--no-discovery"],
+        lambda s: ["semkv-ledger[discovery]", "uvicorn"], env=lambda s: _without_http_modules(s),
+        forbids=("serve.started",)),
 }
+
+
+def _without_http_modules(scene: Scene) -> dict[str, str]:
+    """An install without the ``[discovery]`` extra: uvicorn and FastAPI cannot be imported (modules
+    first on PYTHONPATH that fail as a missing package does)."""
+    shadow = scene.tmp / "no-discovery-extra"
+    shadow.mkdir(exist_ok=True)
+    for name in ("uvicorn", "fastapi"):
+        (shadow / f"{name}.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(shadow), os.environ.get("PYTHONPATH", "")) if p)}
 
 ROWS: dict[str, Row] = {
     **{f"{command}-{case}": _db_row(command, case) for command, cases in DB_COMMANDS.items() for case in cases},
@@ -231,9 +258,9 @@ def scene(tmp_path: Path) -> Iterator[Scene]:
 
 
 def run_cli(args: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
-            timeout_s: float = CALL_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+            timeout_s: float = CALL_TIMEOUT_S, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SEMKV_", "TRTLLM_SEMKV_"))}
-    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=timeout_s, cwd=cwd,
+    return subprocess.run([*prefix, str(CLI), *args], capture_output=True, text=True, timeout=timeout_s, cwd=cwd,
                           env={**base, "COLUMNS": "200", **(env or {})}, stdin=subprocess.DEVNULL)
 
 
@@ -275,6 +302,40 @@ def test_every_error_is_one_line_and_exit_2(row_id: str, scene: Scene) -> None:
     check_refusal(command, result, row.names(scene), row.forbids)
     if row.after is not None:
         row.after(scene)
+
+
+UNREADABLE: dict[str, Callable[[Path], list[str]]] = {
+    "consume": lambda f: ["consume", "--engine-id", "e", "--endpoint", f"tcp://127.0.0.1:{_free_port()}",
+                          "--exit-when-idle", "1", "--config", str(f)],
+    "publish": lambda f: ["publish", "--from-file", str(f), "--replay-endpoint", ""],
+    "connector-check": lambda f: ["connector-check", "--config", str(f)],
+}
+
+
+@pytest.mark.parametrize("command", sorted(UNREADABLE))
+def test_an_unreadable_file_is_one_line_and_exit_2(command: str) -> None:
+    """A file named by an option that this user cannot read (mode 000): the command's own line naming
+    the option, not click's usage box. Root reads mode 000 files, so as root the CLI runs as nobody."""
+    import shutil
+    import tempfile
+
+    prefix: tuple[str, ...] = ()
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: mode 000 does not stop root")
+        prefix = (setpriv, "--reuid=65534", "--regid=65534", "--clear-groups")
+    where = Path(tempfile.mkdtemp(prefix="semkv-unreadable-"))  # not under tmp_path: nobody must reach it
+    try:
+        where.chmod(0o755)
+        secret = where / "secret.toml"
+        secret.write_text("x = 1\n")
+        secret.chmod(0)
+        result = run_cli(UNREADABLE[command](secret), cwd=where, prefix=prefix)
+        flag = "--from-file" if command == "publish" else "--config"
+        check_refusal(command, result, [f"{flag} {secret}", "Permission denied"], forbids=("Usage:", "╭"))
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def test_inspect_that_finds_nothing_exits_1_as_its_help_says(scene: Scene) -> None:
