@@ -80,12 +80,12 @@ def _ensure_sqlite_file(url: URL, create: bool) -> None:
         os.close(os.open(file, os.O_CREAT | os.O_WRONLY, 0o600))
 
 
-def sqlite_open_uri(path: str) -> str:
-    """The SQLite URI that opens the ledger file ``path`` read-write and never creates it
-    (sqlite.org/uri.html, ``mode=rw``): a connection made after the file was deleted fails with
+def sqlite_open_uri(path: str, mode: str = "rw") -> str:
+    """The SQLite URI that opens the file ``path`` and never creates it (sqlite.org/uri.html,
+    ``mode=rw`` or ``ro``): a connection made after the ledger file was deleted fails with
     "unable to open database file" instead of quietly starting an empty ledger at the path.
     Only :func:`_ensure_sqlite_file` (``migrate``, a writer told to create) makes the file."""
-    return f"{_sqlite_file(path)}?mode=rw"
+    return f"{_sqlite_file(path)}?mode={mode}"
 
 
 def _sqlite_file(path: str) -> str:

@@ -149,7 +149,8 @@ class DonorView:
 
     def _any_holder(self, namespace: str, key: bytes, now: float) -> bool:
         """Whether any donor holding ``key`` is fresh but for block liveness (the search's probe:
-        usually the newest holder answers it)."""
+        usually the newest holder answers it). Not ``next(self._holders(...))``: that builds a
+        generator and looks up a donor per probe, on the lookup's hot path."""
         facts = self._facts
         return any(stale_reason(facts[d], namespace=namespace, now=now) is None
                    for d in reversed(self._by_key.get(key, ())))

@@ -61,7 +61,7 @@ class PlacementSnapshot:
 
 
 _MAX_SEQ = Prepared(select(func.max(_LOG.c.seq)))
-_ENGINES = Prepared(select(_E.c.engine_id, _E.c.generation, _E.c.status).order_by(_E.c.engine_id))
+_ENGINE_ROWS = Prepared(select(_E.c.engine_id, _E.c.generation, _E.c.status).order_by(_E.c.engine_id))
 _STREAMS = Prepared(select(_S.c.engine_id, _S.c.attention_dp_rank, _S.c.window_size))
 _LIVE_OF = Prepared(
     select(_B.c.block_hash, _B.c.block_hash_ext)
@@ -85,7 +85,7 @@ def read_placement(sql: Sql, block_hashes: Sequence[tuple[int, bytes]], namespac
     (:func:`ledger.types.split_hash`), ``content_keys`` its chained content keys (empty, or
     ``namespace`` None: no donor spans)."""
     seq = sql.one(_MAX_SEQ, {})[0] or 0
-    engines = sql.all(_ENGINES, {})
+    engines = sql.all(_ENGINE_ROWS, {})
     streams: dict[str, list[tuple[int, int]]] = {}
     for engine_id, dp_rank, window in sql.all(_STREAMS, {}):
         streams.setdefault(engine_id, []).append((dp_rank, window))

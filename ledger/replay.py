@@ -20,13 +20,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from sqlalchemy import Connection, Table, func, select
 
 from ledger import events as ev
 from ledger.apply import LogEntry, Projection, apply
-from ledger.db import sync_engine
+from ledger.db import sqlite_open_uri, sync_engine
 from ledger.errors import LedgerError
 from ledger.migrate import check_schema
 from ledger.recorder import write
@@ -197,7 +196,7 @@ def refuse_foreign_scratch(path: Path) -> None:
     if path.stat().st_size == 0:
         return
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True)) as conn:
+        with contextlib.closing(sqlite3.connect(sqlite_open_uri(str(path), "ro"), uri=True)) as conn:
             tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.DatabaseError as exc:
         raise LedgerError(f"--out {path}: not a SQLite file ({exc}); replay writes a new file or an earlier --out") from exc
