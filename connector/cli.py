@@ -65,7 +65,7 @@ def connector_check(
     from connector.donor_store import FileDonorStore, StoreDirUnusable
     from connector.settings import CONFIG_ENV, ConnectorConfigError, load_connector_settings, setting_origin
     from ledger.errors import LedgerError, database_error_line, is_database_error, url_for_humans
-    from ledger.queries import LedgerClient
+    from ledger.client import LedgerClient
 
     environ = dict(os.environ)
     if config is not None:  # checked here, so that the error names --config, not TRTLLM_SEMKV_CONFIG

@@ -396,7 +396,7 @@ class FileDonorStore:
     Args:
         root: directory (created 0700 if missing); every engine on the host may share it.
         capacity_bytes: bound on the published entries' total size.
-        ledger: a :class:`ledger.queries.LedgerClient` for ``donor_saved``/``donor_evicted`` facts and
+        ledger: a :class:`ledger.client.LedgerClient` for ``donor_saved``/``donor_evicted`` facts and
             lease checks; None keeps the store ledger-free (unit tests).
 
     Raises:

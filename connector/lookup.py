@@ -13,7 +13,7 @@
   a donor of the same namespace that is stale (and why: restart, quarantine after a gap, blocks
   removed, evicted, expired), or a donor of the same text in another namespace (which field
   differs: cache salt, LoRA, tokens per block, dtype …), else ``no_donor``. Its reads are the
-  ledger's own (:meth:`ledger.queries.LedgerClient.donors_for_key`, ``donor_freshness`` and
+  ledger's own (:meth:`ledger.client.LedgerClient.donors_for_key`, ``donor_freshness`` and
   ``engine(...).generation_reason``); the connector keeps no SQL of its own.
 """
 
@@ -259,7 +259,7 @@ class MissDiagnosis:
     """Why did a lookup find nothing? Telemetry only; reads the ledger and the store's probe index.
 
     Args:
-        ledger: the scheduler's :class:`ledger.queries.LedgerClient`.
+        ledger: the scheduler's :class:`ledger.client.LedgerClient`.
         store: the :class:`~connector.donor_store.FileDonorStore` (probe index, headers).
     """
 

@@ -50,7 +50,9 @@ from connector.plan import LoadPlan, SaveInstruction
 from connector.settings import ConnectorSettings
 from connector.spans import LookupMiss, SpanFinder
 from ledger.errors import LedgerError
-from ledger.queries import DonorSpan, Lease, LedgerClient
+from ledger.client import LedgerClient
+from ledger.reads import DonorSpan
+from ledger.writes import Lease
 from ledger.types import FreshnessPolicy, StaleReason
 
 __all__ = ["BindingPromises", "LedgerBackoff", "Promise", "PromiseBook", "RequestState", "RetractablePromises"]

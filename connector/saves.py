@@ -39,7 +39,7 @@ from connector.promises import LedgerBackoff, RequestState
 from connector.reuse_guard import UnverifiedBlocks
 from connector.settings import ConnectorSettings
 from ledger.errors import LedgerError, PersistenceError, lock_timed_out
-from ledger.queries import LedgerClient
+from ledger.client import LedgerClient
 
 __all__ = ["ArmedSaves", "SavesAfterFinish"]
 

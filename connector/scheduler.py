@@ -62,7 +62,8 @@ from connector.saves import ArmedSaves, SavesAfterFinish
 from connector.settings import ConnectorSettings, load_connector_settings
 from connector.spans import LookupMiss, SpanFinder
 from ledger.errors import LedgerError
-from ledger.queries import DonorSpan, LedgerClient
+from ledger.client import LedgerClient
+from ledger.reads import DonorSpan
 from ledger.types import FreshnessPolicy
 
 if TYPE_CHECKING:

@@ -33,7 +33,8 @@ from connector.namespace import Namespace, content_keys, probe_key
 from connector.settings import ConnectorSettings
 from ledger.donor_view import DonorView, ViewDonor
 from ledger.errors import DeadlineExceeded, LedgerError
-from ledger.queries import DonorSpan, LedgerClient
+from ledger.client import LedgerClient
+from ledger.reads import DonorSpan
 from ledger.types import FreshnessPolicy
 
 __all__ = ["RECHECK_ENTRIES_PER_TICK", "LookupMiss", "SpanFinder"]

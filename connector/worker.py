@@ -66,7 +66,7 @@ from connector.metrics import ConnectorMetrics, process_metrics
 from connector.namespace import KvLayout, pool_key, register_pool_layout
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
 from connector.settings import ConnectorSettings, load_connector_settings
-from ledger.queries import LedgerClient
+from ledger.client import LedgerClient
 from ledger.types import FreshnessPolicy
 
 __all__ = ["SemKvLoadError", "SemKvWorker"]

@@ -44,10 +44,11 @@ committed, and the next start resumes from the ledger's position by replay (``co
 Logs: structlog JSON lines (:func:`ledger.logs.configure_json_logging`), ``engine_id``/``source_id`` bound per source.
 
 Security: with ``curve_secret_key`` every source is CURVE-secured (``consumer/curve.py``); key files
-are read at start (a bad one is a :class:`ConfigurationError`, exit 2) and a ZAP handler admits, per
-``bind`` source, only that source's publisher keys. A ``bind`` source on a non-loopback address
-without CURVE is logged as ``source.exposed_without_curve`` (warning) at start, and a metrics
-server on a non-loopback ``metrics_host`` (plain HTTP, no authentication) as ``metrics.exposed``.
+are read at start (a bad one is a :class:`~ledger.errors.ConfigurationError`, exit 2) and a ZAP
+handler admits, per ``bind`` source, only that source's publisher keys. A ``bind`` source on a
+non-loopback address without CURVE is logged as ``source.exposed_without_curve`` (warning) at
+start, and a metrics server on a non-loopback ``metrics_host`` (plain HTTP, no authentication) as
+``metrics.exposed``.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ from consumer.curve import CurveError, CurveKeys, ZapAuthorizer, exposure_warnin
 from consumer.metrics import ConsumerMetrics, MetricsServer
 from consumer.settings import ConsumerSettings, SourceSettings
 from consumer.source import Item, Source
-from ledger.errors import (LedgerError, LedgerUnwritable, PersistenceError, SchemaOutOfDate, database_error_line,
-                           is_transient, one_line, url_for_humans)
+from ledger.errors import (ConfigurationError, LedgerError, LedgerUnwritable, PersistenceError, SchemaOutOfDate,
+                           database_error_line, is_transient, one_line, url_for_humans)
 from ledger.decide import AppendResult, Loss
 from ledger.events import DeadLetter, GapReport, ReceivedBatch
 from ledger.logs import configure_json_logging
@@ -80,7 +81,7 @@ from ledger.migrate import refuse_missing_ledger_file
 from ledger.types import DeadLetterReason
 from ledger.writer import LedgerWriter, SourcePosition
 
-__all__ = ["ConfigurationError", "Daemon", "DaemonStats", "ShutdownTrigger", "serve"]
+__all__ = ["Daemon", "DaemonStats", "ShutdownTrigger", "serve"]
 
 ShutdownTrigger = Awaitable[Any] | Callable[[], Awaitable[Any]]
 _STOP = object()  # queue sentinel: every source has returned
@@ -92,25 +93,26 @@ OPEN_ATTEMPTS = 3
 """Tries to open the ledger writer at start when the error is transient (ledger.errors.is_transient)."""
 
 
-class ConfigurationError(LedgerError):
-    """Settings contradict the ledger (e.g. a source bound to another engine)."""
-
-
 @dataclasses.dataclass
-class DaemonStats:
-    """Counters of one :meth:`Daemon.run` (also in ``repr``, arq style). Events unless named."""
+class DaemonStats(AppendResult):
+    """Counters of one :meth:`Daemon.run` (also in ``repr``, arq style): every transaction's
+    :class:`~ledger.decide.AppendResult` summed (events unless named), plus the daemon's own
+    counters below. What holds for one transaction only (``losses``, logged as they happen) is not
+    kept."""
 
     transactions: int = 0
-    batches: int = 0
-    duplicate_batches: int = 0
-    events_applied: int = 0
-    events_stale: int = 0
-    events_duplicate: int = 0
-    dead_letters: int = 0
-    gaps: int = 0
-    generation_bumps: int = 0
     db_retries: int = 0
     clean_exit: bool = False
+
+    def add(self, result: AppendResult) -> None:
+        """Count one transaction and what it did."""
+        self.transactions += 1
+        self.merge(dataclasses.replace(result, losses=[]))  # losses kept would grow all run long
+
+    def counters(self) -> dict[str, int | bool]:
+        """Every counter by name, flat (the ``daemon.stopped`` log line)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("first_seq", "last_seq", "max_event_ts", "losses")}
 
 
 class Daemon:
@@ -192,7 +194,7 @@ class Daemon:
                 zap.stop()
             ctx.destroy(linger=0)
             await self._writer.close()
-        self.log.info("daemon.stopped", **dataclasses.asdict(self.stats))
+        self.log.info("daemon.stopped", **self.stats.counters())
         return self.stats
 
     def _load_curve(self) -> dict[str, CurveKeys]:
@@ -479,19 +481,16 @@ class Daemon:
                 total.merge(await self._append([refused_by_ledger(item, exc)]))
         return total
 
-    def _observe(self, items: list[Item], result: Any, elapsed_s: float) -> None:
+    def _observe(self, items: list[Item], result: AppendResult, elapsed_s: float) -> None:
         m = self.metrics
-        self.stats.transactions += 1
+        self.stats.add(result)
         m.transactions.inc()
         m.commit_seconds.observe(elapsed_s)
-        for name, counter in (("batches", m.batches_committed), ("events_applied", m.events_applied),
-                              ("events_duplicate", m.events_duplicate), ("events_stale", m.events_stale),
-                              ("dead_letters", m.dead_letters_committed), ("gaps", None),
-                              ("generation_bumps", None), ("duplicate_batches", None)):
-            value = getattr(result, name)
-            setattr(self.stats, name, getattr(self.stats, name) + value)
-            if counter is not None:
-                counter.inc(value)
+        m.batches_committed.inc(result.batches)
+        m.events_applied.inc(result.events_applied)
+        m.events_duplicate.inc(result.events_duplicate)
+        m.events_stale.inc(result.events_stale)
+        m.dead_letters_committed.inc(result.dead_letters)
         now, newest = time.time(), {}
         for item in items:
             if isinstance(item, ReceivedBatch) and item.ts > 0:

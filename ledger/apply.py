@@ -5,11 +5,13 @@ call :func:`apply` on the same :class:`Projection` type, so live projections and
 log can only differ if the log or a projection was changed behind the ledger's back — which is
 what replay's diff exists to catch.
 
-A :class:`Projection` holds projection rows as plain dicts keyed like the tables' primary keys.
-The live writer loads only the rows a transaction touches (``partial=True``); bulk changes
-(quarantining an engine's blocks) are applied to the loaded rows and remembered in
-:attr:`Projection.bulk_ops` so the writer can run them as SQL against the rows it did not load.
-Replay loads nothing and sees everything (``partial=False``).
+``apply(proj, entry)`` is a fold: the next state from the current one and one entry, no I/O. A
+:class:`Projection` holds typed rows (:mod:`ledger.rows`) keyed like the tables' primary keys,
+plus the counters. What a fold step changed is reported to the projection's :class:`Changes`: the
+rows to write, the blocks dropped, each quarantine. Replay ignores it and writes the whole
+projection; the live writer (:mod:`ledger.recorder`), which loads only the rows a transaction
+touches, uses it to write what changed and to quarantine in SQL the rows it did not load
+(:data:`QUARANTINE`, the one statement of what a quarantine does, for both).
 
 A removed block leaves the ``blocks`` projection (its history stays in the log): the projection
 holds what the engines' caches hold now, live or quarantined blocks, so its size is bounded by the
@@ -45,6 +47,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ledger import events as ev
+from ledger.rows import Block, DeadLetter, Donor, DonorBlock, Engine, Lease, Source, Stream
 from ledger.types import (
     BlockKey,
     BlockState,
@@ -53,10 +56,13 @@ from ledger.types import (
     LeaseState,
     StreamKey,
     split_hash,
+    split_hashes,
+    u64s_to_i64,
 )
 
-Row = dict[str, Any]
 GLOBAL = ""  # counters' engine_id for fleet-wide counts
+TABLES = ("engines", "streams", "sources", "blocks", "donors", "leases")
+"""The projections of rows keyed by primary key (``Projection`` attributes of those names)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,75 +85,95 @@ class LogEntry:
     payload: bytes | None = None
 
 
-@dataclasses.dataclass(slots=True)
-class BulkOp:
-    """A change to rows the live writer may not have loaded: ``quarantine`` an engine's live blocks
-    and donors, or mark its streams ``resync``. Executed as SQL before dirty rows are written."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transition:
+    """Rows of one engine in ``table`` whose ``state`` is in ``from_states`` move to ``to_state``
+    (``None``: they leave the projection), stamped ``updated_seq``."""
 
-    op: str
-    engine_id: str
-    seq: int
+    table: str
+    from_states: tuple[str, ...]
+    to_state: str | None
+
+
+QUARANTINE = (
+    # Blocks quarantined by the previous loss of continuity leave the projection (an engine that
+    # restarted never removes them, so they would pile up at every restart); the live ones are
+    # quarantined. The table stays bounded by two caches' worth of blocks per engine.
+    Transition("blocks", (BlockState.QUARANTINED,), None),
+    Transition("blocks", (BlockState.LIVE,), BlockState.QUARANTINED),
+    Transition("donors", (DonorState.REGISTERED, DonorState.LIVE), DonorState.QUARANTINED),
+)
+"""What a generation bump does to the engine's rows, in this order; its streams also get
+``resync``. :func:`_on_generation_bumped` runs it on the rows in memory, the recorder in SQL on
+the rows it did not load."""
+
+
+class Changes:
+    """What fold steps changed since the rows were loaded: written by :func:`apply`, read by the
+    writer of a partial projection (:class:`ledger.recorder.Pending`). A plain ``Changes`` records
+    and is never read (replay writes every row)."""
+
+    __slots__ = ("dirty", "dropped_blocks", "quarantines")
+
+    def __init__(self) -> None:
+        self.dirty: dict[str, set[Any]] = {t: set() for t in TABLES}
+        """Per table, the keys of rows added or changed."""
+        self.dropped_blocks: set[BlockKey] = set()
+        """Keys of blocks that left the projection (not in ``Projection.blocks``)."""
+        self.quarantines: list[tuple[str, int]] = []
+        """(engine_id, seq) of each :data:`QUARANTINE`, in log order."""
+
+    def removal_of_unseen_block(self, key: BlockKey, stream_hash: tuple[str, int, int, int]) -> bool:
+        """A removal found no row for ``key``. True when the writer accounts for it (a row it did
+        not load); False counts it ``removed_unknown``."""
+        return False
 
 
 @dataclasses.dataclass
 class Projection:
-    """Projection rows in memory, plus what changed since they were loaded."""
+    """Projection rows in memory: the state :func:`apply` folds entries into."""
 
-    partial: bool = False
-    engines: dict[str, Row] = dataclasses.field(default_factory=dict)
-    streams: dict[StreamKey, Row] = dataclasses.field(default_factory=dict)
-    sources: dict[str, Row] = dataclasses.field(default_factory=dict)
-    blocks: dict[BlockKey, Row] = dataclasses.field(default_factory=dict)
-    donors: dict[str, Row] = dataclasses.field(default_factory=dict)
-    donor_blocks: list[Row] = dataclasses.field(default_factory=list)
-    leases: dict[str, Row] = dataclasses.field(default_factory=dict)
-    dead_letters: list[Row] = dataclasses.field(default_factory=list)
+    engines: dict[str, Engine] = dataclasses.field(default_factory=dict)
+    streams: dict[StreamKey, Stream] = dataclasses.field(default_factory=dict)
+    sources: dict[str, Source] = dataclasses.field(default_factory=dict)
+    blocks: dict[BlockKey, Block] = dataclasses.field(default_factory=dict)
+    donors: dict[str, Donor] = dataclasses.field(default_factory=dict)
+    donor_blocks: list[DonorBlock] = dataclasses.field(default_factory=list)
+    """Rows appended (donor registrations are the only writer; never changed)."""
+    leases: dict[str, Lease] = dataclasses.field(default_factory=dict)
+    dead_letters: list[DeadLetter] = dataclasses.field(default_factory=list)
     counters: Counter[tuple[str, str]] = dataclasses.field(default_factory=Counter)
-    """Deltas when partial; absolute values when not."""
+    """Counts since the rows were loaded (from zero: a replay's are the totals)."""
     live_blocks: dict[str, set[BlockKey]] = dataclasses.field(default_factory=dict)
-    """engine_id -> keys of loaded live blocks (so a quarantine need not scan every block)."""
+    """engine_id -> keys of live blocks held (so a quarantine need not scan every block)."""
     quarantined_blocks: dict[str, set[BlockKey]] = dataclasses.field(default_factory=dict)
-    """engine_id -> keys of loaded quarantined blocks (the next quarantine deletes them)."""
-    loaded_blocks: set[BlockKey] = dataclasses.field(default_factory=set)
-    """Keys of the block rows read from the database. The live writer loads every block a
-    transaction touches first, so a dirty key NOT in here is a new row (a plain INSERT)."""
-    removed_blocks: set[BlockKey] = dataclasses.field(default_factory=set)
-    """Keys of blocks removed since loading (no longer in :attr:`blocks`): the rows to DELETE
-    (those that are also in :attr:`loaded_blocks`; the others were never written)."""
-    unloaded: set[tuple[str, int, int, int]] = dataclasses.field(default_factory=set)
-    """(engine_id, dp rank, window, signed hash) that the live writer did NOT load because the
-    transaction only removes them: their rows are deleted in SQL without being read."""
-    blind_removals: list[tuple[BlockKey, int]] = dataclasses.field(default_factory=list)
-    """Removals of :attr:`unloaded` blocks in event order, each with ``len(bulk_ops)`` at that point
-    (so the writer deletes before or after a quarantine in the same order as replay); their
-    counters are added by the writer from the rows each DELETE matched."""
-    dirty: dict[str, set[Any]] = dataclasses.field(
-        default_factory=lambda: {t: set() for t in ("engines", "streams", "sources", "blocks", "donors", "leases")}
-    )
-    bulk_ops: list[BulkOp] = dataclasses.field(default_factory=list)
+    """engine_id -> keys of quarantined blocks held (the next quarantine drops them)."""
+    changes: Changes = dataclasses.field(default_factory=Changes)
 
-    def put(self, table: str, key: Any, row: Row) -> None:
+    def put(self, table: str, key: Any, row: Any) -> None:
         getattr(self, table)[key] = row
-        self.dirty[table].add(key)
+        self.changes.dirty[table].add(key)
 
     def touch(self, table: str, key: Any) -> None:
-        self.dirty[table].add(key)
+        self.changes.dirty[table].add(key)
 
     def count(self, engine_id: str | None, name: str, n: int = 1) -> None:
         self.counters[(engine_id or GLOBAL, name)] += n
 
-    def load_blocks(self, rows: Iterable[Row]) -> None:
-        blocks, live_blocks, loaded = self.blocks, self.live_blocks, self.loaded_blocks
+    def hold_blocks(self, rows: Iterable[Block]) -> list[BlockKey]:
+        """Hold loaded block rows (indexed by state); returns their keys."""
+        blocks, live_blocks, keys = self.blocks, self.live_blocks, []
         for row in rows:
-            key = _new(BlockKey, (row["engine_id"], row["attention_dp_rank"], row["window_size"], row["block_hash"],
-                                  row["block_hash_ext"]))
+            key = _new(BlockKey, (row.engine_id, row.attention_dp_rank, row.window_size, row.block_hash,
+                                  row.block_hash_ext))
             blocks[key] = row
-            loaded.add(key)
-            by_state = live_blocks if row["state"] == _LIVE else self.quarantined_blocks
-            keys = by_state.get(row["engine_id"])
-            if keys is None:
-                keys = by_state[row["engine_id"]] = set()
-            keys.add(key)
+            keys.append(key)
+            by_state = live_blocks if row.state == _LIVE else self.quarantined_blocks
+            held = by_state.get(row.engine_id)
+            if held is None:
+                held = by_state[row.engine_id] = set()
+            held.add(key)
+        return keys
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,18 +208,17 @@ def _advance_stream(proj: Projection, entry: LogEntry) -> None:
     key = _new(StreamKey, (engine_id, entry.attention_dp_rank or 0, entry.window_size or 0))
     row = proj.streams.get(key)
     if row is None:
-        row = {"engine_id": engine_id, "attention_dp_rank": key[1], "window_size": key[2], "last_event_id": None,
-               "resync": False}
+        row = proj.streams[key] = Stream(engine_id, key[1], key[2], None, False)
     if entry.event_id is not None:
         # Only an event that carries an event_id can become the new baseline after a bump.
-        row["last_event_id"] = entry.event_id
-        row["resync"] = False
-    proj.streams[key] = row
-    proj.dirty["streams"].add(key)
+        row.last_event_id = entry.event_id
+        row.resync = False
+    dirty = proj.changes.dirty
+    dirty["streams"].add(key)
     engine = proj.engines[engine_id]
-    engine["last_seq"] = entry.seq
-    engine["status"] = EngineStatus.ACTIVE
-    proj.dirty["engines"].add(engine_id)
+    engine.last_seq = entry.seq
+    engine.status = EngineStatus.ACTIVE
+    dirty["engines"].add(engine_id)
 
 
 def _block_key(entry: LogEntry, block_hash: ev.BlockHash) -> BlockKey:
@@ -202,66 +227,58 @@ def _block_key(entry: LogEntry, block_hash: ev.BlockHash) -> BlockKey:
 
 
 def _drop_block(proj: Projection, key: BlockKey) -> None:
-    """Remove a block from the projection (its row is deleted if it was loaded)."""
+    """Remove a block from the projection."""
     del proj.blocks[key]
-    proj.dirty["blocks"].discard(key)
-    if key in proj.loaded_blocks:
-        proj.removed_blocks.add(key)
+    changes = proj.changes
+    changes.dirty["blocks"].discard(key)
+    changes.dropped_blocks.add(key)
 
 
-# The two handlers below run once per block on the ingest path; they inline what
-# _block_key/split_hash/u64_to_i64 do and build keys with tuple.__new__ (a
-# NamedTuple's own constructor costs ~0.6 µs, split_hash ~0.2 µs; tools/bench_ledger.py).
+# The two handlers below run once per block on the ingest path; they convert an event's hashes
+# in one call (split_hashes) and build keys with tuple.__new__ (a NamedTuple's own constructor
+# costs ~0.6 µs, a split_hash call per block ~0.2 µs; tools/bench_ledger.py).
 
 
 def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
     engine_id, seq = entry.engine_id, entry.seq
     dp_rank, window = entry.attention_dp_rank or 0, entry.window_size or 0
-    generation = proj.engines[engine_id]["generation"]
-    blocks, dirty, removed = proj.blocks, proj.dirty["blocks"], proj.removed_blocks
+    generation = proj.engines[engine_id].generation
+    blocks, dirty, dropped = proj.blocks, proj.changes.dirty["blocks"], proj.changes.dropped_blocks
     live = proj.live_blocks.setdefault(engine_id, set())
     p_hash, p_ext = split_hash(body.parent_hash) if body.parent_hash is not None else (None, None)
     lora_id = body.lora_id
     again = 0
-    for block in body.blocks:
-        block_hash = block.block_hash
-        if type(block_hash) is int:
-            h, ext = (block_hash - _TWO_64 if block_hash > _I64_MAX else block_hash), b""
-        else:
-            h, ext = split_hash(block_hash)
-        digest = block.tokens_digest
-        if digest > _I64_MAX:
-            digest -= _TWO_64
+    stored = body.blocks
+    hashes = split_hashes([block.block_hash for block in stored])
+    digests = u64s_to_i64([block.tokens_digest for block in stored])
+    for block, (h, ext), digest in zip(stored, hashes, digests):
         key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
         row = blocks.get(key)
-        if row is not None and row["state"] == _LIVE:
-            row["store_count"] += 1
+        if row is not None and row.state == _LIVE:
+            row.store_count += 1
             again += 1
-            row["parent_hash"] = p_hash
-            row["parent_hash_ext"] = p_ext
-            row["num_tokens"] = block.num_tokens
-            row["tokens_digest"] = digest
-            row["cache_level"] = block.cache_level
-            row["priority"] = block.priority
-            row["cache_salt"] = block.cache_salt
-            row["lora_id"] = lora_id
-            row["generation"] = generation
-            row["updated_seq"] = seq
+            row.parent_hash = p_hash
+            row.parent_hash_ext = p_ext
+            row.num_tokens = block.num_tokens
+            row.tokens_digest = digest
+            row.cache_level = block.cache_level
+            row.priority = block.priority
+            row.cache_salt = block.cache_salt
+            row.lora_id = lora_id
+            row.generation = generation
+            row.updated_seq = seq
         else:
-            blocks[key] = {"engine_id": engine_id, "attention_dp_rank": dp_rank, "window_size": window,
-                           "block_hash": h, "block_hash_ext": ext, "store_count": 1, "stored_seq": seq,
-                           "parent_hash": p_hash, "parent_hash_ext": p_ext, "num_tokens": block.num_tokens,
-                           "tokens_digest": digest, "cache_level": block.cache_level, "priority": block.priority,
-                           "cache_salt": block.cache_salt, "lora_id": lora_id, "generation": generation,
-                           "state": _LIVE, "updated_seq": seq}
-            removed.discard(key)
+            blocks[key] = Block(engine_id, dp_rank, window, h, ext, p_hash, p_ext, block.num_tokens, digest,
+                                block.cache_level, block.priority, block.cache_salt, lora_id, _LIVE, generation, 1,
+                                seq, seq)
+            dropped.discard(key)
             if row is not None:  # it was quarantined
                 proj.quarantined_blocks.get(engine_id, set()).discard(key)
         live.add(key)
         dirty.add(key)
         p_hash, p_ext = h, ext
     counters = proj.counters
-    counters[(engine_id, "blocks_stored")] += len(body.blocks)
+    counters[(engine_id, "blocks_stored")] += len(stored)
     if again:
         counters[(engine_id, "stored_while_live")] += again
 
@@ -269,32 +286,25 @@ def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
 def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> None:
     engine_id = entry.engine_id
     dp_rank, window = entry.attention_dp_rank or 0, entry.window_size or 0
-    blocks, dirty, gone, unloaded = proj.blocks, proj.dirty["blocks"], proj.removed_blocks, proj.unloaded
-    loaded = proj.loaded_blocks
+    changes = proj.changes
+    blocks, dirty, dropped = proj.blocks, changes.dirty["blocks"], changes.dropped_blocks
     live = proj.live_blocks.setdefault(engine_id, set())
     removed = unknown = not_live = 0
-    for block_hash in body.block_hashes:
-        if type(block_hash) is int:
-            h, ext = (block_hash - _TWO_64 if block_hash > _I64_MAX else block_hash), b""
-        else:
-            h, ext = split_hash(block_hash)
+    for h, ext in split_hashes(body.block_hashes):
         key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
         row = blocks.pop(key, None)
         if row is None:
-            if unloaded and (engine_id, dp_rank, window, h) in unloaded:
-                proj.blind_removals.append((key, len(proj.bulk_ops)))
-            else:
+            if not changes.removal_of_unseen_block(key, (engine_id, dp_rank, window, h)):
                 unknown += 1
             continue
-        if row["state"] == _LIVE:
+        if row.state == _LIVE:
             removed += 1
             live.discard(key)
         else:
             not_live += 1
             proj.quarantined_blocks.get(engine_id, set()).discard(key)
         dirty.discard(key)
-        if key in loaded:  # else it never reached the table (stored earlier in this transaction)
-            gone.add(key)
+        dropped.add(key)
     counters = proj.counters
     for name, n in (("blocks_removed", removed), ("removed_unknown", unknown), ("removed_not_live", not_live)):
         if n:
@@ -307,41 +317,37 @@ def _on_updated(proj: Projection, entry: LogEntry, body: ev.BlockUpdated) -> Non
     if row is None:
         proj.count(entry.engine_id, "updated_unknown")
         return
-    if row["state"] != BlockState.LIVE:
+    if row.state != BlockState.LIVE:
         proj.count(entry.engine_id, "updated_not_live")
         return
     if body.cache_level is not None:
-        row["cache_level"] = body.cache_level.new_value
+        row.cache_level = body.cache_level.new_value
     if body.priority is not None:
-        row["priority"] = body.priority.new_value
-    row["updated_seq"] = entry.seq
-    proj.put("blocks", key, row)
+        row.priority = body.priority.new_value
+    row.updated_seq = entry.seq
+    proj.touch("blocks", key)
     proj.count(entry.engine_id, "blocks_updated")
 
 
 def _on_batch(proj: Projection, entry: LogEntry, body: ev.BatchReceived) -> None:
     source = proj.sources.get(body.source_id)
-    if source is not None and source["epoch"] == body.source_epoch and body.seq <= source["last_seq"]:
+    if source is not None and source.epoch == body.source_epoch and body.seq <= source.last_seq:
         # A late batch, logged stale in the current epoch (ledger.decide.Decider._place): the
         # source position stays where the run is, or its next batches would look like a gap and
         # batches already logged past this seq would be logged again.
         proj.count(body.engine_id, "batches")
         proj.count(body.engine_id, "batches_stale")
-        if body.ts > source["last_ts"]:  # the newest engine ts heard, late batches included (decide's case 4)
-            proj.put("sources", body.source_id, {**source, "last_ts": body.ts})
+        if body.ts > source.last_ts:  # the newest engine ts heard, late batches included (decide's case 4)
+            source.last_ts = body.ts
+            proj.touch("sources", body.source_id)
         return
-    proj.put("sources", body.source_id, {
-        "source_id": body.source_id, "engine_id": body.engine_id, "epoch": body.source_epoch,
-        "last_seq": body.seq, "last_ts": body.ts,
-    })
+    proj.put("sources", body.source_id, Source(body.source_id, body.engine_id, body.source_epoch, body.seq, body.ts))
     proj.count(body.engine_id, "batches")
 
 
 def _on_engine_registered(proj: Projection, entry: LogEntry, body: ev.EngineRegistered) -> None:
-    proj.put("engines", body.engine_id, {
-        "engine_id": body.engine_id, "generation": body.generation, "status": EngineStatus.ACTIVE,
-        "registered_seq": entry.seq, "generation_seq": entry.seq, "last_seq": entry.seq,
-    })
+    proj.put("engines", body.engine_id,
+             Engine(body.engine_id, body.generation, EngineStatus.ACTIVE, entry.seq, entry.seq, entry.seq))
 
 
 def _on_gap(proj: Projection, entry: LogEntry, body: ev.GapDetected) -> None:
@@ -349,98 +355,98 @@ def _on_gap(proj: Projection, entry: LogEntry, body: ev.GapDetected) -> None:
 
 
 def _on_generation_bumped(proj: Projection, entry: LogEntry, body: ev.GenerationBumped) -> None:
-    engine = proj.engines[body.engine_id]
-    engine.update(generation=body.generation, generation_seq=entry.seq, status=EngineStatus.RESYNCING)
-    proj.touch("engines", body.engine_id)
-    proj.count(body.engine_id, f"generation_bumps.{body.reason}")
-    # Blocks quarantined by the previous loss of continuity leave the projection (an engine that
-    # restarted never removes them, so they would pile up at every restart); the live ones are
-    # quarantined. The table stays bounded by two caches' worth of blocks per engine.
-    for key in proj.quarantined_blocks.pop(body.engine_id, ()):
-        _drop_block(proj, key)
-    quarantined = proj.quarantined_blocks[body.engine_id] = proj.live_blocks.pop(body.engine_id, set())
-    for key in quarantined:
-        row = proj.blocks[key]
-        row["state"] = BlockState.QUARANTINED
-        row["updated_seq"] = entry.seq
-        proj.dirty["blocks"].add(key)
-    for donor_id, donor in proj.donors.items():
-        if donor["engine_id"] == body.engine_id and donor["state"] in _LIVE_DONOR_STATES:
-            donor.update(state=DonorState.QUARANTINED, updated_seq=entry.seq)
-            proj.touch("donors", donor_id)
+    engine_id, seq = body.engine_id, entry.seq
+    engine = proj.engines[engine_id]
+    engine.generation, engine.generation_seq, engine.status = body.generation, seq, EngineStatus.RESYNCING
+    proj.touch("engines", engine_id)
+    proj.count(engine_id, f"generation_bumps.{body.reason}")
+    for transition in QUARANTINE:
+        _TRANSITIONS[transition.table](proj, engine_id, transition, seq)
     for key, stream in proj.streams.items():
-        if key.engine_id == body.engine_id:
-            stream["resync"] = True
+        if key.engine_id == engine_id:
+            stream.resync = True
             proj.touch("streams", key)
-    if proj.partial:
-        proj.bulk_ops.append(BulkOp("quarantine", body.engine_id, entry.seq))
+    proj.changes.quarantines.append((engine_id, seq))
+
+
+def _transition_blocks(proj: Projection, engine_id: str, transition: Transition, seq: int) -> None:
+    """Blocks are indexed by state (``live_blocks``, ``quarantined_blocks``): no scan."""
+    index = {BlockState.LIVE: proj.live_blocks, BlockState.QUARANTINED: proj.quarantined_blocks}
+    keys = set().union(*(index[state].pop(engine_id, set()) for state in transition.from_states))
+    if transition.to_state is None:
+        for key in keys:
+            _drop_block(proj, key)
+        return
+    index[transition.to_state].setdefault(engine_id, set()).update(keys)
+    dirty = proj.changes.dirty["blocks"]
+    for key in keys:
+        row = proj.blocks[key]
+        row.state, row.updated_seq = transition.to_state, seq
+        dirty.add(key)
+
+
+def _transition_donors(proj: Projection, engine_id: str, transition: Transition, seq: int) -> None:
+    assert transition.to_state is not None, "donors leave the projection only by eviction"
+    for donor_id, donor in proj.donors.items():
+        if donor.engine_id == engine_id and donor.state in transition.from_states:
+            donor.state, donor.updated_seq = transition.to_state, seq
+            proj.touch("donors", donor_id)
+
+
+_TRANSITIONS = {"blocks": _transition_blocks, "donors": _transition_donors}
 
 
 def _on_dead_letter(proj: Projection, entry: LogEntry, body: ev.EventDeadLettered) -> None:
-    proj.dead_letters.append({
-        "log_seq": entry.seq, "source_id": body.source_id, "engine_id": body.engine_id,
-        "reason": str(body.reason), "detail": body.detail[:2000], "zmq_seq": body.seq,
-        "batch_index": body.batch_index,
-    })
+    proj.dead_letters.append(DeadLetter(entry.seq, body.source_id, body.engine_id, str(body.reason),
+                                        body.detail[:2000], body.seq, body.batch_index))
     proj.count(body.engine_id, f"dead_letters.{body.reason}")
 
 
 def _on_donor_registered(proj: Projection, entry: LogEntry, body: ev.DonorRegistered) -> None:
-    proj.put("donors", body.donor_id, {
-        "donor_id": body.donor_id, "namespace": body.namespace, "engine_id": body.engine_id,
-        "attention_dp_rank": body.attention_dp_rank, "window_size": body.window_size,
-        "generation": body.generation, "num_tokens": body.num_tokens,
-        "num_blocks": len(body.content_keys), "tokens_per_block": body.tokens_per_block,
-        "provider_generation": body.provider_generation, "expires_at": body.expires_at,
-        "state": DonorState.REGISTERED, "store_ref": None, "checksum": None, "size_bytes": None,
-        "registered_seq": entry.seq, "updated_seq": entry.seq,
-    })
-    for position, (content_key, block_hash) in enumerate(zip(body.content_keys, body.block_hashes, strict=True)):
-        h, ext = split_hash(block_hash)
-        proj.donor_blocks.append({"donor_id": body.donor_id, "position": position,
-                                  "content_key": content_key, "block_hash": h, "block_hash_ext": ext})
+    proj.put("donors", body.donor_id, Donor(
+        body.donor_id, body.namespace, body.engine_id, body.attention_dp_rank, body.window_size, body.generation,
+        body.num_tokens, len(body.content_keys), body.tokens_per_block, body.provider_generation, body.expires_at,
+        DonorState.REGISTERED, None, None, None, entry.seq, entry.seq))
+    hashes = split_hashes(body.block_hashes)
+    for position, (content_key, (h, ext)) in enumerate(zip(body.content_keys, hashes, strict=True)):
+        proj.donor_blocks.append(DonorBlock(body.donor_id, position, content_key, h, ext))
     proj.count(body.engine_id, "donors_registered")
 
 
 def _on_donor_saved(proj: Projection, entry: LogEntry, body: ev.DonorSaved) -> None:
     donor = proj.donors[body.donor_id]
-    if donor["state"] == DonorState.REGISTERED:
-        donor["state"] = DonorState.LIVE
-    donor.update(store_ref=body.store_ref, checksum=body.checksum, size_bytes=body.size_bytes,
-                 updated_seq=entry.seq)
+    if donor.state == DonorState.REGISTERED:
+        donor.state = DonorState.LIVE
+    donor.store_ref, donor.checksum, donor.size_bytes = body.store_ref, body.checksum, body.size_bytes
+    donor.updated_seq = entry.seq
     proj.touch("donors", body.donor_id)
-    proj.count(donor["engine_id"], "donors_saved")
+    proj.count(donor.engine_id, "donors_saved")
 
 
 def _on_donor_evicted(proj: Projection, entry: LogEntry, body: ev.DonorEvicted) -> None:
     donor = proj.donors[body.donor_id]
-    donor.update(state=DonorState.EVICTED, updated_seq=entry.seq)
+    donor.state, donor.updated_seq = DonorState.EVICTED, entry.seq
     proj.touch("donors", body.donor_id)
-    proj.count(donor["engine_id"], "donors_evicted")
+    proj.count(donor.engine_id, "donors_evicted")
 
 
 def _on_lease_taken(proj: Projection, entry: LogEntry, body: ev.LeaseTaken) -> None:
-    proj.put("leases", body.lease_id, {
-        "lease_id": body.lease_id, "donor_id": body.donor_id, "request_id": body.request_id,
-        "holder": body.holder, "expires_at": body.expires_at, "state": LeaseState.HELD,
-        "release_reason": None, "taken_seq": entry.seq, "released_seq": None,
-    })
+    proj.put("leases", body.lease_id, Lease(body.lease_id, body.donor_id, body.request_id, body.holder,
+                                            body.expires_at, LeaseState.HELD, None, entry.seq, None))
     proj.count(GLOBAL, "leases_taken")
 
 
 def _on_lease_released(proj: Projection, entry: LogEntry, body: ev.LeaseReleased) -> None:
     lease = proj.leases[body.lease_id]
-    lease.update(state=LeaseState.RELEASED, release_reason=body.reason, released_seq=entry.seq)
+    lease.state, lease.release_reason, lease.released_seq = LeaseState.RELEASED, body.reason, entry.seq
     proj.touch("leases", body.lease_id)
     proj.count(GLOBAL, "leases_released")
 
 
 _LIVE = BlockState.LIVE
-_LIVE_DONOR_STATES = (DonorState.REGISTERED, DonorState.LIVE)
 _ENGINE_BODIES = (ev.EngineCreated, ev.BlockStored, ev.BlockRemoved, ev.BlockUpdated, ev.AllBlocksCleared)
 _ENGINE_BODY_TYPES = frozenset(_ENGINE_BODIES)  # msgspec Structs: exact types, no subclasses
 _new = tuple.__new__  # _new(BlockKey, (...)): a NamedTuple without its slow Python-level __new__
-_TWO_64, _I64_MAX = 2**64, 2**63 - 1
 _HANDLERS: dict[type, Any] = {
     ev.BlockStored: _on_stored,
     ev.BlockRemoved: _on_removed,

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import structlog
 
-from ledger.db import sqlite_open_uri
+from ledger.backends.sqlite import sqlite_open_uri
 from ledger.errors import LedgerUnwritable
 
 BACKSTOP_PAGES = 4096

@@ -91,7 +91,8 @@ class AppendResult:
     """Each gap and generation bump, in the order logged (``gaps``/``generation_bumps`` count them)."""
 
     def merge(self, other: AppendResult) -> None:
-        for field in dataclasses.fields(self):
+        """Add ``other``'s counts and losses to these (a subclass's own fields are its own)."""
+        for field in dataclasses.fields(AppendResult):
             mine, theirs = getattr(self, field.name), getattr(other, field.name)
             if field.name == "losses":
                 mine.extend(theirs)
@@ -137,7 +138,7 @@ class Decider:
 
     def bump(self, engine_id: str, reason: GenerationReason, source_id: str | None = None) -> None:
         """Bump the engine's generation; ``source_id`` is the source whose input showed the loss."""
-        generation = self.proj.engines[engine_id]["generation"] + 1
+        generation = self.proj.engines[engine_id].generation + 1
         self.emit(ev.GenerationBumped(engine_id=engine_id, generation=generation, reason=reason), engine_id=engine_id)
         self.result.generation_bumps += 1
         self.result.losses.append(Loss("bump", engine_id, source_id, reason, generation=generation))
@@ -254,9 +255,9 @@ class Decider:
         source = self.proj.sources.get(batch.source_id)
         if source is None:
             return 1, False
-        epoch, last_seq = source["epoch"], source["last_seq"]
-        if source["engine_id"] != batch.engine_id:
-            raise ValueError(f"source {batch.source_id!r} is bound to engine {source['engine_id']!r}, "
+        epoch, last_seq = source.epoch, source.last_seq
+        if source.engine_id != batch.engine_id:
+            raise ValueError(f"source {batch.source_id!r} is bound to engine {source.engine_id!r}, "
                              f"not {batch.engine_id!r}")
         if batch.seq > last_seq and not batch.new_run:
             if batch.seq > last_seq + 1:
@@ -271,7 +272,7 @@ class Decider:
             if not batch.late:
                 self.bump(batch.engine_id, GenerationReason.SEQ_RESET, batch.source_id)
             return epoch, True
-        if batch.late or 0 < batch.ts < source["last_ts"]:
+        if batch.late or 0 < batch.ts < source.last_ts:
             if not batch.late:
                 self.bump(batch.engine_id, GenerationReason.SEQ_RESET, batch.source_id)
             return _ANOTHER_RUN
@@ -302,7 +303,7 @@ class Decider:
                       stale: bool = False) -> None:
         stream = _new(StreamKey, (engine_id, event.attention_dp_rank, event.window_size))
         row = self.proj.streams.get(stream)
-        has_baseline = row is not None and row["last_event_id"] is not None and not row["resync"]
+        has_baseline = row is not None and row.last_event_id is not None and not row.resync
         applied = not stale
         if stale:
             pass  # a late batch: logged as received, judged by nothing in it (see _place)
@@ -310,7 +311,7 @@ class Decider:
             if has_baseline:
                 self.bump(engine_id, GenerationReason.CREATED, source_cols["source_id"])
         elif event.event_id is not None and has_baseline:
-            last = row["last_event_id"]  # type: ignore[index]
+            last = row.last_event_id  # type: ignore[union-attr]
             if event.event_id <= last:
                 # An older event must not resurrect a removed block, so it is not applied. It is
                 # also the trace of an engine restart whose `created` was lost (its event_ids start

@@ -5,7 +5,7 @@ at 2K tokens (DESIGN §7). A SQLite read costs ~100 µs there by itself: every c
 connection (the consumer, the lease writer) makes a reader drop its page cache, so the first
 statements after it read their pages again (tools/results/connector-*.md). :class:`DonorView`
 answers the lookup from memory instead. It is a read model of the ledger's own projections, caught
-up by :meth:`ledger.queries.LedgerClient.refresh_view` (a periodic job of the connector, every few ms) from what
+up by :meth:`ledger.client.LedgerClient.refresh_view` (a periodic job of the connector, every few ms) from what
 changed since the log seq it reflects (:attr:`DonorView.cursor`):
 
 * donors whose ``updated_seq`` moved: a saved (``live``) donor the caller wants (its bytes are in

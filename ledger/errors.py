@@ -52,6 +52,11 @@ class SchemaOutOfDate(LedgerError):
             f"ledger schema at {url_for_humans(url)} is {current or 'not created'}, expected {head}: {advice}")
 
 
+class ConfigurationError(LedgerError):
+    """A setting, or a source it configures, that cannot work: a key file missing or unusable, a
+    source bound to another engine in the ledger. Nothing was started; the command exits 2."""
+
+
 class EventRejected(LedgerError):
     """A fact could not be applied (e.g. a donor registered twice, a lease on an unknown donor)."""
 

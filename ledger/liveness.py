@@ -16,7 +16,7 @@ engine's events lag): it is read with those blocks dead, and they come alive whe
 arrive. Memory: one watch entry per donor block (~200 bytes). Thread-safe: changes (put, forget,
 apply) are serialized by one lock, and readers (``live_prefix``) wait only for the short section
 where a change is applied, never for the decoding of a catch-up's rows. No database access here —
-:class:`ledger.queries.LedgerClient` reads the rows and hands them in.
+:class:`ledger.client.LedgerClient` reads the rows and hands them in.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from ledger.db import is_sqlite, normalize_url, sync_engine
+from ledger.db import backend_of, normalize_url, sync_engine
 from ledger.errors import LedgerError, SchemaOutOfDate, persistence_error
 
 MIGRATIONS_PACKAGE = "ledger.migrations"
@@ -125,11 +125,5 @@ def refuse_missing_ledger_file(db: str) -> None:
         SchemaOutOfDate: no file there (run ``semkv-ledger migrate``, or start with ``--migrate``).
         LedgerError: its directory does not exist either (a mistyped path), or the URL is unsupported.
     """
-    url = normalize_url(db)
-    if not is_sqlite(url) or not url.database or url.database == ":memory:":
-        return
-    path = Path(url.database)
-    if not path.exists():
-        if not path.parent.is_dir():
-            raise LedgerError(f"no ledger at {path}: directory {path.parent} does not exist")
+    if not backend_of(db).ledger_exists(normalize_url(db)):
         raise SchemaOutOfDate(db, None, head_revision())

@@ -1,7 +1,7 @@
 """What placement advice reads of the ledger: per engine, the exact live overlap and the longest
 fresh donor span of one request, from one snapshot.
 
-Run through :meth:`ledger.queries.LedgerClient.placement` (one read transaction on SQLite; on
+Run through :meth:`ledger.client.LedgerClient.placement` (one read transaction on SQLite; on
 PostgreSQL each statement sees the latest commit). Donor freshness is
 :func:`ledger.freshness.fresh_donor_clause`, the rule the connector's lookup uses. Statements are
 compiled once (:class:`~ledger.db.Prepared`) with a fixed number of ``IN`` parameters, so a long
@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 from sqlalchemy import bindparam, func, select
 
-from ledger.db import Prepared, Sql
+from ledger.db import Sql
+from ledger.prepared import Prepared
 from ledger.freshness import fresh_donor_clause
 from ledger.schema import BlockRow, DonorBlockRow, DonorRow, EngineRow, LogRow, StreamRow
 from ledger.types import BlockState, EngineStatus

@@ -3,53 +3,36 @@
 The contract (STYLE §1, eventsourcing's ``ProcessRecorder``): the raw log rows, the projection
 updates and the "applied through" mark (``engines.last_seq``) are written in ONE transaction, so a
 batch is recorded exactly once or not at all. The same code serves both backends; what differs
-(locking, upsert dialect, bulk statement shape) is looked up from the connection's dialect.
-
-Rows become visible in ``seq`` order: on SQLite the writer holds the database write lock from
-``BEGIN IMMEDIATE``; on PostgreSQL ``LOCK TABLE log IN SHARE ROW EXCLUSIVE MODE`` serialises
-writers (several consumers for different engines) so that a reader tailing the log never skips a
-seq that commits later (eventsourcing ``postgres.py`` ``_lock_table`` does the same).
+(locking, upsert dialect, bulk statement shape) is the connection's backend's
+(:mod:`ledger.backends`): rows become visible in ``seq`` order because every writer first takes
+the backend's log lock (:meth:`~ledger.backends.base.Backend.lock_log`).
 
 Speed (DESIGN §7, ≥ 100k block events/s; measured by tools/bench_ledger.py): every statement is a
 :class:`~ledger.db.Prepared` Core statement, compiled once per dialect and run on the DBAPI
 cursor under the caller's transaction, so no SQLAlchemy expression is built or compiled per
 transaction. Before this, building the IN-list loads and the per-row bind tuples cost more than
 the inserts (py-spy, tools/results/consume-2026-11-29.md: 12 % SQLAlchemy, 16 % row building).
-On PostgreSQL each table is written with ONE statement per transaction (``INSERT … SELECT FROM
-unnest(array, …)``): asyncpg's and psycopg's executemany send one statement per row (pipelined,
-but planned and executed row by row), which held the writer at 1.6–4k block events/s.
 """
 
 from __future__ import annotations
 
-import operator
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import (
-    BigInteger,
-    Connection,
-    Float,
-    Table,
-    bindparam,
-    delete,
-    func,
-    literal_column,
-    or_,
-    select,
-    true,
-    update,
-)
-from sqlalchemy.dialects import postgresql, sqlite
+from msgspec.structs import astuple
+from sqlalchemy import Connection, Table, bindparam, delete, func, literal_column, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from ledger import events as ev
-from ledger.apply import GLOBAL, LogEntry, Projection
-from ledger.db import Prepared, Sql
+from ledger import rows as typed
+from ledger.apply import GLOBAL, QUARANTINE, TABLES, Changes, LogEntry, Projection
+from ledger.backends import KeysDelete, RowsWrite
+from ledger.db import Sql
 from ledger.decide import BATCH_ROW_INDEX, EARLIER_EPOCHS_CHECKED, AppendResult, Decider
 from ledger.errors import PersistenceError, persistence_error
+from ledger.prepared import Prepared
 from ledger.schema import (
     BlockRow,
     CounterRow,
@@ -62,12 +45,10 @@ from ledger.schema import (
     SourceRow,
     StreamRow,
 )
-from ledger.types import BlockKey, BlockState, DonorState, StreamKey, split_hash
+from ledger.types import BlockKey, BlockState, StreamKey, storage_hashes
 
 Input = ev.ReceivedBatch | ev.DeadLetter | ev.GapReport
 T = TypeVar("T")
-_TWO_64, _I64_MAX = 2**64, 2**63 - 1
-_IN_CHUNK = 512  # hashes per IN (...) list on SQLite (a power of two: see _blocks_in)
 
 _TABLES: dict[str, Table] = {
     "engines": EngineRow.__table__,
@@ -77,7 +58,36 @@ _TABLES: dict[str, Table] = {
     "donors": DonorRow.__table__,
     "leases": LeaseRow.__table__,
 }
+_ROW_TYPES = {"engines": typed.Engine, "streams": typed.Stream, "sources": typed.Source, "blocks": typed.Block,
+              "donors": typed.Donor, "leases": typed.Lease}
 _LOG = LogRow.__table__
+
+
+class Pending(Changes):
+    """The live writer's bookkeeping of a partial projection: what :func:`apply` changed
+    (:class:`~ledger.apply.Changes`), plus which block rows were loaded and which were left
+    unloaded because the transaction only removes them."""
+
+    __slots__ = ("loaded_blocks", "unloaded", "blind_removals")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded_blocks: set[BlockKey] = set()
+        """Keys of the block rows read from the database: a dirty key NOT in here is a new row (a
+        plain INSERT), a dropped one in here a row to DELETE."""
+        self.unloaded: set[tuple[str, int, int, int]] = set()
+        """(engine_id, dp rank, window, signed hash) of blocks NOT loaded because the transaction
+        only removes them: their rows are deleted in SQL without being read."""
+        self.blind_removals: list[tuple[BlockKey, int]] = []
+        """Removals of :attr:`unloaded` blocks in event order, each with the number of quarantines
+        before it (so the writer deletes before or after a quarantine in the same order as
+        replay); their counters are added from the rows each DELETE matched."""
+
+    def removal_of_unseen_block(self, key: BlockKey, stream_hash: tuple[str, int, int, int]) -> bool:
+        if self.unloaded and stream_hash in self.unloaded:
+            self.blind_removals.append((key, len(self.quarantines)))
+            return True
+        return False
 
 
 def transact(conn: Connection | Sql, fn: Callable[[Decider], T], *, now: float | None = None,
@@ -94,8 +104,8 @@ def transact(conn: Connection | Sql, fn: Callable[[Decider], T], *, now: float |
     """
     sql = conn if isinstance(conn, Sql) else Sql.of(conn)
     try:
-        _lock_log(sql)
-        proj = Projection(partial=True)
+        sql.backend.lock_log(sql)
+        proj = Projection(changes=Pending())
         _load_engines(sql, proj, engine_ids)
         _load_by_id(sql, proj, "donors", donor_ids)
         _load_by_id(sql, proj, "leases", lease_ids)
@@ -121,7 +131,7 @@ def append(conn: Connection | Sql, items: Sequence[Input], *, now: float | None 
         _load_by_id(sql, proj, "sources", {i.source_id for i in items if isinstance(i, ev.ReceivedBatch)})
         needed, removal_only = _touched_hashes(items)
         _load_blocks(sql, proj, needed)
-        proj.unloaded = {(*stream, h) for stream, hashes in removal_only.items() for h in hashes}
+        _pending(proj).unloaded = {(*stream, h) for stream, hashes in removal_only.items() for h in hashes}
         for item in items:
             decider.handle(item)
         return decider.result
@@ -129,12 +139,17 @@ def append(conn: Connection | Sql, items: Sequence[Input], *, now: float | None 
     return transact(sql, run, now=now, engine_ids=engine_ids)
 
 
+def _pending(proj: Projection) -> Pending:
+    changes = proj.changes
+    assert isinstance(changes, Pending), "the recorder's projections track Pending changes"
+    return changes
+
+
 # --------------------------------------------------------------------------------------------
 # loading (prepared statements; see the module docstring)
 # --------------------------------------------------------------------------------------------
 
 _ENGINES, _STREAMS, _BLOCKS = EngineRow.__table__, StreamRow.__table__, BlockRow.__table__
-_NAMES = {table.name: [c.name for c in table.columns] for table in (*_TABLES.values(), _LOG)}
 _NEXT_SEQ = Prepared(select(func.max(_LOG.c.seq)))
 _ENGINE_BY_ID = Prepared(select(_ENGINES).where(_ENGINES.c.engine_id == bindparam("id")))
 _STREAMS_OF = Prepared(select(_STREAMS).where(_STREAMS.c.engine_id == bindparam("id")))
@@ -150,33 +165,6 @@ _EARLIER_DIGESTS = Prepared(select(_LOG.c.body).where(
 """The batches logged at one seq in the epochs just before the current one: one probe of the
 log's unique (source_id, source_epoch, zmq_seq, batch_index) index per epoch. (A range over the
 epochs would scan every row of those epochs: the index cannot skip to the seq.)"""
-_STREAM_BLOCKS = (_BLOCKS.c.engine_id == bindparam("engine_id"),
-                  _BLOCKS.c.attention_dp_rank == bindparam("attention_dp_rank"),
-                  _BLOCKS.c.window_size == bindparam("window_size"))
-_HASHES = func.unnest(bindparam("hashes", type_=postgresql.ARRAY(BigInteger()))).table_valued("h").render_derived()
-_PER_HASH = select(_BLOCKS).where(*_STREAM_BLOCKS, _BLOCKS.c.block_hash == _HASHES.c.h).offset(0).lateral()
-_BLOCKS_BY_HASHES = Prepared(select(_PER_HASH).select_from(_HASHES).join(_PER_HASH, true()))
-"""PostgreSQL: one primary-key probe per hash, whatever the planner's statistics say. The plainer
-``block_hash = ANY($4)`` got a generic plan that used only the (engine, rank, window) prefix of the
-key and filtered every block of the engine (308 ms per 1000 hashes on a fresh, un-ANALYZEd
-ledger; 2 ms with this form). ``OFFSET 0`` keeps the subquery from being flattened into a join."""
-_BLOCKS_IN: dict[int, tuple[Prepared, list[str]]] = {}
-
-
-def _blocks_in(size: int) -> tuple[Prepared, list[str]]:
-    """SQLite: ``block_hash IN (?, …)`` with ``size`` parameters. Chunks are padded to a power of
-    two (repeating their last hash), so at most 10 statements exist and each compiles once."""
-    hit = _BLOCKS_IN.get(size)
-    if hit is None:
-        names = [f"h{i}" for i in range(size)]
-        stmt = select(_BLOCKS).where(*_STREAM_BLOCKS, _BLOCKS.c.block_hash.in_([bindparam(n) for n in names]))
-        hit = _BLOCKS_IN[size] = (Prepared(stmt), names)
-    return hit
-
-
-def _lock_log(sql: Sql) -> None:
-    if not sql.is_sqlite:
-        sql.driver("LOCK TABLE log IN SHARE ROW EXCLUSIVE MODE")
 
 
 def _next_seq(sql: Sql) -> int:
@@ -184,30 +172,28 @@ def _next_seq(sql: Sql) -> int:
 
 
 def _load_engines(sql: Sql, proj: Projection, engine_ids: Iterable[str]) -> None:
-    engine_names, stream_names = _NAMES["engines"], _NAMES["streams"]
     for engine_id in sorted(set(engine_ids)):
         row = sql.one(_ENGINE_BY_ID, {"id": engine_id})
         if row is None:
             continue
-        proj.engines[engine_id] = dict(zip(engine_names, row))
-        for stream in sql.all(_STREAMS_OF, {"id": engine_id}):
-            stream = dict(zip(stream_names, stream))
-            proj.streams[StreamKey(engine_id, stream["attention_dp_rank"], stream["window_size"])] = stream
+        proj.engines[engine_id] = typed.Engine(*row)
+        for columns in sql.all(_STREAMS_OF, {"id": engine_id}):
+            stream = typed.Stream(*columns)
+            proj.streams[StreamKey(engine_id, stream.attention_dp_rank, stream.window_size)] = stream
 
 
 def _load_by_id(sql: Sql, proj: Projection, name: str, ids: Iterable[str]) -> None:
-    target, names, key = getattr(proj, name), _NAMES[name], _TABLES[name].primary_key.columns[0].name
+    target, row_type = getattr(proj, name), _ROW_TYPES[name]
     for ident in sorted(set(ids)):
         row = sql.one(_BY_ID[name], {"id": ident})
         if row is not None:
-            row = dict(zip(names, row))
-            target[row[key]] = row
+            target[ident] = row_type(*row)
 
 
 def _touched_hashes(items: Sequence[Input]) -> tuple[dict[StreamKey, set[int]], dict[StreamKey, set[int]]]:
     """Per stream, the storage hashes (signed 64-bit) of the batch's events: (stored or updated,
     only removed). Rows of the first are loaded; the second are deleted without being read
-    (``Projection.unloaded``): a removal needs no row, only the count of rows it deleted."""
+    (``Pending.unloaded``): a removal needs no row, only the count of rows it deleted."""
     needed: dict[StreamKey, set[int]] = defaultdict(set)
     removed: dict[StreamKey, set[int]] = defaultdict(set)
     for item in items:
@@ -223,35 +209,19 @@ def _touched_hashes(items: Sequence[Input]) -> tuple[dict[StreamKey, set[int]], 
                 raw, target = [body.block_hash], needed
             else:
                 continue
-            hashes = target[StreamKey(item.engine_id, event.attention_dp_rank, event.window_size)]
-            for h in raw:  # split_hash(h)[0], inlined: this runs once per block event
-                if type(h) is int:
-                    hashes.add(h - _TWO_64 if h > _I64_MAX else h)
-                else:
-                    hashes.add(split_hash(h)[0])
+            target[StreamKey(item.engine_id, event.attention_dp_rank, event.window_size)].update(storage_hashes(raw))
     return needed, {stream: hashes - needed.get(stream, set()) for stream, hashes in removed.items()}
 
 
 def _load_blocks(sql: Sql, proj: Projection, touched: dict[StreamKey, set[int]]) -> None:
-    """Load the touched blocks through the primary key's prefix (engine, dp rank, window, hash):
-    one statement per stream on PostgreSQL (``_BLOCKS_BY_HASHES``), IN-list chunks on SQLite."""
-    names = _NAMES["blocks"]
+    """Load the touched blocks through the primary key's prefix (engine, dp rank, window, hash)."""
+    loaded = _pending(proj).loaded_blocks
     for stream, hashes in touched.items():
-        if not hashes:
-            continue
-        where = {"engine_id": stream.engine_id, "attention_dp_rank": stream.attention_dp_rank,
-                 "window_size": stream.window_size}
-        if not sql.is_sqlite:
-            rows = sql.all(_BLOCKS_BY_HASHES, {**where, "hashes": list(hashes)})
-            proj.load_blocks([dict(zip(names, row)) for row in rows])
-            continue
-        ordered = sorted(hashes)
-        for start in range(0, len(ordered), _IN_CHUNK):
-            chunk = ordered[start:start + _IN_CHUNK]
-            prepared, params = _blocks_in(1 << (len(chunk) - 1).bit_length())
-            chunk += [chunk[-1]] * (len(params) - len(chunk))
-            rows = sql.all(prepared, {**where, **dict(zip(params, chunk))})
-            proj.load_blocks([dict(zip(names, row)) for row in rows])
+        if hashes:
+            where = {"engine_id": stream.engine_id, "attention_dp_rank": stream.attention_dp_rank,
+                     "window_size": stream.window_size}
+            rows = sql.backend.blocks_by_hashes(sql, where, hashes)
+            loaded.update(proj.hold_blocks([typed.Block(*row) for row in rows]))
 
 
 def _digest_lookup(sql: Sql) -> Callable[[str, int, int], int | None]:
@@ -278,81 +248,33 @@ def _earlier_digests(sql: Sql) -> Callable[[str, int, int], list[int]]:
 # --------------------------------------------------------------------------------------------
 
 
-def log_row(entry: LogEntry) -> dict[str, Any]:
-    """The ``log`` table row for an entry."""
-    return {
-        "seq": entry.seq, "committed_at": entry.committed_at, "kind": ev.kind_of(entry.body),
-        "type_name": entry.type_name, "engine_id": entry.engine_id, "source_id": entry.source_id,
-        "source_epoch": entry.source_epoch, "zmq_seq": entry.zmq_seq, "batch_index": entry.batch_index,
-        "event_id": entry.event_id, "attention_dp_rank": entry.attention_dp_rank,
-        "window_size": entry.window_size, "applied": entry.applied,
-        "body": ev.BODY_ENCODER.encode(entry.body), "payload": entry.payload,
-    }
+def log_row(entry: LogEntry) -> tuple:
+    """The ``log`` table row for an entry, in column order."""
+    return (entry.seq, entry.committed_at, ev.kind_of(entry.body), entry.type_name, entry.engine_id,
+            entry.source_id, entry.source_epoch, entry.zmq_seq, entry.batch_index, entry.event_id,
+            entry.attention_dp_rank, entry.window_size, entry.applied, ev.BODY_ENCODER.encode(entry.body),
+            entry.payload)
 
 
-class _Rows:
-    """Writes rows into one table: executemany on SQLite, one ``unnest`` statement on PostgreSQL.
+class _Rows(RowsWrite):
+    """Rows written into one table in the backend's bulk shape (:class:`~ledger.backends.RowsWrite`)."""
 
-    ``conflict``: ``None`` plain insert, ``"update"`` upsert every non-key column (projections),
-    ``"add"`` add ``value`` to the existing row (counters).
-    """
-
-    def __init__(self, table: Table, conflict: str | None) -> None:
-        self.names = [c.name for c in table.columns]
-        self.getter = operator.itemgetter(*self.names)
-        # psycopg refuses arrays mixing int and float (``now=1000`` in tests): floats are made float
-        self.floats = {c.name for c in table.columns if isinstance(c.type, Float)}
-        keys = [c.name for c in table.primary_key.columns]
-        lite = sqlite.insert(table)
-        arrays = [bindparam(c.name, type_=postgresql.ARRAY(c.type)) for c in table.columns]
-        source = func.unnest(*arrays).table_valued(*self.names).render_derived()
-        pg = postgresql.insert(table).from_select(self.names, select(*[source.c[n] for n in self.names]))
-        if conflict == "update":
-            lite = lite.on_conflict_do_update(index_elements=keys, set_={
-                n: lite.excluded[n] for n in self.names if n not in keys})
-            pg = pg.on_conflict_do_update(index_elements=keys, set_={
-                n: pg.excluded[n] for n in self.names if n not in keys})
-        elif conflict == "add":
-            lite = lite.on_conflict_do_update(index_elements=keys, set_={"value": table.c.value + lite.excluded.value})
-            pg = pg.on_conflict_do_update(index_elements=keys, set_={"value": table.c.value + pg.excluded.value})
-        self.sqlite, self.postgresql = Prepared(lite), Prepared(pg)
-
-    def write(self, sql: Sql, rows: Sequence[dict[str, Any]]) -> None:
-        if not rows:
-            return
-        if sql.is_sqlite:
-            sql.many(self.sqlite, rows)
-            return
-        arrays = dict(zip(self.names, map(list, zip(*map(self.getter, rows)))))
-        for name in self.floats:
-            arrays[name] = [None if v is None else float(v) for v in arrays[name]]
-        sql.run(self.postgresql, arrays)
+    def write(self, sql: Sql, rows: Sequence[tuple]) -> None:
+        sql.backend.write_rows(sql, self, rows)
 
 
-class _DeleteByKey:
-    """Deletes rows by primary key: executemany on SQLite, one ``DELETE … USING unnest`` on PostgreSQL.
-    ``write`` takes key tuples in primary-key column order (a :class:`~ledger.types.BlockKey`) and
-    returns the number of rows deleted; ``where``: more conditions on the row."""
+class _DeleteByKey(KeysDelete):
+    """Deletes rows by primary key (:class:`~ledger.backends.KeysDelete`); ``write`` takes key
+    tuples in primary-key column order (a :class:`~ledger.types.BlockKey`) and returns the number
+    of rows deleted."""
 
     def __init__(self, table: Table, *where: Any) -> None:
-        self.table, self.names = table.name, [c.name for c in table.primary_key.columns]
-        lite = delete(table).where(*[table.c[n] == bindparam(n) for n in self.names], *where)
-        arrays = [bindparam(n, type_=postgresql.ARRAY(table.c[n].type)) for n in self.names]
-        keys = func.unnest(*arrays).table_valued(*self.names).render_derived()
-        pg = delete(table).where(*[table.c[n] == keys.c[n] for n in self.names], *where)
-        self.sqlite, self.postgresql = Prepared(lite), Prepared(pg)
-        if lite.compile(dialect=sqlite.dialect()).positiontup != self.names:  # write() binds key tuples as-is
-            raise ValueError("_DeleteByKey conditions must not bind parameters: use literal_column")
+        super().__init__(table, where)
 
     def write(self, sql: Sql, keys: Sequence[tuple]) -> int:
-        if not keys:
-            return 0
-        if sql.is_sqlite:
-            deleted = sql.many_positional(self.sqlite, keys)
-        else:
-            deleted = sql.run(self.postgresql, dict(zip(self.names, map(list, zip(*keys)))))
+        deleted = sql.backend.delete_keys(sql, self, keys)
         if deleted < 0:  # the counters of unloaded removals are these numbers: never guess them
-            raise PersistenceError(f"the database driver did not report how many {self.table} rows it deleted")
+            raise PersistenceError(f"the database driver did not report how many {self.table.name} rows it deleted")
         return deleted
 
 
@@ -364,18 +286,25 @@ _INSERT_BLOCKS = _Rows(_BLOCKS, None)
 _INSERT_DONOR_BLOCKS = _Rows(DonorBlockRow.__table__, None)
 _INSERT_DEAD_LETTERS = _Rows(DeadLetterRow.__table__, None)
 _ADD_COUNTERS = _Rows(CounterRow.__table__, "add")
-_DONORS = DonorRow.__table__
-_QUARANTINE = (  # ledger.apply._on_generation_bumped, for the rows the transaction did not load
-    Prepared(delete(_BLOCKS).where(_BLOCKS.c.engine_id == bindparam("id"),
-                                   _BLOCKS.c.state == str(BlockState.QUARANTINED))),
-    Prepared(update(_BLOCKS).where(_BLOCKS.c.engine_id == bindparam("id"), _BLOCKS.c.state == str(BlockState.LIVE))
-             .values(state=str(BlockState.QUARANTINED), updated_seq=bindparam("seq"))),
-    Prepared(update(_DONORS).where(_DONORS.c.engine_id == bindparam("id"),
-                                   or_(_DONORS.c.state == str(DonorState.REGISTERED),
-                                       _DONORS.c.state == str(DonorState.LIVE)))
-             .values(state=str(DonorState.QUARANTINED), updated_seq=bindparam("seq"))),
-    Prepared(update(_STREAMS).where(_STREAMS.c.engine_id == bindparam("id")).values(resync=True)),
-)
+
+
+def _quarantine_statements() -> tuple[Prepared, ...]:
+    """:data:`ledger.apply.QUARANTINE` in SQL, for the rows a transaction did not load (the
+    engine is ``id``, the bump's seq ``seq``), then the engine's streams' ``resync``."""
+    statements = []
+    for transition in QUARANTINE:
+        table = _TABLES[transition.table]
+        rows = (table.c.engine_id == bindparam("id"), or_(*[table.c.state == str(s) for s in transition.from_states]))
+        if transition.to_state is None:
+            statements.append(Prepared(delete(table).where(*rows)))
+        else:
+            statements.append(Prepared(update(table).where(*rows).values(state=str(transition.to_state),
+                                                                         updated_seq=bindparam("seq"))))
+    statements.append(Prepared(update(_STREAMS).where(_STREAMS.c.engine_id == bindparam("id")).values(resync=True)))
+    return tuple(statements)
+
+
+_QUARANTINE = _quarantine_statements()
 
 
 def _delete_unloaded(sql: Sql, proj: Projection, keys: list[BlockKey]) -> None:
@@ -396,34 +325,48 @@ def _delete_unloaded(sql: Sql, proj: Projection, keys: list[BlockKey]) -> None:
 
 
 def write(conn: Connection | Sql, proj: Projection, entries: Sequence[LogEntry]) -> None:
-    """Insert log rows, run bulk ops (deleting unloaded removed blocks before or after each, in event
-    order), delete loaded removed blocks, then upsert every dirty projection row.
-    (A key is never both removed and dirty: ledger.apply discards it from one when adding it to
-    the other.)"""
+    """Write what a transaction changed: insert log rows, run each quarantine in SQL (deleting
+    unloaded removed blocks before or after each, in event order), delete loaded blocks that left
+    the projection, then write every dirty row (new blocks as plain inserts), the appended donor
+    blocks and dead letters, and add the counters. (A key is never both dropped and dirty:
+    :mod:`ledger.apply` discards it from one when adding it to the other.)"""
     sql = conn if isinstance(conn, Sql) else Sql.of(conn)
+    pending = _pending(proj)
     if entries:
         _INSERT_LOG.write(sql, [log_row(e) for e in entries])
-    for index, op in enumerate(proj.bulk_ops):
-        _delete_unloaded(sql, proj, [key for key, before in proj.blind_removals if before == index])
+    for index, (engine_id, seq) in enumerate(pending.quarantines):
+        _delete_unloaded(sql, proj, [key for key, before in pending.blind_removals if before == index])
         for statement in _QUARANTINE:
-            sql.run(statement, {"id": op.engine_id, "seq": op.seq})
-    last = len(proj.bulk_ops)
-    _delete_unloaded(sql, proj, [key for key, before in proj.blind_removals if before == last])
-    _DELETE_BLOCKS.write(sql, sorted(key for key in proj.removed_blocks if key in proj.loaded_blocks))
-    for name, keys in proj.dirty.items():
+            sql.run(statement, {"id": engine_id, "seq": seq})
+    last = len(pending.quarantines)
+    _delete_unloaded(sql, proj, [key for key, before in pending.blind_removals if before == last])
+    loaded = pending.loaded_blocks
+    _DELETE_BLOCKS.write(sql, sorted(key for key in pending.dropped_blocks if key in loaded))
+    for name, keys in pending.dirty.items():
         if not keys:
             continue
         rows = getattr(proj, name)
-        if name == "blocks" and proj.partial:
+        if name == "blocks":
             # New rows need no ON CONFLICT (PostgreSQL: speculative insertion costs ~25 % more).
-            loaded = proj.loaded_blocks
             ordered = sorted(keys)  # B-tree order: consecutive rows share pages
-            _INSERT_BLOCKS.write(sql, [rows[k] for k in ordered if k not in loaded])
-            _UPSERT[name].write(sql, [rows[k] for k in ordered if k in loaded])
+            _INSERT_BLOCKS.write(sql, [astuple(rows[k]) for k in ordered if k not in loaded])
+            _UPSERT[name].write(sql, [astuple(rows[k]) for k in ordered if k in loaded])
         else:
-            _UPSERT[name].write(sql, [rows[k] for k in keys])
-    _INSERT_DONOR_BLOCKS.write(sql, proj.donor_blocks)
-    _INSERT_DEAD_LETTERS.write(sql, proj.dead_letters)
+            _UPSERT[name].write(sql, [astuple(rows[k]) for k in keys])
+    _write_appended(sql, proj)
+
+
+def write_projection(conn: Connection | Sql, proj: Projection) -> None:
+    """Write a whole projection into empty projection tables (replay's rebuild)."""
+    sql = conn if isinstance(conn, Sql) else Sql.of(conn)
+    for name in TABLES:
+        rows = getattr(proj, name)
+        _UPSERT[name].write(sql, [astuple(rows[k]) for k in sorted(rows)])
+    _write_appended(sql, proj)
+
+
+def _write_appended(sql: Sql, proj: Projection) -> None:
+    _INSERT_DONOR_BLOCKS.write(sql, [astuple(row) for row in proj.donor_blocks])
+    _INSERT_DEAD_LETTERS.write(sql, [astuple(row) for row in proj.dead_letters])
     if proj.counters:
-        _ADD_COUNTERS.write(sql, [{"engine_id": e or GLOBAL, "name": n, "value": v}
-                                  for (e, n), v in sorted(proj.counters.items())])
+        _ADD_COUNTERS.write(sql, [(e or GLOBAL, n, v) for (e, n), v in sorted(proj.counters.items())])

@@ -25,10 +25,11 @@ from sqlalchemy import Connection, Table, func, select
 
 from ledger import events as ev
 from ledger.apply import LogEntry, Projection, apply
-from ledger.db import sqlite_open_uri, sync_engine
+from ledger.backends.sqlite import sqlite_open_uri
+from ledger.db import sync_engine
 from ledger.errors import LedgerError
 from ledger.migrate import check_schema
-from ledger.recorder import write
+from ledger.recorder import write_projection
 from ledger.schema import PROJECTION_TABLES, Base, LogRow
 
 _LOG = LogRow.__table__
@@ -93,7 +94,7 @@ def rebuild(conn: Connection, until: int | None = None, progress: Progress | Non
     """Apply the log to a fresh projection. Returns (projection, events applied, last seq)."""
     total = conn.execute(select(func.count()).select_from(_LOG).where(_LOG.c.seq <= until) if until is not None
                          else select(func.count()).select_from(_LOG)).scalar_one()
-    proj = Projection(partial=False)
+    proj = Projection()
     count, last_seq = 0, 0
     for entry in iter_log(conn, until):
         apply(proj, entry)
@@ -164,7 +165,7 @@ def replay(db: str, *, until: int | None = None, scratch: str | Path | None = No
             Base.metadata.drop_all(scratch_engine, tables=list(PROJECTION_TABLES))
             Base.metadata.create_all(scratch_engine, tables=list(PROJECTION_TABLES))
             with scratch_engine.begin() as out:
-                write(out, proj, [])
+                write_projection(out, proj)
             live_head = live.execute(select(func.max(_LOG.c.seq))).scalar() or 0
             compare = until is None or until >= live_head
             with scratch_engine.connect() as out:

@@ -26,6 +26,7 @@ PostgreSQL index it natively and losslessly:
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import NamedTuple, NewType
 
 EngineId = NewType("EngineId", str)
@@ -89,7 +90,13 @@ def normalize_hash(value: int | bytes | str) -> BlockHash:
 
 def u64_to_i64(value: int) -> int:
     """Reinterpret an unsigned 64-bit value as signed int64 (the BIGINT storage form)."""
-    return value - _TWO_64 if value > 2**63 - 1 else value
+    return value - _TWO_64 if value > _I64_MAX else value
+
+
+def u64s_to_i64(values: Iterable[int]) -> list[int]:
+    """:func:`u64_to_i64` over many values (one call per event on the ingest path: a function
+    call per block cost more than the conversion, tools/bench_ledger.py)."""
+    return [v - _TWO_64 if v > _I64_MAX else v for v in values]
 
 
 def i64_to_u64(value: int) -> int:
@@ -102,6 +109,16 @@ def split_hash(block_hash: BlockHash) -> tuple[int, bytes]:
     if type(block_hash) is int:
         return (block_hash - _TWO_64 if block_hash > _I64_MAX else block_hash), b""
     return u64_to_i64(int.from_bytes(block_hash[:8], "big")), block_hash
+
+
+def split_hashes(block_hashes: Iterable[BlockHash]) -> list[tuple[int, bytes]]:
+    """:func:`split_hash` over many hashes (one call per event on the ingest path)."""
+    return [((h - _TWO_64 if h > _I64_MAX else h), b"") if type(h) is int else split_hash(h) for h in block_hashes]
+
+
+def storage_hashes(block_hashes: Iterable[BlockHash]) -> list[int]:
+    """The ``block_hash`` BIGINT column of each hash (``split_hash(h)[0]``; no ``ext``)."""
+    return [(h - _TWO_64 if h > _I64_MAX else h) if type(h) is int else split_hash(h)[0] for h in block_hashes]
 
 
 def join_hash(stored: int, ext: bytes) -> BlockHash:

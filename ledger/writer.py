@@ -48,7 +48,7 @@ from sqlalchemy import Engine, and_, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from ledger import recorder, writer_process
-from ledger.db import async_engine, is_sqlite, normalize_url, sync_engine
+from ledger.db import async_engine, backend_of, sync_engine
 from ledger import events as ev
 from ledger.decide import BATCH_ROW_INDEX, AppendResult
 from ledger.errors import LedgerError, PersistenceError, is_database_error, one_line
@@ -89,17 +89,15 @@ def _position(row) -> SourcePosition:  # noqa: ANN001 - a result row of _POSITIO
 
 
 class LedgerWriter:
-    """Appends consumer inputs (received batches, dead letters, gap reports) to the ledger."""
+    """Appends consumer inputs (received batches, dead letters, gap reports) to the ledger.
+
+    Where transactions run is the backend's (:data:`_RUNNERS`): SQLite's one writer connection on
+    a thread or in a child process, PostgreSQL's async engine."""
 
     def __init__(self, db: str, *, process: bool = False) -> None:
         self.db = db
         self._closed = False
-        if is_sqlite(normalize_url(db)):
-            self._sqlite: _SQLiteThread | _SQLiteProcess | None = _SQLiteProcess(db) if process else _SQLiteThread(db)
-            self._engine = None
-        else:
-            self._sqlite = None
-            self._engine = async_engine(db)
+        self._runner = _RUNNERS[backend_of(db).name](db, process)
 
     @classmethod
     async def open(cls, db: str, *, process: bool = False) -> LedgerWriter:
@@ -116,11 +114,7 @@ class LedgerWriter:
         """
         writer = cls(db, process=process)
         try:
-            if writer._sqlite is not None:
-                await writer._sqlite.check_schema()
-            else:
-                async with writer._engine.connect() as conn:
-                    await conn.run_sync(check_schema, db)
+            await writer._runner.check_schema()
         except SQLAlchemyError as exc:
             await writer.close()
             raise recorder.persistence_error(exc) from exc
@@ -145,19 +139,14 @@ class LedgerWriter:
                 will read or cannot be checkpointed, and must not be acknowledged.
         """
         try:
-            if self._sqlite is not None:
-                return await self._sqlite.append(items, now)
-            async with self._engine.begin() as conn:
-                return await conn.run_sync(lambda sync_conn: recorder.append(sync_conn, items, now=now))
+            return await self._runner.append(items, now)
         except SQLAlchemyError as exc:
             raise recorder.persistence_error(exc) from exc
 
     @property
     def mode(self) -> str:
         """Where transactions run: ``process`` or ``thread`` (SQLite), ``postgresql``."""
-        if self._sqlite is None:
-            return "postgresql"
-        return "process" if isinstance(self._sqlite, _SQLiteProcess) else "thread"
+        return self._runner.mode
 
     async def source_positions(self) -> dict[str, SourcePosition]:
         """Every known source's position, with the digest of its last logged batch (the consumer
@@ -167,11 +156,7 @@ class LedgerWriter:
             PersistenceError: the ledger cannot be read.
         """
         try:
-            if self._sqlite is not None:
-                rows = await asyncio.to_thread(self._sqlite.reader.read, _POSITIONS)
-            else:
-                async with self._engine.connect() as conn:
-                    rows = (await conn.execute(_POSITIONS)).all()
+            rows = await self._runner.read(_POSITIONS)
         except SQLAlchemyError as exc:
             raise recorder.persistence_error(exc) from exc
         return {r.source_id: _position(r) for r in rows}
@@ -181,10 +166,32 @@ class LedgerWriter:
         if self._closed:
             return
         self._closed = True
-        if self._sqlite is not None:
-            await self._sqlite.close()
-        else:
-            await self._engine.dispose()
+        await self._runner.close()
+
+
+class _PostgreSQL:
+    """SQLAlchemy's AsyncEngine on asyncpg, the recorder under ``run_sync``."""
+
+    mode = "postgresql"
+
+    def __init__(self, db: str) -> None:
+        self.db = db
+        self.engine = async_engine(db)
+
+    async def check_schema(self) -> None:
+        async with self.engine.connect() as conn:
+            await conn.run_sync(check_schema, self.db)
+
+    async def append(self, items: Sequence[recorder.Input], now: float | None) -> AppendResult:
+        async with self.engine.begin() as conn:
+            return await conn.run_sync(lambda sync_conn: recorder.append(sync_conn, items, now=now))
+
+    async def read(self, query) -> list:  # noqa: ANN001 - a Core select
+        async with self.engine.connect() as conn:
+            return (await conn.execute(query)).all()
+
+    async def close(self) -> None:
+        await self.engine.dispose()
 
 
 class _Reader:
@@ -225,6 +232,10 @@ class _OneThread:
     async def call(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def read(self, query) -> list:  # noqa: ANN001 - a Core select
+        """On the reading connection, in a worker thread: not queued behind a transaction."""
+        return await asyncio.to_thread(self.reader.read, query)
+
     async def _close_with(self, fn: Callable[[], None]) -> None:
         try:
             await self.call(fn)  # queued after the transaction in flight
@@ -239,6 +250,8 @@ class _OneThread:
 
 class _SQLiteThread(_OneThread):
     """The writer connection on the dedicated thread of this process."""
+
+    mode = "thread"
 
     def __init__(self, db: str) -> None:
         super().__init__(db)
@@ -265,6 +278,8 @@ class _SQLiteProcess(_OneThread):
     (then the error is permanent: a batch that crashes the writer must stop the daemon, not spin
     it). What a retry after a death records: :mod:`ledger.writer_process`.
     """
+
+    mode = "process"
 
     def __init__(self, db: str) -> None:
         super().__init__(db)
@@ -329,3 +344,10 @@ class _SQLiteProcess(_OneThread):
             if child is not None:
                 child.process.kill()
             raise
+
+
+_RUNNERS: dict[str, Callable[[str, bool], _SQLiteThread | _SQLiteProcess | _PostgreSQL]] = {
+    "sqlite": lambda db, process: _SQLiteProcess(db) if process else _SQLiteThread(db),
+    "postgresql": lambda db, process: _PostgreSQL(db),
+}
+"""Per backend (:mod:`ledger.backends`), how its writer runs transactions."""

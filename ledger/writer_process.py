@@ -50,7 +50,7 @@ from multiprocessing.connection import Connection
 import msgspec
 import structlog
 
-import ledger.db
+import ledger.backends.sqlite
 from ledger import events as ev
 from ledger.decide import AppendResult
 from ledger.errors import LedgerUnwritable, PersistenceError, is_transient
@@ -114,7 +114,7 @@ def decode_append(data: bytes) -> tuple[list[Input], float | None]:
 def reply_timeout_s() -> float:
     """How long the parent waits for one transaction's reply before it kills the child: far above
     any transaction, which waits at most the busy timeout for the lock."""
-    return max(120.0, 4 * ledger.db.SQLITE_BUSY_TIMEOUT_MS / 1000)
+    return max(120.0, 4 * ledger.backends.sqlite.SQLITE_BUSY_TIMEOUT_MS / 1000)
 
 
 class Child:
@@ -141,7 +141,7 @@ class Child:
         try:
             process = subprocess.Popen(
                 [sys.executable, "-P", "-m", "ledger.writer_process", str(child_end.fileno()), db,
-                 str(ledger.db.SQLITE_BUSY_TIMEOUT_MS), str(expected.device), str(expected.inode)],
+                 str(ledger.backends.sqlite.SQLITE_BUSY_TIMEOUT_MS), str(expected.device), str(expected.inode)],
                 pass_fds=(child_end.fileno(),), env={**os.environ, "PYTHONPATH": path},
                 stdin=subprocess.DEVNULL, process_group=0)
         except OSError as exc:
@@ -308,7 +308,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     fd, db, busy_timeout_ms = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     expected = FileId(int(sys.argv[4]), int(sys.argv[5]))
-    ledger.db.SQLITE_BUSY_TIMEOUT_MS = busy_timeout_ms  # the parent's, so both wait on a lock alike
+    ledger.backends.sqlite.SQLITE_BUSY_TIMEOUT_MS = busy_timeout_ms  # the parent's, so both wait on a lock alike
     serve(Connection(fd), db, expected)
 
 

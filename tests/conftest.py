@@ -1,18 +1,19 @@
 """Shared fixtures: the shared/ folder beside the repository, scratch SQLite files and scratch
-PostgreSQL databases on the real server at 127.0.0.1:5432 (never mocks, DESIGN §9)."""
+PostgreSQL databases on the real server at 127.0.0.1:5432 (never mocks, DESIGN §9; created and
+dropped by :mod:`tools.harness.postgres`, which the benchmarks share)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tools.harness.postgres import PG_ADMIN_URL, create_pg_database, drop_pg_database
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PG_ADMIN_URL = os.environ.get("SEMKV_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
 def shared_dir() -> Path:
@@ -46,24 +47,6 @@ def _pg_available() -> bool:
             return True
     except Exception:  # noqa: BLE001 - any failure means "no server", reported by the fixture
         return False
-
-
-def create_pg_database() -> str:
-    """Create a scratch database on the local server and return its URL."""
-    import psycopg
-
-    name = f"semkv_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-
-
-def drop_pg_database(url: str) -> None:
-    import psycopg
-
-    name = url.rsplit("/", 1)[1]
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def require_pg() -> None:

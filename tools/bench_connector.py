@@ -76,7 +76,7 @@ from ledger import events as ev  # noqa: E402
 from ledger import recorder  # noqa: E402
 from ledger.db import sync_engine  # noqa: E402
 from ledger.migrate import upgrade  # noqa: E402
-from ledger.queries import LedgerClient  # noqa: E402
+from ledger.client import LedgerClient  # noqa: E402
 from ledger.schema import BlockRow, DonorBlockRow, DonorRow, EngineRow  # noqa: E402
 from ledger.types import u64_to_i64  # noqa: E402
 
@@ -625,7 +625,7 @@ def main() -> None:
         root = Path(tmp)
         backends = [("SQLite", f"sqlite:///{root / 'ledger.db'}", None)]
         if args.postgres:
-            from tests.conftest import create_pg_database, drop_pg_database
+            from tools.harness.postgres import create_pg_database, drop_pg_database
 
             url = create_pg_database()
             backends.append(("PostgreSQL", url, lambda: drop_pg_database(url)))

@@ -1,7 +1,7 @@
 """Discovery and placement benchmark over the RFC scenarios (issue 6; DESIGN §2 rules 2 and 4, §7).
 
 Runs the labelled workload of ``tools/workloads.py`` (CPython stdlib text, see its docstring)
-through reference-harness engines wired like the connector tests' ``Fleet`` (SQLite ledger, consumer
+through reference-harness engines in a ``tools.harness.fleet.Fleet``, as the connector tests (SQLite ledger, consumer
 daemon over loopback ZMQ, shared donor store): donors on engine A (and H, which offloads them to
 host memory for ``host_offload``), targets on engine B, once with B in ``discovery_only`` and once
 in ``exact_equivalent``; every engine's ``SemKvScheduler`` runs discovery with one shared
@@ -48,9 +48,9 @@ from connector.discovery.settings import DiscoverySettings  # noqa: E402
 from connector.discovery.types import DonorRecord, Query, readonly_tokens  # noqa: E402
 from connector.harness import KvCacheConfig, LlmRequest, ModelConfig  # noqa: E402
 from connector.placement.advice import PlacementAdvisor  # noqa: E402
-from tests.connector.conftest import Fleet  # noqa: E402
-from tests.discovery.fleet import discovering_engine  # noqa: E402
 from tools.discovery_report import negatives_materialized, plot, report  # noqa: E402
+from tools.harness.discovery_fleet import discovering_engine  # noqa: E402
+from tools.harness.fleet import Fleet  # noqa: E402
 from tools.workloads import Workload, build_workload  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

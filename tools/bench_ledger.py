@@ -42,7 +42,7 @@ from ledger.migrate import upgrade  # noqa: E402
 from ledger.recorder import log_row  # noqa: E402
 from ledger.replay import replay  # noqa: E402
 from ledger.writer import LedgerWriter  # noqa: E402
-from tests.builders import batch, removed, stored  # noqa: E402
+from tools.harness.builders import batch, removed, stored  # noqa: E402
 
 BLOCKS_PER_EVENT = 4
 
@@ -92,7 +92,6 @@ async def run_aiosqlite(db: str, batches: list) -> float:
 
 def run_raw_sqlite(path: Path, batches: list) -> float:
     """The same log rows through plain sqlite3.executemany (no decisions, no projections)."""
-    from tests.builders import batch as _  # noqa: F401  (same rows as the writer's log)
     from ledger.apply import LogEntry
 
     conn = sqlite3.connect(path, isolation_level=None)
@@ -125,7 +124,7 @@ def run_raw_sqlite(path: Path, batches: list) -> float:
 
 def pg_scratch() -> tuple[str, callable] | None:
     try:
-        from tests.conftest import create_pg_database, drop_pg_database
+        from tools.harness.postgres import create_pg_database, drop_pg_database
 
         url = create_pg_database()
         return url, lambda: drop_pg_database(url)

@@ -1,6 +1,6 @@
 """Ledger-prefix provider: the longest fresh EXACT donor span for the target (``exact_equivalent``).
 
-The same read the scheduler's exact path makes (:meth:`ledger.queries.LedgerClient.find_donor_span`
+The same read the scheduler's exact path makes (:meth:`ledger.client.LedgerClient.find_donor_span`
 with ``check_blocks=False``, over the chained content keys of :func:`connector.namespace.content_keys`:
 the longest span whose donor STATE is fresh; block liveness is the lease's and the worker's to check),
 offered as a provider so
@@ -17,7 +17,7 @@ import time
 from connector.discovery.settings import DiscoverySettings
 from connector.discovery.types import BlockRef, DonorRecord, Match, Query, Segment
 from connector.namespace import Namespace, content_keys
-from ledger.queries import LedgerClient
+from ledger.client import LedgerClient
 
 __all__ = ["LedgerPrefixProvider"]
 

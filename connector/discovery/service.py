@@ -14,7 +14,7 @@ Lookup contract (DESIGN §2 rule 4, §7):
   unfinished providers are ``timeout`` misses, exceptions ``error`` misses, refusals
   ``policy_denied`` — all counted (:mod:`.telemetry`), none raised;
 * every candidate is checked against the ledger before it can be returned
-  (:meth:`ledger.queries.LedgerClient.donor_freshness` without block liveness: donor state,
+  (:meth:`ledger.client.LedgerClient.donor_freshness` without block liveness: donor state,
   generation = the engine's, expiry, namespace digest — which covers the cache salt, LoRA, model
   and layout): a stale,
   quarantined, evicted, unsaved or expired donor is dropped as ``stale``, a donor of another
@@ -52,7 +52,7 @@ from connector.discovery.runner import Job, ProviderLane, wait_all
 from connector.discovery.settings import DiscoverySettings
 from connector.discovery.telemetry import DiscoveryMetrics, log_lookup, metrics_for
 from connector.discovery.types import DiscoveryProvider, DonorRecord, Match, Query, readonly_tokens
-from ledger.queries import LedgerClient
+from ledger.client import LedgerClient
 from ledger.types import FreshnessPolicy, StaleReason
 
 __all__ = ["DiscoveryService"]

@@ -2,7 +2,7 @@
 
 For a request (token ids, optional text, namespace digest, cache salt, LoRA task) the
 :class:`PlacementAdvisor` answers from ONE read of the ledger
-(:meth:`ledger.queries.LedgerClient.placement`: one transaction on SQLite, so every number and every
+(:meth:`ledger.client.LedgerClient.placement`: one transaction on SQLite, so every number and every
 generation comes from the same snapshot):
 
 * per engine, the **exact live overlap**: the leading blocks of the request whose engine block hashes
@@ -30,7 +30,7 @@ from typing import Any
 
 from connector.block_keys import block_hash_chain
 from connector.namespace import Namespace, content_keys
-from ledger.queries import LedgerClient
+from ledger.client import LedgerClient
 
 __all__ = ["Advice", "EngineAdvice", "PlacementAdvisor", "SemanticAdvice"]
 

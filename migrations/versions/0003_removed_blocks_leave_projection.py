@@ -5,7 +5,7 @@ blocks an earlier bump quarantined (ledger/apply.py): the projection holds live 
 blocks only. Counters change with it (a double removal is ``removed_unknown``, no longer
 ``removed_not_live``; an update of a removed block ``updated_unknown``). So that ``semkv-ledger
 replay`` agrees with the live tables afterwards, this revision rebuilds every projection from the
-log, exactly as replay does (``ledger.replay.rebuild`` + ``ledger.recorder.write``); the log is
+log, exactly as replay does (``ledger.replay.rebuild`` + ``ledger.recorder.write_projection``); the log is
 untouched. It takes as long as a replay of the log (tools/results/: ~50k log rows/s); to audit the
 old projections, run ``semkv-ledger replay`` with the previous version before upgrading.
 
@@ -23,7 +23,7 @@ Create Date: 2026-11-30 05:30:00
 """
 from alembic import op
 
-from ledger.recorder import write
+from ledger.recorder import write_projection
 from ledger.replay import rebuild
 from ledger.schema import PROJECTION_TABLES
 
@@ -45,7 +45,7 @@ def upgrade() -> None:
     # The projection code of the installed version: if a later revision changes a projection
     # table, this step must keep writing the tables as they are at this revision.
     projection, _, _ = rebuild(bind)
-    write(bind, projection, [])
+    write_projection(bind, projection)
 
 
 def downgrade() -> None:

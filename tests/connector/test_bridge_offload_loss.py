@@ -17,7 +17,7 @@ from typing import Any
 from connector.harness import KvCacheConfig
 from consumer.bridge import LlmEventBridge
 from ledger.types import GenerationReason
-from tests.connector.conftest import MODEL, Fleet, doc_tokens
+from tools.harness.fleet import MODEL, Fleet, doc_tokens
 
 TPB = MODEL.tokens_per_block
 

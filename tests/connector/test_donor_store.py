@@ -16,7 +16,7 @@ import pytest
 from connector import donor_store
 from connector.donor_store import ChecksumMismatch, EntryMissing, FileDonorStore, StoreFull
 from ledger import events as ev
-from ledger.queries import LedgerClient
+from ledger.client import LedgerClient
 
 LAYERS, BLOCKS, ELEMS = 3, 4, 16
 

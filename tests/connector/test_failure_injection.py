@@ -23,7 +23,7 @@ from connector.harness import ExecutorStopped, LlmRequest
 from connector.harness.connector_driver import HarnessStream
 from connector.plan import ConnectorMetadata
 from connector.worker import SemKvLoadError, SemKvWorker
-from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model, close_connector, doc_tokens
+from tools.harness.fleet import MODEL, Engine, Fleet, shared_model, close_connector, doc_tokens
 
 TPB = MODEL.tokens_per_block
 DOC = doc_tokens(10 * TPB, seed=21)
@@ -70,7 +70,7 @@ def test_on_trtllm_a_device_copy_error_stops_the_executor_before_attention_reads
     assert_stopped_before_any_read(b, reads, stop, "copy_error")
     restarted = fleet.restart("B")  # the operator restarts the engine: it serves the prompt right
     got = restarted.generate(PROMPT)
-    cold = _shared_model(MODEL).forward_dense(PROMPT)
+    cold = shared_model(MODEL).forward_dense(PROMPT)
     assert torch.allclose(got.prefill_logits, cold[got.prefill_start:], rtol=1e-4, atol=1e-4)
 
 

@@ -29,7 +29,7 @@ from connector.harness import KvCacheConfig, LlmRequest
 from connector.plan import LoadPlan
 from connector.scheduler import SemKvScheduler
 from ledger.errors import PersistenceError
-from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model, close_connector, doc_tokens
+from tools.harness.fleet import MODEL, Engine, Fleet, shared_model, close_connector, doc_tokens
 from tests.connector.test_negative_controls import DOC, QUESTION, donor_on_a
 
 TPB = MODEL.tokens_per_block
@@ -57,7 +57,7 @@ def write_lock_held(fleet: Fleet) -> Iterator[None]:
 
 
 def cold_logits(engine: Engine, tokens: list[int], result: Any) -> torch.Tensor:
-    return _shared_model(engine.llm.model_config).forward_dense(tokens)[result.prefill_start:]
+    return shared_model(engine.llm.model_config).forward_dense(tokens)[result.prefill_start:]
 
 
 def wait_for(condition: Any, timeout_s: float = 10.0) -> None:

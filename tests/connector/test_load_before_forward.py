@@ -12,7 +12,7 @@ import torch
 from connector.engine_contract import VLLM
 from connector.harness import ConnectorWorkerError
 from connector.worker import SemKvWorker
-from tests.connector.conftest import MODEL, Fleet, _shared_model, doc_tokens
+from tools.harness.fleet import MODEL, Fleet, shared_model, doc_tokens
 from tests.connector.test_failure_injection import PROMPT, fail_copy_at, setup
 from tests.connector.test_two_engines import native_engine
 
@@ -44,7 +44,7 @@ def test_every_layer_is_loaded_before_the_forward_and_bit_identical(fleet: Fleet
     native.generate(doc, 1)
     reference = native.generate(doc + question, 1)
     assert torch.equal(got.prefill_logits, reference.prefill_logits)
-    cold = _shared_model(MODEL).forward_dense(doc + question)
+    cold = shared_model(MODEL).forward_dense(doc + question)
     assert torch.allclose(got.prefill_logits, cold[got.prefill_start:], rtol=1e-4, atol=1e-4)
     b.scheduler.flush()
     assert fleet.held_leases() == 0
@@ -66,7 +66,7 @@ def test_why_a_failure_inside_tensorrt_llms_forward_must_not_happen(fleet: Fleet
         assert exc.value.hook == "wait_for_layer_load" and b.llm.stopped is None
         again = b.llm.generate(PROMPT)
         assert again.num_reused_tokens > 0 and again.num_connector_tokens == 0  # TensorRT-LLM's own reuse
-        cold = _shared_model(MODEL).forward_dense(PROMPT)
+        cold = shared_model(MODEL).forward_dense(PROMPT)
         assert not torch.allclose(again.prefill_logits, cold[again.prefill_start:], rtol=1e-4, atol=1e-4)
     finally:
         binding.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from connector.harness import ExecutorStopped, LlmRequest
-from tests.connector.conftest import Engine, Fleet
+from tools.harness.fleet import Engine, Fleet
 from tests.connector.test_negative_controls import DOC, QUESTION, assert_missed, donor_on_a
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.connector.conftest import MODEL, Fleet, doc_tokens
+from tools.harness.fleet import MODEL, Fleet, doc_tokens
 from tests.connector.test_two_engines import native_engine
 
 TPB = MODEL.tokens_per_block

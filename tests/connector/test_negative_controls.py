@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from connector.harness import KvCacheConfig, LlmRequest, ModelConfig
-from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model, doc_tokens
+from tools.harness.fleet import MODEL, Engine, Fleet, shared_model, doc_tokens
 
 TPB = MODEL.tokens_per_block
 DOC = doc_tokens(12 * TPB, seed=11)
@@ -38,7 +38,7 @@ def assert_missed(b: Engine, result, reason: str) -> None:
     assert result.num_connector_tokens == 0
     assert b.misses() == {reason: 1}
     assert b.metrics.value("semkv_promises_total") == 0
-    cold = _shared_model(b.llm.model_config).forward_dense(DOC + QUESTION)
+    cold = shared_model(b.llm.model_config).forward_dense(DOC + QUESTION)
     assert torch.allclose(result.prefill_logits, cold[result.prefill_start:], rtol=1e-4, atol=1e-4)
 
 

@@ -17,7 +17,7 @@ from connector.settings import ConnectorConfigError, load_connector_settings
 from ledger.db import sync_engine
 from ledger.errors import PersistenceError
 from ledger.schema import LeaseRow
-from tests.connector.conftest import MODEL, Fleet, _shared_model, close_connector, doc_tokens
+from tools.harness.fleet import MODEL, Fleet, shared_model, close_connector, doc_tokens
 from tests.connector.test_ledger_busy import promise_and_ship
 from tests.connector.test_two_engines import native_engine
 
@@ -50,7 +50,7 @@ def test_rule_2_only_exact_equivalent_kv_is_materialized(fleet: Fleet) -> None:
     b = fleet.engine("B")
     got = b.generate(near + QUESTION)
     assert got.num_connector_tokens == 5 * TPB  # the exact prefix only, never the similar rest
-    cold = _shared_model(MODEL).forward_dense(near + QUESTION)
+    cold = shared_model(MODEL).forward_dense(near + QUESTION)
     assert torch.allclose(got.prefill_logits, cold[got.prefill_start:], rtol=1e-4, atol=1e-4)
     assert b.metrics.value("semkv_experimental_materialized_total") == 0
 
@@ -72,7 +72,7 @@ def test_rule_4_errors_timeouts_and_unknown_fields_are_counted_misses(fleet: Fle
         # calls (the finished request's donor registration) answer normally
         calls.append(1)
         if len(calls) == 1:
-            ledger._read(lambda sql: sql.driver(
+            ledger._connections.read(lambda sql: sql.driver(
                 "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"))
         return answer(*args, **kwargs)
 
@@ -125,7 +125,7 @@ def test_rule_5_experimental_mode_is_refused_at_start_up(fleet: Fleet, monkeypat
                                   connector_worker_class="SemKvWorker")
     with pytest.raises(ConnectorConfigError, match="TRTLLM_SEMKV_MODE"):
         HarnessLLM(MODEL, kv_cache_config=KvCacheConfig(tokens_per_block=TPB), kv_connector=spec,
-                   model=_shared_model(MODEL))
+                   model=shared_model(MODEL))
 
 
 def test_rule_6_every_layer_is_revalidated_against_the_ledger(fleet: Fleet) -> None:

@@ -36,7 +36,7 @@ from connector.donor_store import FileDonorStore
 from connector.harness import ExecutorStopped, block_hash_chain
 from connector.harness.trtllm_versions import TRTLLM_1X, TRTLLM_MAIN_2026, TrtllmVersion
 from ledger.errors import PersistenceError
-from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model, doc_tokens
+from tools.harness.fleet import MODEL, Engine, Fleet, shared_model, doc_tokens
 from tests.connector.test_two_engines import native_engine
 
 TPB = MODEL.tokens_per_block
@@ -88,9 +88,9 @@ class Faults:
             raise PersistenceError("OperationalError: unable to open database file")
 
         for client in (self.b.scheduler.ledger, self.b.worker.ledger):
-            original = client._sql
-            client._sql = refuse  # type: ignore[method-assign]
-            self.undo.append(lambda client=client, original=original: setattr(client, "_sql", original))
+            original = client._connections._sql
+            client._connections._sql = refuse  # type: ignore[method-assign]
+            self.undo.append(lambda client=client, original=original: setattr(client._connections, "_sql", original))
 
     def ledger_locked(self) -> None:
         holder = sqlite3.connect(self.fleet.db.removeprefix("sqlite:///"), timeout=10, isolation_level=None)
@@ -191,7 +191,7 @@ def test_fault_after_the_promise(fleet: Fleet, reference: dict[str, Any], versio
     if fault in NO_SAFE_PATH:  # the operator restarts the engine: it serves the prompt right (cold)
         restarted = fleet.restart("B", version=version)
         again = restarted.generate(PROMPT)
-        cold = _shared_model(MODEL).forward_dense(PROMPT)
+        cold = shared_model(MODEL).forward_dense(PROMPT)
         assert torch.allclose(again.prefill_logits, cold[again.prefill_start:], rtol=1e-4, atol=1e-4)
 
 

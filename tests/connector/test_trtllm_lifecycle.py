@@ -21,8 +21,8 @@ from connector.harness.trtllm_versions import TRTLLM_VERSIONS, TrtllmVersion
 from connector._trtllm import SchedulerOutput
 from connector.namespace import content_keys, prefix_keys
 from connector.promises import RequestState
-from ledger.queries import LedgerClient
-from tests.connector.conftest import MODEL, Engine, Fleet, doc_tokens
+from ledger.client import LedgerClient
+from tools.harness.fleet import MODEL, Engine, Fleet, doc_tokens
 from tests.connector.test_two_engines import native_engine
 
 TPB = MODEL.tokens_per_block

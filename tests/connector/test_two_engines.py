@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from connector.harness import HarnessLLM, KvCacheConfig
-from tests.connector.conftest import MODEL, Fleet, _shared_model, doc_tokens
+from tools.harness.fleet import MODEL, Fleet, shared_model, doc_tokens
 
 TPB = MODEL.tokens_per_block
 
@@ -17,7 +17,7 @@ TPB = MODEL.tokens_per_block
 def native_engine() -> HarnessLLM:
     """B's native-reuse path: the same engine configuration, no connector."""
     kvc = KvCacheConfig(tokens_per_block=TPB, event_buffer_max_size=0, max_tokens=4 * MODEL.max_context)
-    return HarnessLLM(MODEL, kv_cache_config=kvc, max_num_tokens=256, model=_shared_model(MODEL))
+    return HarnessLLM(MODEL, kv_cache_config=kvc, max_num_tokens=256, model=shared_model(MODEL))
 
 
 def test_rule_3_b_materializes_a_donor_bit_identical_to_native_reuse(fleet: Fleet, record_property) -> None:
@@ -45,7 +45,7 @@ def test_rule_3_b_materializes_a_donor_bit_identical_to_native_reuse(fleet: Flee
     assert reference.num_reused_tokens == got.num_connector_tokens  # same prefill start
     assert torch.equal(got.prefill_logits, reference.prefill_logits)  # bit-identical
     assert got.token_ids == reference.token_ids
-    cold = _shared_model(MODEL).forward_dense(doc + question)
+    cold = shared_model(MODEL).forward_dense(doc + question)
     assert torch.allclose(got.prefill_logits, cold[got.prefill_start:], rtol=1e-4, atol=1e-4)
     # the materialized blocks hold exactly the native engine's bytes for D
     blocks = len(doc) // TPB
@@ -80,7 +80,7 @@ def test_donor_round_trip_through_the_connector_config_module(fleet: Fleet, monk
     spec = KvCacheConnectorConfig(connector_module="connector", connector_scheduler_class="SemKvScheduler",
                                   connector_worker_class="SemKvWorker")
     kvc = KvCacheConfig(tokens_per_block=TPB, max_tokens=4 * MODEL.max_context)
-    llm = HarnessLLM(MODEL, kv_cache_config=kvc, kv_connector=spec, max_num_tokens=256, model=_shared_model(MODEL))
+    llm = HarnessLLM(MODEL, kv_cache_config=kvc, kv_connector=spec, max_num_tokens=256, model=shared_model(MODEL))
     try:
         got = llm.generate(doc + [7, 8, 9], 1)
         assert got.num_connector_tokens == len(doc)

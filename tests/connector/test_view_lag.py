@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from tests.connector.conftest import Engine, Fleet, close_connector
+from tools.harness.fleet import Engine, Fleet, close_connector
 from tests.connector.test_ledger_busy import promise_and_ship
 from tests.connector.test_negative_controls import DOC, QUESTION, assert_missed, donor_on_a
 from tests.connector.test_two_engines import native_engine

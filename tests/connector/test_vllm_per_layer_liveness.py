@@ -19,7 +19,7 @@ import pytest
 from connector.engine_contract import VLLM
 from connector.harness import block_hash_chain
 from connector.worker import SemKvLoadError, SemKvWorker
-from tests.connector.conftest import MODEL, Fleet
+from tools.harness.fleet import MODEL, Fleet
 from tests.connector.test_failure_injection import DOC, VllmOrder
 
 TPB = MODEL.tokens_per_block

@@ -17,9 +17,9 @@ from connector.discovery.settings import DiscoverySettings
 from connector.discovery.types import DonorRecord, readonly_tokens
 from connector.namespace import Namespace, content_keys
 from ledger import events as ev
-from ledger.queries import LedgerClient
+from ledger.client import LedgerClient
 from ledger.writer import LedgerWriter
-from tests.builders import batch, cleared, stored
+from tools.harness.builders import batch, cleared, stored
 from tools.workloads import Workload, build_workload
 
 TPB = 32

@@ -22,8 +22,9 @@ from connector.harness import LlmRequest
 from connector.block_keys import block_hash_chain
 from connector.placement.advice import PlacementAdvisor
 from connector.placement.http import create_app
-from tests.builders import batch, stored
-from tests.connector.conftest import Fleet, fleet  # noqa: F401  (fixture)
+from tools.harness.builders import batch, stored
+from tools.harness.fleet import Fleet
+from tests.connector.conftest import fleet  # noqa: F401  (fixture)
 from tests.discovery.conftest import MODEL_ID, NS, TPB, append, seed_donor, settings
 from tools.workloads import Workload
 

@@ -22,12 +22,13 @@ import torch
 from connector.discovery.service import DiscoveryService
 from connector.discovery.types import DonorRecord, Match, Query
 from connector.harness import LlmRequest
-from ledger.queries import LedgerClient
+from ledger.client import LedgerClient
 from ledger.types import FreshnessPolicy, StaleReason
-from tests.connector.conftest import MODEL, Engine, Fleet, doc_tokens, fleet  # noqa: F401  (fixture)
+from tools.harness.fleet import MODEL, Engine, Fleet, doc_tokens
+from tests.connector.conftest import fleet  # noqa: F401  (fixture)
 from tests.connector.test_two_engines import native_engine
 from tests.discovery.conftest import settings, wait_until
-from tests.discovery.fleet import discovering_engine
+from tools.harness.discovery_fleet import discovering_engine
 from tests.discovery.test_service import Broken, Sleepy
 from tools.workloads import Workload
 

@@ -12,7 +12,7 @@ import structlog
 from connector.discovery.chunks import BlockChunkProvider
 from connector.discovery.service import DiscoveryService
 from connector.discovery.types import Match, Query
-from ledger.queries import LedgerClient
+from ledger.client import LedgerClient
 from tests.discovery.conftest import (
     MODEL_ID,
     NS,

@@ -29,7 +29,7 @@ from sqlalchemy import delete, insert, select
 from ledger.db import sync_engine
 from ledger.donor_view import DonorView
 from ledger.freshness import DonorFacts, fresh_donor_clause, stale_reason
-from ledger.queries import LedgerClient
+from ledger.client import LedgerClient
 from ledger.schema import DonorBlockRow, DonorRow, EngineRow
 from ledger.types import DonorState, EngineStatus, FreshnessPolicy, StaleReason
 from tests.conftest import scratch_pg_ledger

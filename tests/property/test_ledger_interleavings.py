@@ -31,7 +31,7 @@ from ledger.replay import replay
 from ledger.schema import BlockRow
 from ledger.types import join_hash
 from ledger.writer import LedgerWriter
-from tests.builders import batch, cleared, created, removed, stored, updated
+from tools.harness.builders import batch, cleared, created, removed, stored, updated
 
 HASHES = [1, 2, 3, 4, 5, 9622824665191806685, 2**64 - 1]
 

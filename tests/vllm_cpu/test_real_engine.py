@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm_cpu.fleet import (
+from tools.harness.vllm_fleet import (
     Consumer,
     Engine,
     LossyRelay,

@@ -237,9 +237,9 @@ async def test_resume_after_restart_replays_what_was_missed(tmp_path):
 
 
 async def test_database_briefly_locked_is_retried(tmp_path, monkeypatch):
-    import ledger.db
+    import ledger.backends.sqlite
 
-    monkeypatch.setattr(ledger.db, "SQLITE_BUSY_TIMEOUT_MS", 50)  # fail fast, so the retry path runs
+    monkeypatch.setattr(ledger.backends.sqlite, "SQLITE_BUSY_TIMEOUT_MS", 50)  # fail fast, so the retry path runs
     db, path = migrated_db(tmp_path)
     make = PayloadMaker()
     locker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)

@@ -16,13 +16,13 @@ from ledger import events as ev
 from ledger.db import sync_engine
 from ledger.errors import EventRejected
 from ledger.donor_view import DonorView
-from ledger import queries as queries_module
-from ledger.queries import LedgerClient
+from ledger import reads as reads_module
+from ledger.client import LedgerClient
 from ledger.replay import replay
 from ledger.schema import BlockRow, CounterRow, EngineRow, LogRow
 from ledger.types import BlockState, DonorState, FreshnessPolicy, GenerationReason, StaleReason, join_hash, split_hash
 from ledger.writer import LedgerWriter
-from tests.builders import batch, cleared, created, removed, stored, updated
+from tools.harness.builders import batch, cleared, created, removed, stored, updated
 
 ENGINE = "engine-a"
 
@@ -478,7 +478,7 @@ class RecorderContract:
             append(db, batch(1, removed(4)))
             append(db, batch(2, removed(3)))
             append(db, batch(3, stored(9)))
-            monkeypatch.setattr(queries_module, "VIEW_CATCH_UP_MAX_SEQS", 1)
+            monkeypatch.setattr(reads_module, "VIEW_CATCH_UP_MAX_SEQS", 1)
             time.sleep(0.06)  # older than max_staleness_s: only a complete catch-up makes it ready
             steps = []
             while not view.ready:

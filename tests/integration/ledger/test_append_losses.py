@@ -11,7 +11,7 @@ from ledger import events as ev
 from ledger.decide import AppendResult, Loss
 from ledger.types import GenerationReason
 from ledger.writer import LedgerWriter
-from tests.builders import batch, stored
+from tools.harness.builders import batch, stored
 
 
 @pytest.fixture(params=["process", "thread", "postgresql"])

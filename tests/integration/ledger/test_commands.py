@@ -33,7 +33,7 @@ def test_block_history_keeps_an_engine_that_removed_the_block(sqlite_db: str) ->
     from ledger.db import sync_engine
     from ledger.stats import block_history
     from ledger.writer import LedgerWriter
-    from tests.builders import batch, removed, stored
+    from tools.harness.builders import batch, removed, stored
 
     async def feed() -> None:
         writer = await LedgerWriter.open(sqlite_db)

@@ -23,7 +23,7 @@ from ledger.errors import LedgerUnwritable, PersistenceError, is_transient
 from ledger.migrate import upgrade
 from ledger.sqlite_writer import FileId, LedgerFiles, SQLiteWriterConnection
 from ledger.writer import LedgerWriter
-from tests.builders import batch, stored
+from tools.harness.builders import batch, stored
 
 
 def _path(db: str) -> Path:
@@ -38,8 +38,8 @@ async def test_a_writer_process_restarted_after_the_ledger_was_lost_refuses_it(s
     writer = await LedgerWriter.open(sqlite_db, process=True)
     try:
         assert (await writer.append([batch(0, stored(1))])).batches == 1
-        writer._sqlite.child.process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
-        writer._sqlite.child.process.wait()  # type: ignore[union-attr]
+        writer._runner.child.process.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
+        writer._runner.child.process.wait()  # type: ignore[union-attr]
         journal = [Path(f"{path}-wal"), Path(f"{path}-shm")]
         if fault == "deleted":
             path.unlink()
@@ -99,9 +99,9 @@ def test_the_checkpointer_never_starts_a_second_wal_beside_the_writers(sqlite_db
 
 
 def test_a_lock_is_still_transient_and_the_files_check_passes(sqlite_db, lock_holder, monkeypatch):
-    import ledger.db
+    import ledger.backends.sqlite
 
-    monkeypatch.setattr(ledger.db, "SQLITE_BUSY_TIMEOUT_MS", 50)
+    monkeypatch.setattr(ledger.backends.sqlite, "SQLITE_BUSY_TIMEOUT_MS", 50)
     writer = SQLiteWriterConnection(sqlite_db)
     try:
         writer.check_schema()
@@ -119,7 +119,7 @@ _WRITE_PAST_A_SIZE_LIMIT = textwrap.dedent("""
     import json, os, resource, signal, sys
     from ledger.errors import LedgerUnwritable, PersistenceError, is_transient
     from ledger.sqlite_writer import SQLiteWriterConnection
-    from tests.builders import batch, stored
+    from tools.harness.builders import batch, stored
     db, wal = sys.argv[1], sys.argv[2]
     writer = SQLiteWriterConnection(db)
     writer.check_schema()

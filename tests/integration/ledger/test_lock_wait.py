@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from ledger.errors import PersistenceError, lock_timed_out
-from ledger.queries import LedgerClient
+from ledger.client import LedgerClient
 
 
 @contextmanager
@@ -67,7 +67,7 @@ def test_a_statement_timeout_cancels_a_read_stuck_behind_a_migration_lock(postgr
     are cancelled after ``statement_timeout_s`` behind an ``ACCESS EXCLUSIVE`` lock, instead of
     waiting as long as the lock is held."""
     client = LedgerClient(postgres_db, statement_timeout_s=0.2)
-    params = client._sql().connection.info.get_parameters()  # a partition is caught client-side too
+    params = client._connections._sql().connection.info.get_parameters()  # a partition is caught client-side too
     assert params["tcp_user_timeout"] == "200" and params["keepalives"] == "1"
     holder = psycopg.connect(make_url(postgres_db).set(drivername="postgresql").render_as_string(hide_password=False))
     try:
@@ -86,7 +86,7 @@ def test_a_statement_timeout_cancels_a_read_stuck_behind_a_migration_lock(postgr
 def test_lock_wait_on_a_broken_connection_is_a_ledger_error_and_the_next_call_reconnects(sqlite_db: str) -> None:
     client = LedgerClient(sqlite_db)
     try:
-        client._sql().connection.close()  # the thread's connection died under it
+        client._connections._sql().connection.close()  # the thread's connection died under it
         with pytest.raises(PersistenceError), client.lock_wait(0.1):
             pass
         with client.lock_wait(0.1):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.builders import batch, removed, stored
+from tools.harness.builders import batch, removed, stored
 
 LONG_ENGINE = "vllm-recorded-engine-in-rack-b17-slot-3-with-a-name-longer-than-any-terminal-column"
 WIDE_HASH = bytes(range(32))

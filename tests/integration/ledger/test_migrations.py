@@ -13,7 +13,7 @@ from ledger.migrate import alembic_config, upgrade
 from ledger.replay import replay
 from ledger.schema import BlockRow, CounterRow
 from ledger.writer import LedgerWriter
-from tests.builders import batch, created, removed, stored, updated
+from tools.harness.builders import batch, created, removed, stored, updated
 
 _BLOCKS = BlockRow.__table__
 

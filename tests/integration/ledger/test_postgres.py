@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 from ledger.db import sync_engine
 from ledger.schema import BlockRow, LogRow
 from ledger.writer import LedgerWriter
-from tests.builders import batch, stored
+from tools.harness.builders import batch, stored
 from tests.integration.ledger.suite import RecorderContract, assert_replay_equal
 
 pytestmark = pytest.mark.postgres

@@ -38,13 +38,13 @@ def test_a_locked_database_is_a_persistence_error_caused_by_sqlalchemys_operatio
 
     from sqlalchemy.exc import OperationalError
 
-    import ledger.db
+    import ledger.backends.sqlite
     from ledger.errors import PersistenceError
-    from ledger.queries import LedgerClient
+    from ledger.client import LedgerClient
     from ledger.writer import LedgerWriter
-    from tests.builders import batch, stored
+    from tools.harness.builders import batch, stored
 
-    monkeypatch.setattr(ledger.db, "SQLITE_BUSY_TIMEOUT_MS", 50)
+    monkeypatch.setattr(ledger.backends.sqlite, "SQLITE_BUSY_TIMEOUT_MS", 50)
     blocker = sync_engine(sqlite_db, writer=True)
     client = LedgerClient(sqlite_db)
     try:

@@ -20,19 +20,19 @@ import time
 
 import pytest
 
-import ledger.db
+import ledger.backends.sqlite
 from ledger import events as ev
 from ledger.errors import PersistenceError, is_transient
 from ledger.types import DeadLetterReason, GenerationReason
 from ledger.writer import LedgerWriter
 from ledger.sqlite_writer import SQLiteWriterConnection
 from ledger.writer_process import MAX_CONSECUTIVE_DEATHS, _run, decode_append, encode_append
-from tests.builders import batch, stored
+from tools.harness.builders import batch, stored
 from tests.integration.ledger.conftest import log_rows
 
 
 def child_of(writer: LedgerWriter) -> subprocess.Popen:
-    child = writer._sqlite.child  # type: ignore[union-attr]
+    child = writer._runner.child  # type: ignore[union-attr]
     assert child is not None
     return child.process
 
@@ -76,7 +76,7 @@ async def test_transactions_commit_in_a_child_process_that_close_ends(sqlite_db)
 
 async def test_a_locked_database_crosses_as_a_transient_error_and_the_same_child_commits_after(
         sqlite_db, monkeypatch, lock_holder):
-    monkeypatch.setattr(ledger.db, "SQLITE_BUSY_TIMEOUT_MS", 50)  # handed to the child at its start
+    monkeypatch.setattr(ledger.backends.sqlite, "SQLITE_BUSY_TIMEOUT_MS", 50)  # handed to the child at its start
     writer = await LedgerWriter.open(sqlite_db, process=True)
     try:
         child = child_of(writer)
@@ -122,7 +122,7 @@ async def test_a_child_that_dies_on_every_try_makes_the_error_permanent(sqlite_d
         for _ in range(MAX_CONSECUTIVE_DEATHS):
             pending = asyncio.create_task(writer.append([item]))
             deadline = time.monotonic() + 20
-            while writer._sqlite.child is None or child_of(writer).pid in killed:  # type: ignore[union-attr]
+            while writer._runner.child is None or child_of(writer).pid in killed:  # type: ignore[union-attr]
                 assert time.monotonic() < deadline, "no new writer process"
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.2)
@@ -199,12 +199,12 @@ async def test_a_cancelled_close_kills_the_child_so_the_daemon_can_exit(sqlite_d
 PARENT = textwrap.dedent("""
     import asyncio, sys, time
     from ledger.writer import LedgerWriter
-    from tests.builders import batch, stored
+    from tools.harness.builders import batch, stored
 
     async def main():
         writer = await LedgerWriter.open(sys.argv[1], process=True)
         await writer.append([batch(0, stored(1))])
-        print(writer._sqlite.child.process.pid, flush=True)
+        print(writer._runner.child.process.pid, flush=True)
         time.sleep(60)
 
     asyncio.run(main())

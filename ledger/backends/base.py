@@ -1,0 +1,123 @@
+"""What a ledger backend provides: one object per database family, chosen once per URL or connection.
+
+Everything that differs between SQLite and PostgreSQL lives behind :class:`Backend`: how an engine
+is made and a file found, how a write transaction begins and serialises with other writers, how a
+read keeps one snapshot, how a statement is interrupted or a lock wait bounded, and the statement
+shapes of the recorder's bulk reads and writes. The callers (``ledger.db``, ``ledger.recorder``,
+``ledger.connections``, ``ledger.writer``, ``ledger.migrate``) hold no backend test of their own.
+(eventsourcing does the same with one recorder module per backend.)
+
+The bulk statements are described by :class:`RowsWrite` and :class:`KeysDelete`, declared once by
+the recorder; each backend compiles its own shape for them on first use and caches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import ColumnElement, Engine, Table
+from sqlalchemy.engine import URL
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+if TYPE_CHECKING:
+    from ledger.db import Sql
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RowsWrite:
+    """Rows written into ``table``: ``conflict`` ``None`` a plain insert, ``"update"`` an upsert of
+    every non-key column (projections), ``"add"`` adds ``value`` to the existing row (counters).
+    Rows are tuples of every column in the table's column order."""
+
+    table: Table
+    conflict: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KeysDelete:
+    """Rows of ``table`` deleted by primary key, with extra ``where`` conditions that bind no
+    parameter (``literal_column``). Keys are tuples in primary-key column order."""
+
+    table: Table
+    where: tuple[ColumnElement[bool], ...] = ()
+
+
+class Backend:
+    """One database family. Subclasses: :class:`ledger.backends.sqlite.SQLiteBackend`,
+    :class:`ledger.backends.postgresql.PostgreSQLBackend`."""
+
+    name: str
+    interruptible: bool = False
+    """Whether :meth:`deadline` can interrupt a running statement."""
+    write_begin: str = "BEGIN"
+    """The driver SQL opening a write transaction on a connection that emits its own BEGIN."""
+    snapshot_begin: str | None = None
+    """The driver SQL opening a read transaction (one snapshot for several statements), or None
+    when the connection's autocommit statements already see consistent data."""
+
+    def __init__(self) -> None:
+        self._shapes: dict[object, Any] = {}
+
+    # -- engines -------------------------------------------------------------------------------
+
+    def sync_engine(self, url: URL, *, writer: bool, create: bool, pool_size: int,
+                    statement_timeout_s: float | None) -> Engine:
+        raise NotImplementedError
+
+    def async_engine(self, url: URL) -> AsyncEngine:
+        raise NotImplementedError
+
+    def ledger_exists(self, url: URL) -> bool:
+        """False when the URL names a ledger that certainly does not exist (a SQLite path with no
+        file); a server database's existence is the connection's to report."""
+        return True
+
+    def ledger_file(self, url: URL) -> Path | None:
+        """The file holding the ledger, for backends that are files."""
+        return None
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def prepare_client_connection(self, dbapi_connection: Any) -> None:
+        """Set up a connector connection kept open for reads and writes."""
+
+    @contextlib.contextmanager
+    def deadline(self, dbapi_connection: Any, past_deadline: Callable[[], bool]) -> Iterator[None]:
+        """Interrupt this connection's statements once ``past_deadline()`` is True (where the
+        backend is :attr:`interruptible`; a no-op otherwise)."""
+        yield
+
+    def lock_wait(self, ms: int) -> tuple[str, str]:
+        """Driver SQL bounding this session's wait for the ledger's write lock to ``ms``, and the
+        SQL restoring the default."""
+        raise NotImplementedError
+
+    # -- the recorder's statement shapes -------------------------------------------------------
+
+    def lock_log(self, sql: Sql) -> None:
+        """Serialise this write transaction with every other writer of the log (rows become
+        visible in ``seq`` order)."""
+
+    def blocks_by_hashes(self, sql: Sql, stream: dict[str, Any], hashes: set[int]) -> list[tuple]:
+        """The ``blocks`` rows of one stream (``engine_id``, ``attention_dp_rank``,
+        ``window_size``) whose signed ``block_hash`` is in ``hashes``, in table column order."""
+        raise NotImplementedError
+
+    def write_rows(self, sql: Sql, spec: RowsWrite, rows: Sequence[tuple]) -> None:
+        """Write ``rows`` (tuples in the table's column order) as ``spec`` says."""
+        raise NotImplementedError
+
+    def delete_keys(self, sql: Sql, spec: KeysDelete, keys: Sequence[tuple]) -> int:
+        """Delete by key; returns the rows deleted (the driver's count, which may be -1 if the
+        driver does not know it)."""
+        raise NotImplementedError
+
+    def _shape(self, spec: object, build: Callable[[], Any]) -> Any:
+        shape = self._shapes.get(spec)
+        if shape is None:
+            shape = self._shapes[spec] = build()
+        return shape
