@@ -110,7 +110,7 @@ def run_raw_sqlite(path: Path, batches: list) -> float:
             entry = LogEntry(seq=seq, committed_at=0.0, body=event.body, type_name=event.type_name,
                              engine_id=b.engine_id, source_id=b.source_id, source_epoch=1, zmq_seq=b.seq,
                              batch_index=index, event_id=event.event_id, payload=event.raw)
-            rows.append(tuple(log_row(entry).values()))
+            rows.append(log_row(entry))
         rows_per_batch.append(rows)
     started = time.perf_counter()
     for rows in rows_per_batch:
