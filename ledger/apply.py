@@ -49,6 +49,8 @@ from typing import Any
 from ledger import events as ev
 from ledger.rows import Block, DeadLetter, Donor, DonorBlock, Engine, Lease, Source, Stream
 from ledger.types import (
+    I64_MAX,
+    TWO_64,
     BlockKey,
     BlockState,
     DonorState,
@@ -57,7 +59,6 @@ from ledger.types import (
     StreamKey,
     split_hash,
     split_hashes,
-    u64s_to_i64,
 )
 
 GLOBAL = ""  # counters' engine_id for fleet-wide counts
@@ -234,9 +235,11 @@ def _drop_block(proj: Projection, key: BlockKey) -> None:
     changes.dropped_blocks.add(key)
 
 
-# The two handlers below run once per block on the ingest path; they convert an event's hashes
-# in one call (split_hashes) and build keys with tuple.__new__ (a NamedTuple's own constructor
-# costs ~0.6 µs, a split_hash call per block ~0.2 µs; tools/bench_ledger.py).
+# The two handlers below run once per block on the ingest path and in replay; they inline
+# ledger.types.u64_to_i64 (its constants) and build keys with tuple.__new__: a NamedTuple's own
+# constructor costs ~0.6 µs, and converting an event's hashes with one call (split_hashes) made
+# replay's fold 10-15 % slower than this loop (A/B of apply alone, 2026-12-03). tests/unit/
+# test_apply_hashes.py holds the keys they build equal to split_hash's.
 
 
 def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
@@ -249,9 +252,15 @@ def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
     lora_id = body.lora_id
     again = 0
     stored = body.blocks
-    hashes = split_hashes([block.block_hash for block in stored])
-    digests = u64s_to_i64([block.tokens_digest for block in stored])
-    for block, (h, ext), digest in zip(stored, hashes, digests):
+    for block in stored:
+        block_hash = block.block_hash
+        if type(block_hash) is int:
+            h, ext = (block_hash - TWO_64 if block_hash > I64_MAX else block_hash), b""
+        else:
+            h, ext = split_hash(block_hash)
+        digest = block.tokens_digest
+        if digest > I64_MAX:
+            digest -= TWO_64
         key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
         row = blocks.get(key)
         if row is not None and row.state == _LIVE:
@@ -290,7 +299,11 @@ def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> Non
     blocks, dirty, dropped = proj.blocks, changes.dirty["blocks"], changes.dropped_blocks
     live = proj.live_blocks.setdefault(engine_id, set())
     removed = unknown = not_live = 0
-    for h, ext in split_hashes(body.block_hashes):
+    for block_hash in body.block_hashes:
+        if type(block_hash) is int:
+            h, ext = (block_hash - TWO_64 if block_hash > I64_MAX else block_hash), b""
+        else:
+            h, ext = split_hash(block_hash)
         key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
         row = blocks.pop(key, None)
         if row is None:

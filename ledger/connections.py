@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ledger.backends import backend_named
 from ledger.db import Sql, sync_engine
-from ledger.errors import DeadlineExceeded, PersistenceError, persistence_error
+from ledger.errors import DeadlineExceeded, persistence_error
 from ledger.migrate import check_schema
 
 T = TypeVar("T")
@@ -164,7 +164,7 @@ class Connections:
             try:
                 raw = self._engine.raw_connection()
             except SQLAlchemyError as exc:
-                raise PersistenceError(str(getattr(exc, "orig", exc))) from exc
+                raise persistence_error(exc) from exc
             sql = Sql(raw.dbapi_connection, self._engine.dialect)
             self.backend.prepare_client_connection(raw.dbapi_connection)
             self._local.sql, self._local.raw = sql, raw

@@ -1,4 +1,7 @@
-"""Error family of the ledger. Driver errors are translated at the recorder boundary; for a person,
+"""Error family of the ledger. Driver errors are translated once, where a transaction or connection
+ends (:func:`persistence_error`), into :class:`PersistenceError` or the kind it is
+(:class:`LockTimeout`, :class:`ReadOnlyDatabase`, :class:`IntegrityFailure`), with whether a retry
+may succeed; nothing outside ``ledger/`` catches a driver or SQLAlchemy exception. For a person,
 :func:`database_error_line` turns any of them into the one ``error:`` line every command prints."""
 
 from __future__ import annotations
@@ -13,16 +16,34 @@ class LedgerError(Exception):
 
 
 class PersistenceError(LedgerError):
-    """A database error (connection, lock timeout, constraint) translated from the driver.
+    """A database error translated from the driver (:func:`persistence_error`): a connection lost
+    or refused, a disk or server failure, or one of the kinds below.
 
-    ``transient``: whether retrying may succeed, when the error was classified where it happened
-    (the SQLite writer process, whose SQLAlchemy exception cannot cross to the daemon); ``None``
-    means "classify ``__cause__``" (:func:`is_transient`).
+    ``transient``: whether retrying may succeed (a lock, a lost connection, a full disk), judged
+    where the error was translated.
     """
 
-    def __init__(self, message: str, *, transient: bool | None = None) -> None:
+    def __init__(self, message: str, *, transient: bool = False) -> None:
         super().__init__(message)
         self.transient = transient
+
+
+class LockTimeout(PersistenceError):
+    """A write gave up waiting for the ledger's write lock (SQLite ``SQLITE_BUSY``, PostgreSQL
+    ``lock_not_available``, SQLSTATE 55P03). Always transient."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=True)
+
+
+class ReadOnlyDatabase(PersistenceError):
+    """The database refused a write as read-only (SQLite ``SQLITE_READONLY``, PostgreSQL
+    ``read_only_sql_transaction``, SQLSTATE 25006). Permanent."""
+
+
+class IntegrityFailure(PersistenceError):
+    """A constraint refused the write (SQLite ``SQLITE_CONSTRAINT``, PostgreSQL class 23): the
+    ledger was changed behind its writer's back, or a bug. Permanent."""
 
 
 class LedgerUnwritable(PersistenceError):
@@ -66,6 +87,8 @@ class EventRejected(LedgerError):
 
 
 _SQLITE_BUSY = 5
+_SQLITE_READONLY = 8
+_SQLITE_CONSTRAINT = 19
 _SQLITE_NOTADB = 26
 _SQLITE_TRANSIENT = {_SQLITE_BUSY, 6, 10, 13, 15}
 """Primary SQLite result codes worth a retry: BUSY, LOCKED, IOERR, FULL, PROTOCOL
@@ -74,29 +97,13 @@ CONSTRAINT (19), NOTADB (26): a retry meets them again."""
 
 
 def is_transient(exc: PersistenceError) -> bool:
-    """A database error worth retrying: lock/busy, lost connection, pool timeout, a writer process
-    that exited. A SQLite error is judged by its result code (SQLite reports "database is locked"
-    and "attempt to write a readonly database" with the same exception type)."""
-    if exc.transient is not None:
-        return exc.transient
-    from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
-    from sqlalchemy.exc import TimeoutError as PoolTimeoutError
-
-    cause = exc.__cause__
-    code = sqlite_result_code(getattr(cause, "orig", None) or cause)
-    if code is not None:
-        return code in _SQLITE_TRANSIENT
-    if isinstance(cause, (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)):
-        return True
-    return bool(getattr(cause, "connection_invalidated", False))
+    """A database error worth retrying (see :func:`persistence_error`)."""
+    return exc.transient
 
 
 def lock_timed_out(exc: PersistenceError) -> bool:
-    """Did a write give up waiting for the ledger's write lock (SQLite ``SQLITE_BUSY``,
-    PostgreSQL ``lock_not_available``, SQLSTATE 55P03)?"""
-    cause = exc.__cause__
-    original = getattr(cause, "orig", None) or cause
-    return sqlite_result_code(original) == _SQLITE_BUSY or getattr(original, "sqlstate", None) == "55P03"
+    """Did a write give up waiting for the ledger's write lock?"""
+    return isinstance(exc, LockTimeout)
 
 
 def sqlite_result_code(exc: BaseException | None) -> int | None:
@@ -106,13 +113,31 @@ def sqlite_result_code(exc: BaseException | None) -> int | None:
 
 
 def persistence_error(exc: BaseException) -> PersistenceError:
-    """The ledger's error for a SQLAlchemy (or :meth:`~ledger.db.Sql.wrap`-ped driver) error: the one
-    translation of driver errors; raise it ``from exc`` so that ``__cause__`` keeps the SQLAlchemy
-    type (:func:`is_transient` classifies it)."""
-    from sqlalchemy.exc import DBAPIError
+    """The ledger's error for a SQLAlchemy error, a :meth:`~ledger.db.Sql.wrap`-ped driver error or
+    a raw ``sqlite3`` one: the one translation of driver errors. Raise it ``from exc``.
+
+    Classified by the driver's code where it has one (a SQLite result code: SQLite reports
+    "database is locked" and "attempt to write a readonly database" with the same exception type;
+    a PostgreSQL SQLSTATE), else by SQLAlchemy's type: lock waits, lost connections, pool
+    timeouts and SQLite's BUSY, LOCKED, IOERR, FULL and PROTOCOL are transient.
+    """
+    from sqlalchemy.exc import DBAPIError, DisconnectionError, IntegrityError, InterfaceError, OperationalError
+    from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
     original = exc.orig if isinstance(exc, DBAPIError) else exc
-    return PersistenceError(f"{type(original).__name__}: {original}".strip())
+    message = f"{type(original).__name__}: {original}".strip()
+    code, sqlstate = sqlite_result_code(original), getattr(original, "sqlstate", None) or ""
+    if code == _SQLITE_BUSY or sqlstate == "55P03":
+        return LockTimeout(message)
+    if code == _SQLITE_READONLY or sqlstate == "25006":
+        return ReadOnlyDatabase(message)
+    if code == _SQLITE_CONSTRAINT or sqlstate.startswith("23") or isinstance(exc, IntegrityError):
+        return IntegrityFailure(message)
+    if code is not None:
+        return PersistenceError(message, transient=code in _SQLITE_TRANSIENT)
+    transient = (isinstance(exc, (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError))
+                 or bool(getattr(exc, "connection_invalidated", False)))
+    return PersistenceError(message, transient=transient)
 
 
 _DRIVER_MODULES = ("sqlite3", "psycopg", "asyncpg", "aiosqlite")

@@ -4,7 +4,7 @@ fresh donor span of one request, from one snapshot.
 Run through :meth:`ledger.client.LedgerClient.placement` (one read transaction on SQLite; on
 PostgreSQL each statement sees the latest commit). Donor freshness is
 :func:`ledger.freshness.fresh_donor_clause`, the rule the connector's lookup uses. Statements are
-compiled once (:class:`~ledger.db.Prepared`) with a fixed number of ``IN`` parameters, so a long
+compiled once (:class:`~ledger.prepared.Prepared`) with a fixed number of ``IN`` parameters, so a long
 request is read :data:`CHUNK` keys per statement, in order, stopping at the first chunk that
 ends the run.
 """

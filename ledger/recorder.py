@@ -8,10 +8,11 @@ batch is recorded exactly once or not at all. The same code serves both backends
 the backend's log lock (:meth:`~ledger.backends.base.Backend.lock_log`).
 
 Speed (DESIGN §7, ≥ 100k block events/s; measured by tools/bench_ledger.py): every statement is a
-:class:`~ledger.db.Prepared` Core statement, compiled once per dialect and run on the DBAPI
+:class:`~ledger.prepared.Prepared` Core statement, compiled once per dialect and run on the DBAPI
 cursor under the caller's transaction, so no SQLAlchemy expression is built or compiled per
-transaction. Before this, building the IN-list loads and the per-row bind tuples cost more than
-the inserts (py-spy, tools/results/consume-2026-11-29.md: 12 % SQLAlchemy, 16 % row building).
+transaction, and rows are typed (:mod:`ledger.rows`) and bound as tuples in column order. Before
+this, building the IN-list loads and the per-row bind tuples cost more than the inserts (py-spy,
+tools/results/consume-2026-11-29.md: 12 % SQLAlchemy, 16 % row building).
 """
 
 from __future__ import annotations

@@ -292,7 +292,4 @@ class SQLiteWriterConnection:
 
 
 def _error(exc: SQLAlchemyError | sqlite3.Error) -> PersistenceError:
-    if isinstance(exc, SQLAlchemyError):
-        return persistence_error(exc)
-    # the PRAGMA on the raw connection: raised ``from exc``, is_transient reads its result code
-    return PersistenceError(f"{type(exc).__name__}: {exc}")
+    return persistence_error(exc)  # a raw sqlite3 error: the PRAGMA on the raw connection

@@ -37,8 +37,9 @@ BlockHash = int | bytes
 
 U64_MAX = 2**64 - 1
 _I64_MIN = -(2**63)
-_TWO_64 = 2**64
-_I64_MAX = 2**63 - 1
+TWO_64 = 2**64
+I64_MAX = 2**63 - 1
+"""The u64 → i64 storage conversion's constants (:func:`u64_to_i64`), for the loops that inline it."""
 WIDE_HASH_BYTES = 32
 
 
@@ -74,7 +75,7 @@ def normalize_hash(value: int | bytes | str) -> BlockHash:
     if isinstance(value, int):
         if value < _I64_MIN or value > U64_MAX:
             raise ValueError(f"block hash {value} outside [-2**63, 2**64)")
-        return value % _TWO_64
+        return value % TWO_64
     if isinstance(value, str):
         try:
             value = bytes.fromhex(value)
@@ -90,35 +91,29 @@ def normalize_hash(value: int | bytes | str) -> BlockHash:
 
 def u64_to_i64(value: int) -> int:
     """Reinterpret an unsigned 64-bit value as signed int64 (the BIGINT storage form)."""
-    return value - _TWO_64 if value > _I64_MAX else value
-
-
-def u64s_to_i64(values: Iterable[int]) -> list[int]:
-    """:func:`u64_to_i64` over many values (one call per event on the ingest path: a function
-    call per block cost more than the conversion, tools/bench_ledger.py)."""
-    return [v - _TWO_64 if v > _I64_MAX else v for v in values]
+    return value - TWO_64 if value > I64_MAX else value
 
 
 def i64_to_u64(value: int) -> int:
     """Inverse of :func:`u64_to_i64`."""
-    return value + _TWO_64 if value < 0 else value
+    return value + TWO_64 if value < 0 else value
 
 
 def split_hash(block_hash: BlockHash) -> tuple[int, bytes]:
     """Canonical hash -> ``(block_hash BIGINT, block_hash_ext BLOB)`` storage columns."""
     if type(block_hash) is int:
-        return (block_hash - _TWO_64 if block_hash > _I64_MAX else block_hash), b""
+        return (block_hash - TWO_64 if block_hash > I64_MAX else block_hash), b""
     return u64_to_i64(int.from_bytes(block_hash[:8], "big")), block_hash
 
 
 def split_hashes(block_hashes: Iterable[BlockHash]) -> list[tuple[int, bytes]]:
     """:func:`split_hash` over many hashes (one call per event on the ingest path)."""
-    return [((h - _TWO_64 if h > _I64_MAX else h), b"") if type(h) is int else split_hash(h) for h in block_hashes]
+    return [((h - TWO_64 if h > I64_MAX else h), b"") if type(h) is int else split_hash(h) for h in block_hashes]
 
 
 def storage_hashes(block_hashes: Iterable[BlockHash]) -> list[int]:
     """The ``block_hash`` BIGINT column of each hash (``split_hash(h)[0]``; no ``ext``)."""
-    return [(h - _TWO_64 if h > _I64_MAX else h) if type(h) is int else split_hash(h)[0] for h in block_hashes]
+    return [(h - TWO_64 if h > I64_MAX else h) if type(h) is int else split_hash(h)[0] for h in block_hashes]
 
 
 def join_hash(stored: int, ext: bytes) -> BlockHash:

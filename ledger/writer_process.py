@@ -53,7 +53,7 @@ import structlog
 import ledger.backends.sqlite
 from ledger import events as ev
 from ledger.decide import AppendResult
-from ledger.errors import LedgerUnwritable, PersistenceError, is_transient
+from ledger.errors import IntegrityFailure, LedgerUnwritable, LockTimeout, PersistenceError, ReadOnlyDatabase
 from ledger.recorder import Input
 from ledger.sqlite_writer import FileId, SQLiteWriterConnection
 
@@ -80,8 +80,9 @@ class _Reply(msgspec.Struct, array_like=True, gc=False):
     result: AppendResult | None = None
     error: str | None = None
     transient: bool = False
-    unwritable: bool = False
-    """The error is :class:`~ledger.errors.LedgerUnwritable` (the type does not cross the socket)."""
+    kind: str = ""
+    """The error's class among the ledger's persistence errors (:data:`_ERROR_KINDS`; types do not cross
+    the socket, their names do)."""
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -221,17 +222,24 @@ class Child:
             conn.close()
 
 
+_ERROR_KINDS: dict[str, type[PersistenceError]] = {
+    kind.__name__: kind for kind in (LedgerUnwritable, LockTimeout, ReadOnlyDatabase, IntegrityFailure)}
+
+
 def _error(reply: _Reply) -> PersistenceError:
     assert reply.error is not None
-    if reply.unwritable:
-        return LedgerUnwritable(reply.error)
-    return PersistenceError(reply.error, transient=reply.transient)
+    kind = _ERROR_KINDS.get(reply.kind)
+    if kind is None:
+        return PersistenceError(reply.error, transient=reply.transient)
+    error = kind(reply.error)
+    error.transient = reply.transient
+    return error
 
 
 def _failure(exc: Exception) -> _Reply:
     """The reply for an error in the child (its type reduced to what the parent needs)."""
     if isinstance(exc, PersistenceError):
-        return _Reply(error=str(exc), transient=is_transient(exc), unwritable=isinstance(exc, LedgerUnwritable))
+        return _Reply(error=str(exc), transient=exc.transient, kind=type(exc).__name__)
     return _Reply(error=f"{type(exc).__name__}: {exc}", transient=False)
 
 

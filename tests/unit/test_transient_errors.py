@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from ledger.errors import PersistenceError, is_transient, sqlite_result_code
+from ledger.errors import PersistenceError, is_transient, persistence_error, sqlite_result_code
 
 
 def raised(fn) -> BaseException:  # noqa: ANN001
@@ -23,10 +23,7 @@ def raised(fn) -> BaseException:  # noqa: ANN001
 
 
 def as_ledger_error(exc: BaseException) -> PersistenceError:
-    try:
-        raise PersistenceError(str(exc)) from exc
-    except PersistenceError as wrapped:
-        return wrapped
+    return persistence_error(exc)  # the one translation, as the recorder and the writer make it
 
 
 @pytest.fixture

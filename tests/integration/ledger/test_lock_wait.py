@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from ledger.errors import PersistenceError, lock_timed_out
+from ledger.errors import LockTimeout, PersistenceError, lock_timed_out
 from ledger.client import LedgerClient
 
 
@@ -51,7 +51,7 @@ def test_a_write_gives_up_on_a_held_lock_after_lock_wait(backend: str, request: 
             started = time.monotonic()
             with pytest.raises(PersistenceError) as caught, client.lock_wait(0.1):
                 client.record_engine_start("engine-a")
-            assert lock_timed_out(caught.value)
+            assert lock_timed_out(caught.value) and isinstance(caught.value, LockTimeout) and caught.value.transient
             assert time.monotonic() - started < 5
             # outside lock_wait the same thread waits for the lock again (released 0.3 s later)
             threading.Timer(0.3, release.set).start()
