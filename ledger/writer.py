@@ -51,7 +51,7 @@ from ledger import recorder, writer_process
 from ledger.db import async_engine, backend_of, sync_engine
 from ledger import events as ev
 from ledger.decide import BATCH_ROW_INDEX, AppendResult
-from ledger.errors import LedgerError, PersistenceError, is_database_error, one_line
+from ledger.errors import LedgerError, PersistenceError, is_database_error, one_line, persistence_error
 from ledger.migrate import check_schema
 from ledger.schema import LogRow, SourceRow
 from ledger.sqlite_writer import FileId, SQLiteWriterConnection, check_writable, ledger_path
@@ -117,7 +117,7 @@ class LedgerWriter:
             await writer._runner.check_schema()
         except SQLAlchemyError as exc:
             await writer.close()
-            raise recorder.persistence_error(exc) from exc
+            raise persistence_error(exc) from exc
         except Exception as exc:
             await writer.close()
             if isinstance(exc, LedgerError) or not is_database_error(exc):
@@ -141,7 +141,7 @@ class LedgerWriter:
         try:
             return await self._runner.append(items, now)
         except SQLAlchemyError as exc:
-            raise recorder.persistence_error(exc) from exc
+            raise persistence_error(exc) from exc
 
     @property
     def mode(self) -> str:
@@ -158,7 +158,7 @@ class LedgerWriter:
         try:
             rows = await self._runner.read(_POSITIONS)
         except SQLAlchemyError as exc:
-            raise recorder.persistence_error(exc) from exc
+            raise persistence_error(exc) from exc
         return {r.source_id: _position(r) for r in rows}
 
     async def close(self) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import ColumnElement, Engine, Table
@@ -75,10 +74,6 @@ class Backend:
         """False when the URL names a ledger that certainly does not exist (a SQLite path with no
         file); a server database's existence is the connection's to report."""
         return True
-
-    def ledger_file(self, url: URL) -> Path | None:
-        """The file holding the ledger, for backends that are files."""
-        return None
 
     # -- connections ---------------------------------------------------------------------------
 

@@ -129,9 +129,6 @@ class SQLiteBackend(Backend):
         """Raises LedgerError for an in-memory URL or a path whose directory does not exist."""
         return _in_existing_directory(url, "no ledger at").exists()
 
-    def ledger_file(self, url: URL) -> Path | None:
-        return Path(url.database) if url.database and url.database != ":memory:" else None
-
     @contextlib.contextmanager
     def deadline(self, dbapi_connection: Any, past_deadline: Callable[[], bool]) -> Iterator[None]:
         # SQLite calls the handler every 64 virtual-machine steps; True interrupts the statement.
