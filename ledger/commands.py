@@ -1,24 +1,33 @@
 """The ledger's own commands: ``migrate``, ``replay``, ``stats``, ``inspect``.
 
-Errors a user can cause (bad URL, unreachable database, schema not migrated) print one line and
-exit 2; a replay that disagrees with the live projections exits 1, and so does an ``inspect`` that
-finds no log row for its item.
+Errors a user can cause (bad URL, unreachable database, schema not migrated, a ledger that cannot
+be written given to ``migrate``) print one line and exit 2; a replay that disagrees with the live
+projections exits 1, and so does an ``inspect`` that finds no log row for its item.
+
+``stats``, ``inspect`` and ``replay`` only read: a SQLite ledger they cannot write (a read-only
+mount, a snapshot, another user's file) is opened read-only (:func:`ledger.db.audit_engine`) and
+one ``note:`` line on stderr says so. ``migrate`` and ``replay`` draw a progress bar on stderr when
+stderr is a terminal (not with ``--json``): ``replay`` while it rebuilds, ``migrate`` for each step a
+revision reports (:func:`ledger.migrate.migration_progress`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TimeElapsedColumn
 from rich.table import Table
+from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
+from ledger.backends.base import ReadOnlyOpen
 from ledger.cli import app
 from ledger.db import DEFAULT_DB
 from ledger.errors import LedgerError, database_error_line, is_database_error, one_line, url_for_humans
@@ -56,12 +65,17 @@ def migrate(db: DbOption = DEFAULT_DB) -> None:
     A missing SQLite file is created (mode 0600) in an EXISTING directory; a missing directory is an
     error (exit 2), never created: a mistyped path must not start a second ledger elsewhere.
 
+    A long step (0003 rebuilds every projection from the log) shows a progress bar on stderr when
+    stderr is a terminal. A SQLite ledger this user cannot write (a read-only mount) is refused.
+
     Exit codes: 0 the schema is at the newest revision (upgraded or already there); 2 usage or database
-    error, a missing directory, or a ledger a newer semkv-ledger migrated (one ``error:`` line).
+    error, a missing directory, a ledger that cannot be written, or a ledger a newer semkv-ledger
+    migrated (one ``error:`` line).
     """
     from ledger.migrate import upgrade
 
-    before, after = upgrade(db)
+    with _progress_bar(enabled=sys.stderr.isatty()) as bar:
+        before, after = upgrade(db, progress=None if bar is None else functools.partial(_migration_step, bar))
     verb = "already at" if before == after else f"upgraded {before or 'empty database'} →"
     console.print(f"ledger {url_for_humans(db)}: {verb} {after}", highlight=False)
 
@@ -77,13 +91,18 @@ def replay(
 ) -> None:
     """Rebuild every projection from the log in a scratch database and diff it against the live one.
 
+    The ledger is only read: one it cannot write (a read-only mount, a snapshot) is opened read-only,
+    with a note on stderr. A progress bar on stderr while it rebuilds, when stderr is a terminal and
+    not with --json.
+
     Exit 0 when equal, 1 when not, 2 on usage or database errors. With --until nothing is compared
     (exit 0; in --json "compared" is false and "equal" null).
     """
     from ledger.replay import replay as run_replay
 
-    report = _with_progress(lambda progress: run_replay(db, until=until, scratch=out, progress=progress),
-                            enabled=not json_out and sys.stderr.isatty())
+    with _progress_bar(enabled=not json_out and sys.stderr.isatty()) as bar:
+        progress = None if bar is None else _mover(bar, bar.add_task("replaying log", total=None))
+        report = run_replay(db, until=until, scratch=out, progress=progress, on_read_only=_note_read_only)
     if json_out:
         print(json.dumps(_report_json(report), default=str))
     else:
@@ -92,13 +111,41 @@ def replay(
         raise typer.Exit(1)
 
 
-def _with_progress(run, *, enabled: bool):
+@contextlib.contextmanager
+def _progress_bar(*, enabled: bool) -> Iterator[Progress | None]:
+    """A progress display on stderr, erased when done (None when not ``enabled``: off a terminal,
+    in --json mode)."""
     if not enabled:
-        return run(None)
+        yield None
+        return
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err_console, transient=True) as progress:
-        task = progress.add_task("replaying log", total=None)
-        return run(lambda done, total: progress.update(task, completed=done, total=total))
+                  TimeElapsedColumn(), console=err_console, transient=True) as bar:
+        yield bar
+
+
+def _mover(bar: Progress, task: TaskID) -> Callable[..., None]:
+    """``progress(done, total=None)`` moving ``task`` of ``bar``."""
+
+    def progress(done: int, total: int | None = None) -> None:
+        bar.update(task, completed=done, total=total)  # rich leaves a None total as it was
+
+    return progress
+
+
+@contextlib.contextmanager
+def _migration_step(bar: Progress, description: str, total: int | None) -> Iterator[Callable[..., None]]:
+    """One step of a migration (:data:`ledger.migrate.MigrationListener`) as a line of ``bar``,
+    drawn once more as it ended, then removed: the line shows what runs now."""
+    task = bar.add_task(description, total=total)
+    try:
+        yield _mover(bar, task)
+    finally:
+        bar.refresh()  # rich redraws 10 times a second: a step's last position would go unseen
+        bar.remove_task(task)
+
+
+def _note_read_only(read_only: ReadOnlyOpen) -> None:
+    err_console.print(f"note: {read_only.describe()}", highlight=False, soft_wrap=True)
 
 
 def _report_json(report) -> dict[str, Any]:
@@ -140,19 +187,18 @@ def _print_report(report) -> None:
         console.print("[red]projections DIFFER from the replay of the log[/red]")
 
 
-def _open(db: str):
-    from ledger.db import sync_engine
+@contextlib.contextmanager
+def _reading(db: str) -> Iterator[Connection]:
+    """A connection to the ledger at the schema head, for a command that only reads it: opened
+    read-only, with a note, when it cannot be written (:func:`ledger.db.audit_engine`)."""
+    from ledger.db import audit_engine
     from ledger.migrate import check_schema
 
-    engine = sync_engine(db)
-    conn = engine.connect()
-    try:
+    with audit_engine(db) as (engine, read_only), engine.connect() as conn:
+        if read_only is not None:
+            _note_read_only(read_only)
         check_schema(conn, db)
-    except Exception:
-        conn.close()
-        engine.dispose()
-        raise
-    return engine, conn
+        yield conn
 
 
 @app.command()
@@ -160,17 +206,16 @@ def _open(db: str):
 def stats(db: DbOption = DEFAULT_DB, json_out: JsonOption = False) -> None:
     """What the ledger knows: events per engine and type, generations, blocks, donors, dead letters.
 
+    The ledger is only read: one it cannot write (a read-only mount, a snapshot) is opened read-only,
+    with a note on stderr.
+
     Exit codes: 0 printed (an empty ledger too); 2 usage or database error (one ``error:`` line naming --db).
     """
     from ledger.stats import ledger_stats
     from ledger.views import print_stats
 
-    engine, conn = _open(db)
-    try:
+    with _reading(db) as conn:
         data = ledger_stats(conn)
-    finally:
-        conn.close()
-        engine.dispose()
     if json_out:
         print(json.dumps(data, default=str))
     else:
@@ -190,18 +235,17 @@ def inspect(
 ) -> None:
     """Show one item's history from the log.
 
+    The ledger is only read: one it cannot write (a read-only mount, a snapshot) is opened read-only,
+    with a note on stderr.
+
     Exit codes: 0 the item has log rows, 1 nothing found (no log row names it), 2 usage or
     database error.
     """
     from ledger.stats import block_history, history
     from ledger.types import parse_hash
 
-    engine, conn = _open(db)
-    try:
+    with _reading(db) as conn:
         rows = block_history(conn, parse_hash(ident), limit) if kind == "block" else history(conn, kind, ident, limit)
-    finally:
-        conn.close()
-        engine.dispose()
     if json_out:
         print(json.dumps({"kind": kind, "id": ident, "rows": [_log_row_json(r) for r in rows]}, default=_json_bytes))
     else:

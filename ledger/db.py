@@ -11,7 +11,8 @@ Accepted ``--db`` values: a file path (``ledger.db``), ``sqlite:///path``, ``pos
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, Engine
@@ -20,6 +21,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ledger.backends import Backend, backend_for, backend_named
+from ledger.backends.base import AuditOpen
 from ledger.prepared import Prepared
 
 DEFAULT_DB = "sqlite:///semkv-ledger.db"
@@ -60,6 +62,34 @@ def sync_engine(db: str, *, writer: bool = False, create: bool | None = None, po
     url = normalize_url(db)
     return backend_for(url).sync_engine(url, writer=writer, create=writer if create is None else create,
                                         pool_size=pool_size, statement_timeout_s=statement_timeout_s)
+
+
+@contextlib.contextmanager
+def audit_engine(db: str) -> Iterator[AuditOpen]:
+    """An engine for the commands that only read a ledger (``stats``, ``inspect``, ``replay``):
+    yields ``(engine, read_only)``, ``read_only`` None when the ledger was opened as usual, else a
+    :class:`~ledger.backends.base.ReadOnlyOpen` saying why and how it was opened read-only (a SQLite
+    file on a read-only mount or of another user; :meth:`ledger.backends.sqlite.SQLiteBackend.audit_engine`).
+    The engine is disposed on exit.
+
+    Raises:
+        LedgerError: unsupported URL, no ledger file, a ledger that cannot be read read-only, or
+            one read as a snapshot that changed while it was read (on exit).
+    """
+    url = normalize_url(db)
+    with backend_for(url).audit_engine(url) as opened:
+        yield opened
+
+
+def write_refusal(db: str) -> str | None:
+    """Why this process cannot write the ledger ``db`` (a SQLite file or its directory on a
+    read-only mount or not this user's to write), or None when nothing says so before a write.
+
+    Raises:
+        LedgerError: unsupported URL, an in-memory SQLite URL or a path in a missing directory.
+    """
+    url = normalize_url(db)
+    return backend_for(url).write_refusal(url)
 
 
 def async_engine(db: str) -> AsyncEngine:

@@ -144,7 +144,7 @@ class DonorView:
         """Donors holding ``key`` that are fresh but for block liveness (:func:`ledger.freshness.stale_reason`
         on :attr:`_facts`; the view holds saved donors only), newest first. A list, not a lazy
         judgement: the search keeps the probe that answered, so the hit's holders are judged once
-        (a second pass per hit cost ~5 µs of a ~55 µs lookup, tools/results/issue20-*)."""
+        (a second pass per hit cost ~4 µs of a ~55 µs lookup: tools/results/issue20-2026-12-03-lookup.md)."""
         facts, donors = self._facts, self._donors
         return [donors[d] for d in reversed(self._by_key.get(key, ()))
                 if stale_reason(facts[d], namespace=namespace, now=now) is None]

@@ -5,13 +5,40 @@ there) and are installed as the package ``ledger.migrations`` (``pyproject.toml`
 other), so a wheel or a plain ``pip install`` carries them. Every command that opens a ledger calls
 :func:`check_schema`, which refuses a database that is not at the head revision with
 :class:`~ledger.errors.SchemaOutOfDate` naming ``semkv-ledger migrate``.
+
+Progress of long migrations. A revision that works through the log or a projection (0003 rebuilds
+every projection: 42 s on a 2.7M-row ledger) reports how far it is with :func:`migration_progress`,
+one ``with`` block per step::
+
+    from ledger.migrate import migration_progress
+
+    def upgrade() -> None:
+        bind = op.get_bind()
+        total = bind.execute(select(func.count()).select_from(log)).scalar_one()
+        with migration_progress("backfilling the index from the log", total) as progress:
+            done = 0
+            for page in pages_of_the_log(bind):
+                ...                          # the step's work on one page of rows
+                done += len(page)
+                progress(done)               # rows done so far: a position, not an increment
+
+``progress(done, total=None)`` takes the units done so far in the step's own units (log rows above)
+and, optionally, a total learnt late; a step with no total shows elapsed time only. Whoever runs the
+upgrade chooses how it is shown (:func:`upgrade`'s ``progress``: ``semkv-ledger migrate`` draws a
+bar on stderr when stderr is a terminal); when nobody listens (plain ``alembic upgrade``, the tests,
+``consume --migrate``) the step costs one context-variable read and ``progress`` does nothing.
+Report at most every few thousand rows: the call is cheap, the drawing is not free.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from functools import cache
 from pathlib import Path
+from typing import Protocol
 
 from alembic import command
 from alembic.config import Config
@@ -20,10 +47,45 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from ledger.db import backend_of, normalize_url, sync_engine
-from ledger.errors import LedgerError, SchemaOutOfDate, persistence_error
+from ledger.db import backend_of, normalize_url, sync_engine, write_refusal
+from ledger.errors import LedgerError, SchemaOutOfDate, persistence_error, url_for_humans
 
 MIGRATIONS_PACKAGE = "ledger.migrations"
+
+
+class StepProgress(Protocol):
+    """How far one migration step is: ``done`` units so far (a position), ``total`` when learnt
+    late (None: unchanged)."""
+
+    def __call__(self, done: int, total: int | None = None) -> None: ...
+
+
+MigrationListener = Callable[[str, "int | None"], contextlib.AbstractContextManager[StepProgress]]
+"""What shows progress: called with a step's description and total (None: unknown) when the step
+begins; the context it returns is left when the step ends."""
+
+_listener: ContextVar[MigrationListener | None] = ContextVar("semkv_migration_listener", default=None)
+
+
+@contextlib.contextmanager
+def migration_progress(description: str, total: int | None = None) -> Iterator[StepProgress]:
+    """One step of a migration whose progress is worth showing (see the module docstring); yields
+    ``progress(done, total=None)``, a no-op when nobody listens.
+
+    Args:
+        description: what the step does, for people (``rebuilding projections from the log``).
+        total: units the step will do (log rows, blocks), None when unknown.
+    """
+    listener = _listener.get()
+    if listener is None:
+        yield _nobody_listens
+        return
+    with listener(description, total) as progress:
+        yield progress
+
+
+def _nobody_listens(done: int, total: int | None = None) -> None:
+    """Progress nobody shows."""
 
 
 @cache
@@ -73,15 +135,26 @@ def current_revision(conn: Connection) -> str | None:
     return MigrationContext.configure(conn).get_current_revision()
 
 
-def upgrade(db: str, revision: str = "head") -> tuple[str | None, str]:
+def upgrade(db: str, revision: str = "head", *,
+            progress: MigrationListener | None = None) -> tuple[str | None, str]:
     """Upgrade the ledger at ``db`` to ``revision``; returns (revision before, revision after).
 
+    Args:
+        progress: shown each step a revision reports through :func:`migration_progress`; None:
+            nothing is shown.
+
     Raises:
-        LedgerError: an unsupported URL, or a SQLite path in a missing directory.
+        LedgerError: an unsupported URL, a SQLite path in a missing directory, or a SQLite ledger
+            this process cannot write (a read-only mount, another user's file): refused before
+            it is opened.
         SchemaOutOfDate: the database is at a revision this installation does not know (newer).
         PersistenceError: the database cannot be reached or written.
     """
+    refusal = write_refusal(db)
+    if refusal is not None:
+        raise LedgerError(f"cannot migrate the ledger {url_for_humans(db)}: it cannot be written here ({refusal})")
     engine = sync_engine(db, writer=True)
+    listening = _listener.set(progress)
     try:
         with engine.connect() as conn:
             before = current_revision(conn)
@@ -97,6 +170,7 @@ def upgrade(db: str, revision: str = "head") -> tuple[str | None, str]:
         raise persistence_error(exc) from exc
     finally:
         engine.dispose()
+        _listener.reset(listening)
 
 
 def check_schema(conn: Connection, db: str) -> None:

@@ -21,14 +21,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Table, func, select
+from sqlalchemy import Connection, Table, bindparam, func, select
 
 from ledger import events as ev
 from ledger.apply import LogEntry, Projection, apply
+from ledger.backends.base import ReadOnlyOpen
 from ledger.backends.sqlite import sqlite_open_uri
-from ledger.db import sync_engine
+from ledger.db import Sql, audit_engine, sync_engine
 from ledger.errors import LedgerError
 from ledger.migrate import check_schema
+from ledger.prepared import Prepared
 from ledger.recorder import write_projection
 from ledger.schema import PROJECTION_TABLES, Base, LogRow
 
@@ -69,25 +71,38 @@ class ReplayReport:
         return all(d.count == 0 for d in self.diffs)
 
 
+_LOG_COLUMNS = ("seq", "committed_at", "body", "type_name", "engine_id", "source_id", "source_epoch", "zmq_seq",
+                "batch_index", "event_id", "attention_dp_rank", "window_size", "applied")
+"""Log columns in :class:`~ledger.apply.LogEntry`'s field order (``payload`` is not read)."""
+_LOG_PAGE = Prepared(select(*(_LOG.c[name] for name in _LOG_COLUMNS))
+                     .where(_LOG.c.seq > bindparam("after"), _LOG.c.seq <= bindparam("until"))
+                     .order_by(_LOG.c.seq).limit(bindparam("page_rows")))
+_SEQ_MAX = 2**63 - 1
+
+
 def iter_log(conn: Connection, until: int | None = None, batch_rows: int = 20_000) -> Iterator[LogEntry]:
-    """Log rows in seq order as :class:`LogEntry` (bodies decoded), streamed in pages."""
-    cols = [_LOG.c[name] for name in ("seq", "committed_at", "type_name", "engine_id", "source_id", "source_epoch",
-                                      "zmq_seq", "batch_index", "event_id", "attention_dp_rank", "window_size",
-                                      "applied", "body")]
-    after = 0
+    """Log rows in seq order as :class:`LogEntry` (bodies decoded), streamed in pages of
+    ``batch_rows``, up to ``until`` (a seq; None: the whole log).
+
+    Pages are read on the DBAPI cursor (:class:`~ledger.prepared.Prepared`): SQLAlchemy's result
+    rows cost a third of the rebuild (tools/results/replay-2026-12-03.md).
+
+    Raises:
+        sqlalchemy.exc.DBAPIError: the database failed (as SQLAlchemy would have raised it).
+    """
+    sql = Sql.of(conn)
     decode = ev.BODY_DECODER.decode
+    params = {"after": 0, "until": _SEQ_MAX if until is None else until, "page_rows": batch_rows}
     while True:
-        query = select(*cols).where(_LOG.c.seq > after).order_by(_LOG.c.seq).limit(batch_rows)
-        if until is not None:
-            query = query.where(_LOG.c.seq <= until)
-        rows = conn.execute(query).all()
+        try:
+            rows = sql.all(_LOG_PAGE, params)
+        except sql.errors as exc:
+            raise sql.wrap(exc) from exc
         if not rows:
             return
-        for r in rows:
-            yield LogEntry(seq=r[0], committed_at=r[1], body=decode(r[12]), type_name=r[2], engine_id=r[3],
-                           source_id=r[4], source_epoch=r[5], zmq_seq=r[6], batch_index=r[7], event_id=r[8],
-                           attention_dp_rank=r[9], window_size=r[10], applied=bool(r[11]), payload=None)
-        after = rows[-1][0]
+        for seq, committed_at, body, *rest, applied in rows:
+            yield LogEntry(seq, committed_at, decode(body), *rest, bool(applied))
+        params["after"] = rows[-1][0]
 
 
 def rebuild(conn: Connection, until: int | None = None, progress: Progress | None = None) -> tuple[Projection, int, int]:
@@ -138,46 +153,53 @@ def diff_tables(live: Connection, scratch: Connection, sample: int = 20) -> list
 
 
 def replay(db: str, *, until: int | None = None, scratch: str | Path | None = None,
-           progress: Progress | None = None) -> ReplayReport:
+           progress: Progress | None = None,
+           on_read_only: Callable[[ReadOnlyOpen], None] | None = None) -> ReplayReport:
     """Rebuild projections from the log of ``db`` into a scratch SQLite file and diff them.
+
+    The live ledger is only read (:func:`ledger.db.audit_engine`): a SQLite ledger this process
+    cannot write (a read-only mount, a snapshot, another user's file) is opened read-only, and the
+    scratch file is written elsewhere, so the audit works there too.
 
     Args:
         scratch: where to write the rebuilt projections; a temporary file (deleted) if None.
+        progress: called with (log rows applied, log rows to apply) while rebuilding.
+        on_read_only: called once, before anything is read, when the live ledger had to be opened
+            read-only (to tell the user why and how).
 
     Raises:
-        LedgerError: ``scratch`` is not a new file or an earlier replay's (see :func:`refuse_foreign_scratch`).
+        LedgerError: ``scratch`` is not a new file or an earlier replay's (see :func:`refuse_foreign_scratch`);
+            no ledger at ``db``; a read-only ledger that cannot be read, or that changed while it was
+            read as a snapshot (see :func:`ledger.db.audit_engine`).
         SchemaOutOfDate, PersistenceError (as SQLAlchemy errors from the caller's view).
     """
-    tmp = None
-    if scratch is None:
-        tmp = tempfile.TemporaryDirectory(prefix="semkv-replay-")
-        scratch = Path(tmp.name) / "replay.db"
-    else:
-        refuse_foreign_scratch(Path(scratch))
-    live_engine = sync_engine(db)
-    scratch_engine = sync_engine(str(scratch), writer=True)
-    try:
-        with live_engine.connect() as live:
-            check_schema(live, db)
-            started = time.perf_counter()
-            proj, count, last_seq = rebuild(live, until, progress)
-            seconds = time.perf_counter() - started
-            Base.metadata.drop_all(scratch_engine, tables=list(PROJECTION_TABLES))
-            Base.metadata.create_all(scratch_engine, tables=list(PROJECTION_TABLES))
-            with scratch_engine.begin() as out:
-                write_projection(out, proj)
-            live_head = live.execute(select(func.max(_LOG.c.seq))).scalar() or 0
-            compare = until is None or until >= live_head
-            with scratch_engine.connect() as out:
-                diffs = diff_tables(live, out) if compare else []
-                counts = {t.name: out.execute(select(func.count()).select_from(t)).scalar_one()
-                          for t in PROJECTION_TABLES}
-        return ReplayReport(count, last_seq, seconds, diffs, compare, None if tmp else str(scratch), counts)
-    finally:
-        live_engine.dispose()
-        scratch_engine.dispose()
-        if tmp is not None:
-            tmp.cleanup()
+    kept = scratch is not None
+    with contextlib.ExitStack() as cleanup:  # unwinds in reverse: connections, engines, the temporary directory
+        if scratch is None:
+            scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="semkv-replay-"))) / "replay.db"
+        else:
+            refuse_foreign_scratch(Path(scratch))
+        live_engine, read_only = cleanup.enter_context(audit_engine(db))
+        if read_only is not None and on_read_only is not None:
+            on_read_only(read_only)
+        scratch_engine = sync_engine(str(scratch), writer=True)
+        cleanup.callback(scratch_engine.dispose)
+        live = cleanup.enter_context(live_engine.connect())
+        check_schema(live, db)
+        started = time.perf_counter()
+        proj, count, last_seq = rebuild(live, until, progress)
+        seconds = time.perf_counter() - started
+        Base.metadata.drop_all(scratch_engine, tables=list(PROJECTION_TABLES))
+        Base.metadata.create_all(scratch_engine, tables=list(PROJECTION_TABLES))
+        with scratch_engine.begin() as out:
+            write_projection(out, proj)
+        live_head = live.execute(select(func.max(_LOG.c.seq))).scalar() or 0
+        compare = until is None or until >= live_head
+        with scratch_engine.connect() as out:
+            diffs = diff_tables(live, out) if compare else []
+            counts = {t.name: out.execute(select(func.count()).select_from(t)).scalar_one()
+                      for t in PROJECTION_TABLES}
+        return ReplayReport(count, last_seq, seconds, diffs, compare, str(scratch) if kept else None, counts)
 
 
 def refuse_foreign_scratch(path: Path) -> None:

@@ -2,8 +2,9 @@
 
 Everything that differs between SQLite and PostgreSQL lives behind :class:`Backend`: how an engine
 is made and a file found, how a write transaction begins and serialises with other writers, how a
-read keeps one snapshot, how a statement is interrupted or a lock wait bounded, and the statement
-shapes of the recorder's bulk reads and writes. The callers (``ledger.db``, ``ledger.recorder``,
+read keeps one snapshot, how a statement is interrupted or a lock wait bounded, how an audit reads
+a ledger it cannot write (:meth:`Backend.audit_engine`), and the statement shapes of the recorder's
+bulk reads and writes. The callers (``ledger.db``, ``ledger.recorder``,
 ``ledger.connections``, ``ledger.writer``, ``ledger.migrate``) hold no backend test of their own.
 (eventsourcing does the same with one recorder module per backend.)
 
@@ -45,6 +46,29 @@ class KeysDelete:
     where: tuple[ColumnElement[bool], ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class ReadOnlyOpen:
+    """How :meth:`Backend.audit_engine` opened a ledger this process cannot write."""
+
+    path: str
+    reason: str
+    """Why it cannot be written: ``read-only file system``, or which file or directory this user
+    may not write."""
+    snapshot: bool
+    """Read as an immutable snapshot, without locks, and checked unchanged when the reading ended
+    (SQLite ``immutable=1``: :mod:`ledger.backends.sqlite` says when that is safe)."""
+
+    def describe(self) -> str:
+        """One line for people: ``ledger PATH opened read-only (cannot write: REASON)``, and for a
+        snapshot ``; read as a snapshot, checked unchanged afterwards``."""
+        line = f"ledger {self.path} opened read-only (cannot write: {self.reason})"
+        return f"{line}; read as a snapshot, checked unchanged afterwards" if self.snapshot else line
+
+
+AuditOpen = tuple[Engine, "ReadOnlyOpen | None"]
+"""What :meth:`Backend.audit_engine` yields: the engine, and how it was opened read-only (None: as usual)."""
+
+
 class Backend:
     """One database family. Subclasses: :class:`ledger.backends.sqlite.SQLiteBackend`,
     :class:`ledger.backends.postgresql.PostgreSQLBackend`."""
@@ -74,6 +98,27 @@ class Backend:
         """False when the URL names a ledger that certainly does not exist (a SQLite path with no
         file); a server database's existence is the connection's to report."""
         return True
+
+    @contextlib.contextmanager
+    def audit_engine(self, url: URL) -> Iterator[AuditOpen]:
+        """An engine for commands that only read a ledger (``stats``, ``inspect``, ``replay``),
+        disposed on exit. Here: the usual one (a read-only server, such as a PostgreSQL hot
+        standby, simply refuses writes, and these commands make none). SQLite opens a file this
+        process cannot write read-only instead (:meth:`ledger.backends.sqlite.SQLiteBackend.audit_engine`).
+
+        Raises:
+            LedgerError: the ledger cannot be opened (a backend's own reasons).
+        """
+        engine = self.sync_engine(url, writer=False, create=False, pool_size=5, statement_timeout_s=None)
+        try:
+            yield engine, None
+        finally:
+            engine.dispose()
+
+    def write_refusal(self, url: URL) -> str | None:
+        """Why this process cannot write the ledger at ``url``, found without opening it, or None
+        when nothing says so before a write is tried (a server is asked by writing)."""
+        return None
 
     # -- connections ---------------------------------------------------------------------------
 

@@ -12,6 +12,33 @@
   ledger file was deleted fails instead of quietly starting an empty ledger at the path.
 * Bulk statements: executemany of one statement (pysqlite steps a prepared statement per row,
   which is as fast as SQLite goes); block loads as ``IN (?, …)`` chunks.
+
+Audits of a ledger this process cannot write (a read-only mount, a snapshot, another user's file:
+:meth:`SQLiteBackend.audit_engine`). The usual open fails there: a WAL database needs its ``-shm``
+and ``-wal`` files, and SQLite makes them beside the file (sqlite.org/wal.html, "Read-Only
+Databases": a read-only WAL database can be read when the ``-shm`` and ``-wal`` already exist, when
+the directory is writable so they can be created, or when it is opened ``immutable``). So:
+
+* ``-shm`` and ``-wal`` exist: ``mode=ro``, SQLite's own protocol. A writer may be at work (the
+  ledger of a running consumer seen through a read-only mount): SQLite (3.22+) does not trust a
+  ``-shm`` it cannot write and checks it against the WAL, so every committed transaction is seen
+  and none half (a transaction only in the WAL included: tests/integration/ledger/test_readonly_audit.py).
+* no ``-wal`` with content and no ``-shm`` (a ledger its last connection closed, which checkpoints
+  and deletes both): ``immutable=1``, which needs neither. SQLite then takes no lock and assumes
+  the file never changes; that holds here because no connection has the database open (each keeps
+  ``-shm`` until the last one closes) and every commit is in the file, and it is checked: when the
+  reading ends the file must have the same identity, size, mtime and ctime as before it began
+  (any write changes them, a checkpoint by a writer that came meanwhile included), else the audit
+  fails as :class:`~ledger.errors.LedgerError`, to be run again. (Times are as fine as the kernel
+  keeps them: Linux 6.13+ stamps a change made after a ``stat`` finely; older kernels round to
+  their clock tick, ~4 ms, so there a write in the tick of the file's previous write shows only
+  through the size.) ``mode=ro`` would not do here: it creates ``-wal`` and ``-shm`` where it can
+  (a writable directory), owned by the auditor and left behind, after which the ledger's owner can
+  no longer write it ("attempt to write a readonly database"; seen on SQLite 3.40, a 0644 ledger
+  of uid 1000 read by ``nobody``).
+* a ``-wal`` with content and no ``-shm`` (a copy without it, a crash): refused; transactions in
+  that WAL can only be read through a ``-shm``, and none is created beside a ledger this process
+  cannot write (above).
 """
 
 from __future__ import annotations
@@ -20,7 +47,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote
 
 from sqlalchemy import Engine, bindparam, create_engine, delete, event, select
@@ -28,7 +55,7 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from ledger.backends.base import Backend, KeysDelete, RowsWrite
+from ledger.backends.base import AuditOpen, Backend, KeysDelete, ReadOnlyOpen, RowsWrite
 from ledger.errors import LedgerError
 from ledger.prepared import Prepared
 from ledger.schema import BlockRow
@@ -54,9 +81,42 @@ def _file_uri(path: str) -> str:
     return f"file:{quote(os.path.abspath(path))}"
 
 
-def _open_url(url: URL, driver: str) -> URL:
-    """``url`` opening :func:`sqlite_open_uri` (pysqlite and aiosqlite pass ``mode`` into the URI)."""
-    return url.set(drivername=driver, database=_file_uri(url.database or ""), query={"mode": "rw", "uri": "true"})
+def _open_url(url: URL, driver: str, **params: str) -> URL:
+    """``url`` opening :func:`sqlite_open_uri` (pysqlite and aiosqlite pass ``mode`` and the other
+    SQLite URI parameters into the URI); ``params`` default to ``mode=rw``."""
+    return url.set(drivername=driver, database=_file_uri(url.database or ""),
+                   query={**(params or {"mode": "rw"}), "uri": "true"})
+
+
+def write_refusal(path: Path) -> str | None:
+    """Why this process cannot write the SQLite ledger ``path`` or create the ``-wal``/``-shm``
+    files beside it, or None when it can. ``access(2)`` judges, for root too: read-only mounts and
+    the immutable attribute (``chattr +i``) stop root, mode bits stop the others.
+
+    Returns ``read-only file system``, or which file or directory this user may not write. A
+    missing file is judged by its directory alone.
+    """
+    for target, what in ((path, "file"), (path.parent, "directory")):
+        if target.exists() and not os.access(target, os.W_OK):
+            if os.statvfs(target).f_flag & os.ST_RDONLY:
+                return "read-only file system"
+            return f"{what} {target} is not writable by this user"
+    return None
+
+
+class _FileState(NamedTuple):
+    """What any write to a file changes: identity, size, mtime and ctime (ns)."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> _FileState:
+        st = os.stat(path)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _in_existing_directory(url: URL, missing_directory: str) -> Path:
@@ -75,24 +135,26 @@ def _in_existing_directory(url: URL, missing_directory: str) -> Path:
     return file
 
 
-def _ensure_file(url: URL, create: bool) -> None:
+def _ensure_file(url: URL, create: bool) -> Path:
     file = _in_existing_directory(url, "cannot create the ledger" if create else "no ledger at")
     if file.exists():
-        return
+        return file
     if not create:
         raise LedgerError(f"no ledger at {file}: run `semkv-ledger migrate --db {file}` first")
     os.close(os.open(file, os.O_CREAT | os.O_WRONLY, 0o600))
+    return file
 
 
-def _listeners(sync_engine: Engine, *, writer: bool) -> None:
+def _listeners(sync_engine: Engine, *, writer: bool, read_only: bool = False) -> None:
     begin = "BEGIN IMMEDIATE" if writer else "BEGIN"
 
     @event.listens_for(sync_engine, "connect")
     def _connect(dbapi_connection, _record) -> None:  # noqa: ANN001
         dbapi_connection.isolation_level = None  # we emit BEGIN ourselves
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
+        if not read_only:  # both are writes (the journal mode lives in the file's header)
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cursor.execute("PRAGMA foreign_keys=ON")
         if writer:
@@ -128,6 +190,31 @@ class SQLiteBackend(Backend):
     def ledger_exists(self, url: URL) -> bool:
         """Raises LedgerError for an in-memory URL or a path whose directory does not exist."""
         return _in_existing_directory(url, "no ledger at").exists()
+
+    @contextlib.contextmanager
+    def audit_engine(self, url: URL) -> Iterator[AuditOpen]:
+        """The usual engine when this process can write the ledger and its directory; else one
+        opened read-only as the module docstring says, with a :class:`ReadOnlyOpen` to tell the
+        user (nothing is created beside a file this process cannot write).
+
+        Raises:
+            LedgerError: no ledger file (or its directory is missing); a ``-wal`` with content
+                and no ``-shm`` in a place this process cannot write; or, on exit, a ledger read as
+                a snapshot that changed meanwhile (what was read may be inconsistent: run again).
+        """
+        path = _ensure_file(url, create=False)
+        refusal = write_refusal(path)
+        if refusal is None:
+            with super().audit_engine(url) as opened:
+                yield opened
+            return
+        with _audit_read_only(url, path, refusal) as opened:
+            yield opened
+
+    def write_refusal(self, url: URL) -> str | None:
+        """:func:`write_refusal` of the ledger file (refuses an in-memory URL or a missing
+        directory as :meth:`ledger_exists` does)."""
+        return write_refusal(_in_existing_directory(url, "cannot create the ledger"))
 
     @contextlib.contextmanager
     def deadline(self, dbapi_connection: Any, past_deadline: Callable[[], bool]) -> Iterator[None]:
@@ -169,6 +256,49 @@ class SQLiteBackend(Backend):
 
     def delete_keys(self, sql: Sql, spec: KeysDelete, keys: Sequence[tuple]) -> int:
         return sql.many_positional(self._shape(spec, lambda: _delete(spec)), keys) if keys else 0
+
+
+@contextlib.contextmanager
+def _audit_read_only(url: URL, path: Path, refusal: str) -> Iterator[AuditOpen]:
+    """:meth:`SQLiteBackend.audit_engine` of a ledger this process cannot write (the module docstring
+    says which open and why)."""
+    wal, shm = Path(f"{path}-wal"), Path(f"{path}-shm")
+    if wal.exists() and shm.exists():
+        with _read_only(url, ReadOnlyOpen(str(path), refusal, snapshot=False), mode="ro") as opened:
+            yield opened
+        return
+    if wal.exists() and wal.stat().st_size > 0:
+        raise LedgerError(f"cannot read the ledger {path} read-only ({refusal}): {wal.name} holds transactions "
+                          f"and there is no {shm.name}, which SQLite needs to read them and which is not created "
+                          f"beside a ledger this user cannot write; copy {path.name} with {wal.name} to a writable "
+                          f"directory and read the copy")
+    before = _FileState.of(path)
+    try:
+        with _read_only(url, ReadOnlyOpen(str(path), refusal, snapshot=True), mode="ro", immutable="1") as opened:
+            yield opened
+    finally:  # also when the reading failed: a write meanwhile explains a "malformed" page best
+        if not _unchanged(path, before):
+            raise LedgerError(f"the ledger {path} changed while it was read as an immutable snapshot (it cannot be "
+                              f"written here, {refusal}, and had no -shm file): what was read may be inconsistent; "
+                              f"run the command again")
+
+
+def _unchanged(path: Path, before: _FileState) -> bool:
+    try:
+        return _FileState.of(path) == before
+    except OSError:  # deleted or unreachable: changed as far as this reading knows
+        return False
+
+
+@contextlib.contextmanager
+def _read_only(url: URL, how: ReadOnlyOpen, **params: str) -> Iterator[AuditOpen]:
+    """A read-only engine on the ledger file with these SQLite URI ``params``, disposed on exit."""
+    engine = create_engine(_open_url(url, "sqlite+pysqlite", **params))
+    _listeners(engine, writer=False, read_only=True)
+    try:
+        yield engine, how
+    finally:
+        engine.dispose()
 
 
 def _insert(spec: RowsWrite) -> Prepared:

@@ -23,6 +23,7 @@ Create Date: 2026-11-30 05:30:00
 """
 from alembic import op
 
+from ledger.migrate import migration_progress
 from ledger.recorder import write_projection
 from ledger.replay import rebuild
 from ledger.schema import PROJECTION_TABLES
@@ -37,15 +38,18 @@ depends_on = None
 def upgrade() -> None:
     bind = op.get_bind()
     sqlite = bind.dialect.name == "sqlite"
-    for table in reversed(PROJECTION_TABLES):  # children before parents
-        bind.execute(table.delete())
+    with migration_progress("emptying the projections"):
+        for table in reversed(PROJECTION_TABLES):  # children before parents
+            bind.execute(table.delete())
     with op.batch_alter_table('blocks', recreate='always' if sqlite else 'auto',
                               table_kwargs={'sqlite_with_rowid': False}) as batch_op:
         batch_op.drop_index('ix_blocks_engine_state')
     # The projection code of the installed version: if a later revision changes a projection
     # table, this step must keep writing the tables as they are at this revision.
-    projection, _, _ = rebuild(bind)
-    write_projection(bind, projection)
+    with migration_progress("rebuilding projections from the log") as progress:
+        projection, _, _ = rebuild(bind, progress=progress)
+    with migration_progress("writing the rebuilt projections"):
+        write_projection(bind, projection)
 
 
 def downgrade() -> None:
