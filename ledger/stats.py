@@ -6,11 +6,13 @@ is written. The JSON shape of :func:`ledger_stats` is a stable interface for scr
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, bindparam, func, select
 
 from ledger import events as ev
+from ledger.backends import backend_named
 from ledger.schema import BlockRow, CounterRow, DeadLetterRow, DonorRow, EngineRow, LeaseRow, LogRow, SourceRow
 from ledger.types import BlockHash, format_hash
 
@@ -71,17 +73,33 @@ def history(conn: Connection, kind: str, ident: str, limit: int = 200) -> list[d
     raise ValueError(f"unknown item kind {kind!r}: engine, donor or block")
 
 
+_BLOCK_KINDS = ("block_stored", "block_removed", "block_updated")
+BLOCK_HISTORY_PAGE_ROWS = 5_000
+
+
 def block_history(conn: Connection, block_hash: BlockHash, limit: int = 200) -> list[dict[str, Any]]:
     """Engine events of every engine naming ``block_hash``, oldest first (the newest ``limit``).
 
-    Reads every block event of the log (``ix_log_kind_seq``): a removed block has no projection
-    row left to say which engines knew it (ledger.apply)."""
-    query = select(_LOG).where(_LOG.c.kind.in_(("block_stored", "block_removed", "block_updated")))
-    out = []
-    for row in _decoded(conn.execute(query.order_by(_LOG.c.seq))):
-        if block_hash in _hashes_of(row["body"]):
-            out.append(row)
-    return out[-limit:]
+    A removed block has no projection row left to say which engines knew it (ledger.apply), so the
+    log's block events are searched: the database keeps only rows whose body holds the hash's
+    msgpack bytes (a scan in C: :meth:`~ledger.backends.base.Backend.contains_bytes`), read in
+    pages of :data:`BLOCK_HISTORY_PAGE_ROWS`; those are decoded and kept when an event really
+    names the hash (the bytes can also occur elsewhere in a body). Memory holds one page and
+    ``limit`` rows.
+
+    Raises:
+        sqlalchemy.exc.SQLAlchemyError: the database failed.
+    """
+    needle = ev.BODY_ENCODER.encode(block_hash)  # what the recorder wrote: msgspec encodes canonically
+    contains = backend_named(conn.dialect.name).contains_bytes(_LOG.c.body, needle)
+    query = (select(_LOG).where(_LOG.c.kind.in_(_BLOCK_KINDS), contains, _LOG.c.seq > bindparam("after"))
+             .order_by(_LOG.c.seq).limit(BLOCK_HISTORY_PAGE_ROWS))
+    kept: collections.deque[dict[str, Any]] = collections.deque(maxlen=limit)
+    after = 0
+    while page := conn.execute(query, {"after": after}).all():
+        kept.extend(row for row in _decoded(page) if block_hash in _hashes_of(row["body"]))
+        after = page[-1].seq
+    return list(kept)
 
 
 def _hashes_of(body: Any) -> set:

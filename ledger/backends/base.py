@@ -120,6 +120,11 @@ class Backend:
         when nothing says so before a write is tried (a server is asked by writing)."""
         return None
 
+    def contains_bytes(self, column: ColumnElement[bytes], needle: bytes) -> ColumnElement[bool]:
+        """SQL: ``needle`` occurs in the binary ``column`` (a scan the database runs in C, for
+        prefiltering rows before they are decoded in Python)."""
+        raise NotImplementedError
+
     # -- connections ---------------------------------------------------------------------------
 
     def prepare_client_connection(self, dbapi_connection: Any) -> None:

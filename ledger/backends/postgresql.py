@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import BigInteger, Engine, Float, bindparam, create_engine, delete, func, select, true
+from sqlalchemy import BigInteger, ColumnElement, Engine, Float, LargeBinary, bindparam, create_engine, delete, func, literal, select, true
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -75,6 +75,10 @@ class PostgreSQLBackend(Backend):
     def async_engine(self, url: URL) -> AsyncEngine:
         return create_async_engine(url.set(drivername="postgresql+asyncpg"), pool_pre_ping=True,
                                    connect_args={"server_settings": {"plan_cache_mode": PG_WRITER_PLAN_CACHE_MODE}})
+
+    def contains_bytes(self, column: ColumnElement[bytes], needle: bytes) -> ColumnElement[bool]:
+        # position(bytea IN bytea) (postgresql.org/docs/15/functions-binarystring.html)
+        return func.position(literal(needle, LargeBinary).op("IN")(column)) > 0
 
     def prepare_client_connection(self, dbapi_connection: Any) -> None:
         dbapi_connection.autocommit = True  # reads see the latest commit; writes BEGIN

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote
 
-from sqlalchemy import Engine, bindparam, create_engine, delete, event, select
+from sqlalchemy import ColumnElement, Engine, bindparam, create_engine, delete, event, func, select
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -215,6 +215,9 @@ class SQLiteBackend(Backend):
         """:func:`write_refusal` of the ledger file (refuses an in-memory URL or a missing
         directory as :meth:`ledger_exists` does)."""
         return write_refusal(_in_existing_directory(url, "cannot create the ledger"))
+
+    def contains_bytes(self, column: ColumnElement[bytes], needle: bytes) -> ColumnElement[bool]:
+        return func.instr(column, needle) > 0  # instr on BLOBs compares bytes (sqlite.org/lang_corefunc.html#instr)
 
     @contextlib.contextmanager
     def deadline(self, dbapi_connection: Any, past_deadline: Callable[[], bool]) -> Iterator[None]:

@@ -52,3 +52,42 @@ def test_block_history_keeps_an_engine_that_removed_the_block(sqlite_db: str) ->
         engine.dispose()
     assert sorted(history) == [("engine-a", "block_removed"), ("engine-a", "block_stored"),
                                ("engine-b", "block_stored")]
+
+
+@pytest.mark.parametrize("ledger", ["sqlite_db", "postgres_db"])
+def test_block_history_finds_64_bit_and_wide_hashes_and_only_events_naming_them(ledger: str, request) -> None:
+    # The database prefilters log rows by the hash's msgpack bytes; a body holding those bytes
+    # elsewhere (here as a parent_hash) must not be reported, and the newest `limit` rows are kept.
+    import asyncio
+
+    from ledger.db import sync_engine
+    from ledger.stats import block_history
+    from ledger.writer import LedgerWriter
+    from tools.harness.builders import batch, removed, stored
+
+    db = request.getfixturevalue(ledger)
+    big, wide, other = 0xFEDCBA9876543210, bytes(range(32)), 0x0123456789ABCDEF
+
+    async def feed() -> None:
+        writer = await LedgerWriter.open(db)
+        try:
+            await writer.append([batch(0, stored(big, wide), engine_id="engine-a")])
+            await writer.append([batch(1, stored(other, parent=big), engine_id="engine-a")])
+            await writer.append([batch(0, stored(wide), engine_id="engine-b")])
+            await writer.append([batch(2, removed(big, wide), engine_id="engine-a")])
+        finally:
+            await writer.close()
+
+    asyncio.run(feed())
+    engine = sync_engine(db)
+    try:
+        with engine.connect() as conn:
+            big_rows = [(row["engine_id"], row["kind"]) for row in block_history(conn, big)]
+            wide_rows = [(row["engine_id"], row["kind"]) for row in block_history(conn, wide)]
+            newest = [(row["engine_id"], row["kind"]) for row in block_history(conn, wide, limit=1)]
+            assert block_history(conn, 0x1111) == []
+    finally:
+        engine.dispose()
+    assert big_rows == [("engine-a", "block_stored"), ("engine-a", "block_removed")]
+    assert wide_rows == [("engine-a", "block_stored"), ("engine-b", "block_stored"), ("engine-a", "block_removed")]
+    assert newest == [("engine-a", "block_removed")]
