@@ -62,6 +62,9 @@ from ledger.types import (
 )
 
 GLOBAL = ""  # counters' engine_id for fleet-wide counts
+EVENTS_OF_TYPE = "events_type:"
+"""Counter name prefix: ``events_type:<type_name>`` counts an engine's events logged with that type
+name as received (``stored``, ``BlockStored``…); ``ledger.stats`` reports them as events by type."""
 TABLES = ("engines", "streams", "sources", "blocks", "donors", "leases")
 """The projections of rows keyed by primary key (``Projection`` attributes of those names)."""
 
@@ -194,6 +197,7 @@ def apply(proj: Projection, entry: LogEntry) -> None:
     if engine_id is not None and body_type in _ENGINE_BODY_TYPES:
         counters = proj.counters
         counters[(engine_id, "events_logged")] += 1
+        counters[(engine_id, EVENTS_OF_TYPE + entry.type_name)] += 1  # stats' events by type, without a scan of the log
         if not entry.applied:
             counters[(engine_id, "events_stale")] += 1
             return

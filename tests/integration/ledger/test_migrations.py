@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 from alembic import command
-from sqlalchemy import insert, select
+from sqlalchemy import func, insert, select
 
 from ledger.db import sync_engine
 from ledger.migrate import alembic_config, upgrade
 from ledger.replay import replay
-from ledger.schema import BlockRow, CounterRow
+from ledger.schema import BlockRow, CounterRow, LogRow
 from ledger.writer import LedgerWriter
 from tools.harness.builders import batch, created, removed, stored, updated
 
@@ -67,7 +67,7 @@ def test_0003_rebuilds_projections_an_earlier_version_wrote_so_that_replay_agree
                                 ("updated_unknown", 0)):
                 conn.execute(counters.update().where(counters.c.engine_id == "engine-a", counters.c.name == name)
                              .values(value=value))
-        assert upgrade(db) == ("0002", "0003")
+        assert upgrade(db) == ("0002", "0004")
         with engine.connect() as conn:
             rows = conn.execute(select(_BLOCKS.c.block_hash, _BLOCKS.c.state).order_by(_BLOCKS.c.block_hash)).all()
     finally:
@@ -107,4 +107,36 @@ def test_0003_makes_blocks_one_btree_on_sqlite_and_downgrades(sqlite_db):
     assert len(blocks_sql()) == 1 and "WITHOUT ROWID" in blocks_sql()[0]  # no index, no autoindex
     _downgrade(sqlite_db, "0002")
     assert "WITHOUT ROWID" not in blocks_sql()[0] and any("ix_blocks_engine_state" in s for s in blocks_sql())
-    assert upgrade(sqlite_db) == ("0002", "0003")
+    assert upgrade(sqlite_db) == ("0002", "0004")
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_0004_counts_the_logs_events_by_type_so_that_stats_and_replay_agree(backend, request):
+    from ledger.stats import ledger_stats
+
+    db = request.getfixturevalue(f"{backend}_db" if backend == "sqlite" else "postgres_db")
+    _append(db, batch(0, created(), stored(1, 2, event_id=1), stored(3, event_id=2, type_name="BlockStored")),
+            batch(1, removed(1, event_id=3), updated(2, event_id=4)),
+            batch(0, stored(9, event_id=1), engine_id="engine-b"),
+            batch(2, stored(4, event_id=2), removed(4, event_id=1)))  # the removal is stale: logged, not applied
+    _downgrade(db, "0003")
+    engine = sync_engine(db, writer=True)
+    counters, log = CounterRow.__table__, LogRow.__table__
+    try:
+        with engine.connect() as conn:
+            assert not [n for (n,) in conn.execute(select(counters.c.name)) if n.startswith("events_type:")]
+        assert upgrade(db) == ("0003", "0004")
+        with engine.connect() as conn:
+            by_type = {(e, t): n for e, t, n in conn.execute(
+                select(log.c.engine_id, log.c.type_name, func.count())
+                .where(log.c.batch_index >= 0, log.c.kind != "event_dead_lettered")
+                .group_by(log.c.engine_id, log.c.type_name))}  # what stats grouped before 0004
+            stats = ledger_stats(conn)
+    finally:
+        engine.dispose()
+    assert by_type == {("engine-a", "created"): 1, ("engine-a", "stored"): 2, ("engine-a", "BlockStored"): 1,
+                       ("engine-a", "removed"): 2, ("engine-a", "updated"): 1, ("engine-b", "stored"): 1}
+    assert {(e["engine_id"], t): n for e in stats["engines"] for t, n in e["events_by_type"].items()} == by_type
+    assert stats["events_total"] == sum(by_type.values()) and stats["events_by_type"]["stored"] == 3
+    report = replay(db)
+    assert report.equal, [(d.table, d.totals) for d in report.diffs if d.count]
