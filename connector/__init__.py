@@ -15,6 +15,7 @@ with ``TRTLLM_SEMKV_CONFIG=/etc/semkv/connector.toml`` in the environment (see
 
     settings      ConnectorSettings (TOML + TRTLLM_SEMKV_* env), refuses mode "experimental"
     namespace     namespace digests over every field that changes KV bytes; chained content keys
+    layouts       parallel layouts (TP, PP, CP, attention DP, sliding windows, MLA): served or refused
     plan          LoadPlan, SaveInstruction, ConnectorMetadata (picklable, bounded)
     donor_store   FileDonorStore: host-local, checksummed, atomically published donor bytes
     lookup        deadline runner, background runner, miss diagnosis
@@ -23,7 +24,7 @@ with ``TRTLLM_SEMKV_CONFIG=/etc/semkv/connector.toml`` in the environment (see
     promises      PromiseBook: request states, promises (pins, secured bytes, leases), plans, orphans
     saves         donor saves: armed at allocation (TensorRT-LLM) or shipped after finish (vLLM)
     donors        DonorRegistrar: finished requests become donors
-    scheduler     SemKvScheduler (rank 0): the scheduler hooks, delegating to the modules above
+    scheduler     SemKvScheduler (rank 0, or every attention-DP rank): the scheduler hooks, delegating
     worker        SemKvWorker (every rank): revalidated, checksummed loads; donor saves
     metrics       Prometheus metrics (semkv_*)
     _trtllm       import shim for TensorRT-LLM's base classes (newer path, 1.x path, local ABCs)

@@ -19,7 +19,8 @@ and ``tensorrt_llm/_torch/pyexecutor/py_executor.py`` (``_kv_connector_start_bat
 
 The connector contract, in runtime call order (one executor iteration)
 -------------------------------------------------------------------
-Scheduler side (rank 0 only, or every attention-DP rank; results are broadcast to workers):
+Scheduler side (rank 0 only, its results broadcast to every worker; under attention DP one per
+rank, called locally, its metadata going to that rank's worker only):
 
 1. ``get_num_new_matched_tokens(request, num_computed_tokens)`` — once per request (its first
    context chunk), from C++ ``addSequence`` while the block manager HOLDS ITS LOCK, after device

@@ -1,17 +1,24 @@
 """``semkv-ledger`` commands contributed by the ``connector`` package (see ``ledger.cli``).
 
-``semkv-ledger connector-check [--config semkv.toml]``: the pre-flight an operator runs on a
-TensorRT-LLM host before starting the engine — the same settings the connector will load
-(``TRTLLM_SEMKV_CONFIG`` / ``TRTLLM_SEMKV_*``), a ledger at the schema head, a writable donor store.
-Exit codes follow ``ledger.cli``: 0 ready, 2 a setting, the ledger or the store is not usable (one
-``error:`` line naming the setting and the true origin of its value).
+``semkv-ledger connector-check [--config semkv.toml] [--llm-args semkv.yaml [--model DIR]]``: the
+pre-flight an operator runs on a TensorRT-LLM host before starting the engine — the same settings the
+connector will load (``TRTLLM_SEMKV_CONFIG`` / ``TRTLLM_SEMKV_*``), a ledger at the schema head, a
+writable donor store; with ``--llm-args`` (the LLM API options file given to ``trtllm-serve
+--extra_llm_api_options``) also which parallel layouts of that configuration the connector serves
+(:mod:`connector.layouts`: TP, PP, CP, attention DP, sliding windows, MLA), each supported or
+refused with the reason. Exit codes follow ``ledger.cli``: 0 ready; 1 the configuration uses a
+layout the connector refuses (it would materialize nothing and register no donor); 2 a setting, the
+ledger, the store or the ``--llm-args`` file is not usable (one ``error:`` line naming the setting
+and the true origin of its value).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import types
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -55,18 +62,30 @@ def demo(
 def connector_check(
     config: Annotated[Path | None, typer.Option(readable=False,
                                                 help="Connector TOML (default: $TRTLLM_SEMKV_CONFIG).")] = None,
+    llm_args: Annotated[Path | None, typer.Option(
+        "--llm-args", readable=False,
+        help="TensorRT-LLM LLM API options (the YAML or JSON given to trtllm-serve --extra_llm_api_options): "
+             "report which of its parallel layouts the connector supports.")] = None,
+    model: Annotated[Path | None, typer.Option(
+        readable=False, help="With --llm-args: the model directory, whose config.json tells MLA.")] = None,
 ) -> None:
     """Validate the connector's settings, ledger and donor store as the engine would at start-up.
 
-    Exit codes: 0 ready; 2 a setting, the ledger or the donor store is not usable: one ``error:``
-    line naming the setting and where its value came from (env TRTLLM_SEMKV_*, the TOML file, or
-    the default).
+    With --llm-args, also which parallel layouts of that TensorRT-LLM configuration (TP, PP, CP,
+    attention DP, sliding windows, MLA) the connector serves, each with the reason.
+
+    Exit codes: 0 ready; 1 the --llm-args configuration uses a layout the connector refuses (it would
+    materialize nothing and register no donor; the reason is printed); 2 a setting, the ledger, the
+    donor store or the --llm-args file is not usable: one ``error:`` line naming the setting and where
+    its value came from (env TRTLLM_SEMKV_*, the TOML file, or the default).
     """
     from connector.donor_store import FileDonorStore, StoreDirUnusable
     from connector.settings import CONFIG_ENV, ConnectorConfigError, load_connector_settings, setting_origin
     from ledger.errors import LedgerError, database_error_line, is_database_error, url_for_humans
     from ledger.client import LedgerClient
 
+    options = _llm_options(llm_args) if llm_args is not None else None
+    model_config = _model_config(model) if llm_args is not None and model is not None else None
     environ = dict(os.environ)
     if config is not None:  # checked here, so that the error names --config, not TRTLLM_SEMKV_CONFIG
         require_toml_file("--config", config, "connector config")
@@ -98,6 +117,73 @@ def connector_check(
     typer.echo(f"connector ready: mode={settings.mode} engine_id={settings.engine_id} "
                f"ledger={url_for_humans(settings.db)} store={store.root} "
                f"({store.used_bytes():,} of {settings.store_capacity_bytes:,} bytes used)")
+    if options is None:
+        return
+    refused = _report_layouts(llm_args, options, model_config, settings.namespace.kv_layout)
+    if refused is not None:
+        typer.echo(f"not ready for {llm_args}: {refused.title} is refused ({refused.setting}): {refused.reason}; "
+                   "the connector would materialize nothing and register no donor", err=True)
+        raise typer.Exit(1)
+
+
+def _report_layouts(path: Path, options: Any, model_config: dict[str, Any] | None, kv_layout: str | None) -> Any:
+    """Print every layout's verdict for ``options``; returns the first refused one in use, or None."""
+    from connector import _trtllm
+    from connector.layouts import attention_dp_api, mla_layout, parallel_layouts, refused, sliding_window_layout
+
+    api = attention_dp_api()
+    where = (_trtllm.TRTLLM_CONNECTOR_MODULE if _trtllm.TRTLLM_AVAILABLE else
+             "TensorRT-LLM not importable here: checked against the connector's own ABCs (2026 main's contract)")
+    rows = [*parallel_layouts(options, attention_dp_api=api), sliding_window_layout(options),
+            mla_layout(model_config, kv_layout)]
+    typer.echo(f"parallel layouts of {path} (connector API: {where}):")
+    for row in rows:
+        verdict = ("supported" if row.supported else "REFUSED") if row.in_use else (
+            "not in use" if row.known else "not checked")
+        shown = row.in_use or not row.known
+        typer.echo(f"  {row.title}: {verdict} ({row.setting})" + (f": {row.reason}" if shown else ""))
+    return refused(rows)
+
+
+def _llm_options(path: Path) -> Any:
+    """The LLM API options file as attributes (``options.kv_cache_config.max_attention_window``);
+    exit 2 naming ``--llm-args`` when it cannot be read or is not a mapping. YAML needs PyYAML
+    (TensorRT-LLM depends on it); JSON, a subset of YAML, is read without it."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(f"--llm-args {path}: cannot read the LLM API options file: {getattr(exc, 'strerror', None) or exc}")
+    try:
+        import yaml
+    except ImportError:
+        yaml = None
+    errors: tuple[type[Exception], ...] = (json.JSONDecodeError,) if yaml is None else (yaml.YAMLError,)
+    try:
+        data = yaml.safe_load(text) if yaml is not None else json.loads(text)
+    except errors as exc:
+        kind = "YAML" if yaml is not None else "JSON (PyYAML is not installed)"
+        _fail(f"--llm-args {path}: not valid {kind}: {exc}")
+    if not isinstance(data, dict):
+        _fail(f"--llm-args {path}: expected a mapping of LLM API options (tensor_parallel_size, "
+              f"enable_attention_dp, kv_cache_config, ...), got {type(data).__name__}")
+    return _attributes(data)
+
+
+def _attributes(value: Any) -> Any:
+    if isinstance(value, dict):
+        return types.SimpleNamespace(**{str(k): _attributes(v) for k, v in value.items()})
+    return value
+
+
+def _model_config(model: Path) -> dict[str, Any]:
+    """``model/config.json``; exit 2 naming ``--model`` when it cannot be read."""
+    try:
+        data = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        _fail(f"--model {model}: cannot read config.json: {getattr(exc, 'strerror', None) or exc}")
+    if not isinstance(data, dict):
+        _fail(f"--model {model}: config.json is not a JSON object")
+    return data
 
 
 def _fail(message: str) -> NoReturn:

@@ -14,11 +14,21 @@ KV is computed by decode steps, and is left out so that every donor block is pre
 Engine block hashes (for freshness policy ``engine``) come from ``RequestData.block_hashes`` (newer
 TensorRT-LLM) or, on 1.2 where that field does not exist, are recomputed with ``v1_block_key``
 (1.1/1.2's salt id is BLAKE3, which Python reproduces; WIRE.md §A.1).
+
+A donor is registered under the attention-DP rank whose blocks hold it (:class:`DonorRank`): the
+ledger reads a donor's block liveness from the blocks of its ``(engine_id, attention_dp_rank,
+window_size)`` stream only (ledger/reads.py ``_FIRST_DEAD``, ledger/liveness.py), and ranks of one
+engine serving the same prefix hold blocks of the same hashes — a donor registered under another
+rank than its owner's would look fresh while its owner has evicted its blocks. Under attention DP
+the rank is the one TensorRT-LLM reports in ``SchedulerOutput.attention_dp_rank``; a request
+finishing before any report, or a report that contradicts an earlier one or the settings, registers
+no donor (``semkv_donors_not_registered_total{reason="attention_dp_rank_unknown"|"attention_dp_rank_conflict"}``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -32,20 +42,87 @@ from connector.settings import ConnectorSettings
 from ledger import events as ev
 from ledger.errors import LedgerError
 
-__all__ = ["DonorRegistrar", "LedgerBusy", "prefill_completed"]
+__all__ = ["DonorRank", "DonorRegistrar", "LedgerBusy", "prefill_completed"]
+
+
+log = logging.getLogger(__name__)
 
 
 class LedgerBusy(LedgerError):
     """A donor registration skipped because the caller is backing off a busy ledger."""
 
 
+class DonorRank:
+    """The attention-DP rank whose blocks this scheduler's requests live in, for donor registration.
+
+    Args:
+        settings: ``attention_dp_rank`` (the rank without attention DP; a value set explicitly must
+            agree with TensorRT-LLM's under it).
+        attention_dp: ``llm_args.enable_attention_dp``: one scheduler per rank, each told its rank
+            in every ``SchedulerOutput`` (NVIDIA/TensorRT-LLM
+            ``tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py`` @
+            035ab91cad04b7b77a479a9526edecfbc742c661, ``KvCacheConnectorManager.build_scheduler_output``:
+            ``attention_dp_rank = mpi_rank()``; the rank its KV events carry is ``mapping.rank``, the
+            same number for an engine whose ranks are one MPI world without pipeline or context
+            parallelism, the only layouts the connector serves).
+        num_ranks: attention-DP ranks (``llm_args.tensor_parallel_size`` under attention DP): a
+            reported rank outside ``[0, num_ranks)`` is a conflict.
+
+    Thread-safety: ``observe`` and ``for_donor`` run on the engine's thread (the scheduler's hooks).
+    """
+
+    UNKNOWN = "attention_dp_rank_unknown"
+    CONFLICT = "attention_dp_rank_conflict"
+
+    def __init__(self, settings: ConnectorSettings, *, attention_dp: bool = False, num_ranks: int = 1) -> None:
+        self.attention_dp, self.num_ranks = attention_dp, max(1, num_ranks)
+        self._configured = settings.attention_dp_rank if (
+            not attention_dp or "attention_dp_rank" in settings.model_fields_set) else None
+        self.rank: int | None = None if attention_dp else settings.attention_dp_rank
+        """The rank donors are registered under; None while unknown (attention DP, no report yet)."""
+        self.conflict: str | None = None
+        """Why no donor of this scheduler is registered any more (sticky), or None."""
+
+    def observe(self, reported: Any) -> None:
+        """One ``SchedulerOutput.attention_dp_rank`` (None: not reported; TensorRT-LLM sets it only
+        under attention DP, and 1.x has no such field). A report that contradicts the earlier ones,
+        the rank range or the settings stops donor registration for good, logged once."""
+        if reported is None or self.conflict is not None:
+            return
+        if not self.attention_dp:
+            self._refuse(f"TensorRT-LLM reports attention_dp_rank={reported!r} but llm_args has no "
+                         "enable_attention_dp")
+        elif not isinstance(reported, int) or isinstance(reported, bool) or not 0 <= reported < self.num_ranks:
+            self._refuse(f"TensorRT-LLM reports attention_dp_rank={reported!r}, outside the {self.num_ranks} "
+                         "attention-DP ranks of llm_args.tensor_parallel_size")
+        elif self.rank is not None and reported != self.rank:
+            self._refuse(f"TensorRT-LLM reported attention_dp_rank={reported} after {self.rank}")
+        elif self._configured is not None and reported != self._configured:
+            self._refuse(f"TensorRT-LLM reports attention_dp_rank={reported} but the setting attention_dp_rank "
+                         f"is {self._configured} (under attention DP every rank shares the settings: leave it unset)")
+        else:
+            self.rank = reported
+
+    def _refuse(self, why: str) -> None:
+        self.conflict = why
+        log.error("semkv: %s: this scheduler registers no donor any more (a donor under the wrong rank would have "
+                  "its block liveness read from another rank's blocks)", why)
+
+    def for_donor(self) -> int | str:
+        """The rank to register a donor under, or why none can be (a ``donors_not_registered`` reason)."""
+        if self.conflict is not None:
+            return self.CONFLICT
+        return self.UNKNOWN if self.rank is None else self.rank
+
+
 class DonorRegistrar:
     """Registers finished requests as donors. See the module docstring for the rules."""
 
     def __init__(self, settings: ConnectorSettings, namespace: DeploymentNamespace, ledger: Any, reader: Any,
-                 metrics: Any, tokens_per_block: int, window_size: int) -> None:
+                 metrics: Any, tokens_per_block: int, window_size: int, rank: DonorRank | None = None) -> None:
         self.settings, self.namespace, self.ledger, self.reader = settings, namespace, ledger, reader
         self.metrics, self.tokens_per_block, self.window_size = metrics, tokens_per_block, window_size
+        self.rank = rank or DonorRank(settings)
 
     def candidate(self, request: Any, block_ids: list[int], namespace: Any = None) -> tuple[Namespace, int] | None:
         """``(namespace, whole prompt blocks)`` when ``request`` can become a donor once its prefill
@@ -91,20 +168,25 @@ class DonorRegistrar:
         found = self.candidate(request, block_ids, namespace)
         if found is None or not prefill_completed(request):
             return None
+        rank = self.rank.for_donor()
+        if isinstance(rank, str):  # which rank's blocks hold it is not known: its liveness could not be read
+            self.metrics.donors_not_registered.labels(reason=rank).inc()
+            return None
         ns, n = found
         prompt = request.get_tokens(0)[: int(request.prompt_len)]
         keys = list((keys if keys is not None and len(keys) >= n else content_keys(ns, prompt, self.tokens_per_block, n))[:n])
         donor_id = donor_id or uuid.uuid4().hex
         with ledger_access() if ledger_access is not None else contextlib.nullcontext():
-            if not self._write(request, ns, keys, block_hashes, donor_id):
+            if not self._write(request, ns, keys, block_hashes, donor_id, rank):
                 return None
         self.metrics.donors_registered.inc()
         return self.instruction(request, block_ids, ns, n, donor_id=donor_id)
 
     def _write(self, request: Any, ns: Namespace, keys: list[bytes], block_hashes: list[int] | None,
-               donor_id: str) -> bool:
-        """Register the donor in the ledger; False when the same span already is a fresh donor (or
-        its engine block hashes cannot be known)."""
+               donor_id: str, rank: int) -> bool:
+        """Register the donor in the ledger under attention-DP rank ``rank``; False when the same
+        span already is a fresh donor (of any rank: donors are shared between ranks) or its engine
+        block hashes cannot be known."""
         s, n, tpb = self.settings, len(keys), self.tokens_per_block
         existing = self.reader.find_span(ns.digest, keys, time.time(), min_blocks=n)
         if existing is not None and existing.num_blocks >= n and (
@@ -119,7 +201,7 @@ class DonorRegistrar:
             generation=engine.generation if engine else 1, content_keys=keys, block_hashes=hashes,
             num_tokens=n * tpb, tokens_per_block=tpb,
             expires_at=time.time() + s.donor_ttl_s if s.donor_ttl_s else None,
-            attention_dp_rank=s.attention_dp_rank, window_size=self.window_size))
+            attention_dp_rank=rank, window_size=self.window_size))
         return True
 
 

@@ -18,8 +18,12 @@ token ids. It has two parts:
 
 Any required field that cannot be determined gives :class:`NamespaceUnknown` instead of a
 namespace, naming the field: that request is never materialized (discovery may still run).
-Unsupported configurations (tensor/pipeline/attention-DP parallelism, sliding windows, p-tuning,
-MLA without an explicit layout) are reported the same way with ``kind="unsupported"``.
+Unsupported configurations (tensor, pipeline or context parallelism, attention DP on a connector
+API without it, sliding windows, p-tuning, MLA without an explicit layout:
+:mod:`connector.layouts`) are reported the same way with ``kind="unsupported"``. Under attention DP
+the namespace gains ``parallel_layout`` (the number of attention-DP ranks and the MoE split, never
+the rank): every rank of an engine computes the same bytes for the same tokens, so donors are
+shared between ranks, never with another parallel layout.
 
 **Content keys** are prefix digests per whole block: ``key[i] = xxh3_128(ns || tokens[0 : (i+1)·tpb])``
 with the token ids as little-endian int64. ``key[i]`` therefore covers the namespace and every token
@@ -48,6 +52,8 @@ import numpy as np
 import xxhash
 from blake3 import blake3
 
+from connector.layouts import (attention_dp_api, attention_dp_layout, parallel_layouts, refused,
+                               sliding_window_layout)
 from connector.settings import NamespaceOverrides
 
 __all__ = ["CONNECTOR_VERSION", "PROBE_TOKENS", "DeploymentNamespace", "KvLayout", "Namespace", "NamespaceUnknown",
@@ -145,6 +151,9 @@ class DeploymentNamespace:
         overrides: operator-supplied fields (settings ``[namespace]``).
         engine_id: this engine's id (settings ``engine_id``): scopes LoRA task ids under
             ``overrides.lora_task_ids = "engine"``; without it LoRA requests have no namespace.
+        attention_dp_api: whether the connector API has attention DP
+            (:func:`connector.layouts.attention_dp_api`, asked only under ``enable_attention_dp``
+            when None).
 
     Attributes:
         fields: the deployment fields, or None when ``unknown`` is set.
@@ -153,10 +162,11 @@ class DeploymentNamespace:
         tokens_per_block: KV block size (tokens), or 0 when unknown.
     """
 
-    def __init__(self, llm_args: Any, overrides: NamespaceOverrides | None = None, engine_id: str | None = None
-                 ) -> None:
+    def __init__(self, llm_args: Any, overrides: NamespaceOverrides | None = None, engine_id: str | None = None,
+                 *, attention_dp_api: bool | None = None) -> None:
         self.overrides = overrides or NamespaceOverrides()
         self.engine_id = engine_id
+        self._attention_dp_api = attention_dp_api
         self.layout: KvLayout | None = None
         self.tokens_per_block = 0
         self._cache: dict[tuple, Namespace | NamespaceUnknown] = {}
@@ -173,11 +183,13 @@ class DeploymentNamespace:
         if not isinstance(tpb, int) or tpb < 1:
             return NamespaceUnknown("tokens_per_block", "llm_args.kv_cache_config.tokens_per_block is not set")
         self.tokens_per_block = tpb
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
-            if (getattr(llm_args, name, 1) or 1) > 1:
-                return NamespaceUnknown("parallelism", f"{name} > 1 is not supported yet", "unsupported")
-        if getattr(llm_args, "enable_attention_dp", False):
-            return NamespaceUnknown("parallelism", "attention data parallelism is not supported yet", "unsupported")
+        api = self._attention_dp_api
+        if api is None and getattr(llm_args, "enable_attention_dp", False):
+            api = attention_dp_api()
+        layout_refused = refused(parallel_layouts(llm_args, attention_dp_api=bool(api)))
+        if layout_refused is not None:
+            return NamespaceUnknown("parallelism", f"{layout_refused.title} ({layout_refused.setting}) is not "
+                                    f"supported: {layout_refused.reason}", "unsupported")
         harness = getattr(llm_args, "harness_model_config", None)
         model = o.model_id or (str(getattr(llm_args, "model", "") or "") or None)
         if model is None:
@@ -197,10 +209,10 @@ class DeploymentNamespace:
         dtype = _kv_dtype(llm_args, kvc, o)
         if dtype is None:
             return NamespaceUnknown("kv_dtype", "KV dtype is 'auto' in llm_args; set [namespace] kv_dtype")
-        window = getattr(kvc, "max_attention_window", None)
-        if window:
-            return NamespaceUnknown("attention_window", f"max_attention_window={window} (sliding or variable "
-                                    "windows) is not supported yet", "unsupported")
+        window = sliding_window_layout(llm_args)
+        if window.in_use:
+            return NamespaceUnknown("attention_window", f"{window.setting} (sliding or variable windows) is not "
+                                    f"supported: {window.reason}", "unsupported")
         layout = _layout(llm_args, harness, tpb, dtype, o)
         if isinstance(layout, NamespaceUnknown):
             return layout
@@ -218,6 +230,9 @@ class DeploymentNamespace:
             "tokenizer": o.tokenizer or str(getattr(llm_args, "tokenizer", None) or model),
             "chat_template": o.chat_template or "",
         }
+        parallel = attention_dp_layout(llm_args)
+        if parallel is not None:  # only under attention DP: every other deployment's digest is unchanged
+            fields["parallel_layout"] = parallel
         fields.update({f"extra.{k}": v for k, v in o.extra.items()})
         return fields
 

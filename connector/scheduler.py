@@ -1,4 +1,4 @@
-"""Scheduler half of the semkv KV Cache Connector (rank 0; DESIGN §2, §3, §4).
+"""Scheduler half of the semkv KV Cache Connector (rank 0, or every attention-DP rank; DESIGN §2, §3, §4).
 
 :class:`SemKvScheduler` is TensorRT-LLM's ``KvCacheConnectorScheduler``: each hook is a boundary
 (nothing raises into the engine: DESIGN §2 rule 4) that delegates to a collaborator built once for
@@ -35,6 +35,13 @@ around them is in docs/tensorrt-llm.md):
    released after ``request_orphan_timeout_s`` (:meth:`PromiseBook.reap_orphans`).
 
 There is no ``cancel_load`` or ``request_reset``: no TensorRT-LLM version has them.
+
+Attention data parallelism (``enable_attention_dp``; docs/modes.md, "Parallel layouts"): TensorRT-LLM
+2026 main builds one scheduler per rank, each seeing only its rank's requests and block ids, and
+calls it without broadcasting; ``supports_attention_dp = True`` opts in (its manager refuses a
+connector that does not). Lookups need no rank (a donor of any rank of the same namespace is loaded
+into this rank's blocks; its liveness is read from its own rank's blocks); donors are registered
+under the rank ``build_connector_meta`` is told (:class:`~connector.donors.DonorRank`).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 from connector._trtllm import KvCacheConnectorScheduler
 from connector.discovery.hook import SchedulerDiscovery
 from connector.donor_store import FileDonorStore
-from connector.donors import DonorRegistrar, prefill_completed
+from connector.donors import DonorRank, DonorRegistrar, prefill_completed
 from connector.engine_contract import TENSORRT_LLM, EngineContract
 from connector.lookup import BackgroundRunner
 from connector.metrics import ConnectorMetrics, process_metrics, serve_metrics
@@ -113,6 +120,8 @@ class _FreshSpans:
 class SemKvScheduler(KvCacheConnectorScheduler):
     """The connector's scheduler (see the module docstring for each hook's contract).
 
+    One per engine, or one per attention-DP rank (each on its own rank's requests and KV pool).
+
     Args:
         llm_args: TensorRT-LLM's ``TorchLlmArgs`` (or the harness's, or an adapter's).
         settings, ledger, store, metrics: injected for tests and embedding; by default settings come
@@ -131,6 +140,11 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             provider that cannot be built).
         SchemaOutOfDate, PersistenceError: the ledger is not migrated or not reachable.
     """
+
+    supports_attention_dp = True
+    """Owner-local under attention DP (NVIDIA/TensorRT-LLM ``connectors/kv_cache_connector.py`` @
+    035ab91cad04, ``validate_attention_dp``): this rank's lookups, plans and donors concern only its
+    own requests and blocks; the donor store and the ledger are shared, keyed by namespace and rank."""
 
     def __init__(self, llm_args: Any, *, settings: ConnectorSettings | None = None, ledger: LedgerClient | None = None,
                  store: FileDonorStore | None = None, metrics: ConnectorMetrics | None = None,
@@ -172,8 +186,13 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             binding=not engine.recomputes_failed_loads, holder=s.engine_id or f"{socket.gethostname()}:{os.getpid()}",
             tokens_per_block=self.tokens_per_block, layout=self.namespace.layout)
         registrar_ledger = self._discovery.registrar_ledger if self._discovery is not None else self.ledger
+        attention_dp = bool(getattr(llm_args, "enable_attention_dp", False))
+        self.donor_rank = DonorRank(s, attention_dp=attention_dp,
+                                    num_ranks=int(getattr(llm_args, "tensor_parallel_size", 1) or 1))
+        """The attention-DP rank this scheduler's donors are registered under (learnt from
+        ``SchedulerOutput.attention_dp_rank`` under attention DP)."""
         registrar = DonorRegistrar(s, self.namespace, registrar_ledger, _FreshSpans(self.ledger, self.policy),
-                                   self.metrics, self.tokens_per_block, _window_size(llm_args, s))
+                                   self.metrics, self.tokens_per_block, _window_size(llm_args, s), self.donor_rank)
         self._guard = UnverifiedBlocks() if engine.drops_requests_silently else None
         """Blocks abandoned prefills left in the engine's reuse tree (:mod:`connector.reuse_guard`);
         TensorRT-LLM, which reports every live request in every iteration it schedules."""
@@ -332,6 +351,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self._iteration += 1
         loads: list[LoadPlan] = []
         try:
+            self.donor_rank.observe(getattr(scheduler_output, "attention_dp_rank", None))
             for data in getattr(scheduler_output, "new_requests", []) or []:
                 state = self._reported(data)
                 if state is not None and state.plan is not None and not state.shipped:

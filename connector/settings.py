@@ -206,7 +206,10 @@ class ConnectorSettings(BaseSettings):
     window_size: int | None = Field(None, ge=1)
     """Attention window the engine reports in KV events; default from llm_args (max_seq_len)."""
     attention_dp_rank: int = Field(0, ge=0)
-    """Attention-DP rank whose blocks this scheduler's donors live in (the events' ``attention_dp_rank``)."""
+    """Rank whose blocks this engine's donors live in (the KV events' ``attention_dp_rank``), for an engine
+    WITHOUT attention DP (a vLLM data-parallel rank is one engine). Under TensorRT-LLM's attention DP every rank
+    reads the same settings: leave it unset, each rank's donors take the rank TensorRT-LLM reports
+    (``SchedulerOutput.attention_dp_rank``); a value set that disagrees stops that rank registering donors."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve ``/metrics`` on this port (+ the process's rank); None: no server."""
     namespace: NamespaceOverrides = Field(default_factory=NamespaceOverrides)

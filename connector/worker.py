@@ -113,7 +113,9 @@ class _ActiveLoad:
 
 
 class SemKvWorker(KvCacheConnectorWorker):
-    """The connector's worker (see the module docstring).
+    """The connector's worker (see the module docstring). One per rank; under attention DP it loads
+    into and saves from its own rank's pool only, and reports only its own rank's requests in
+    ``get_finished`` (TensorRT-LLM completes them per owner).
 
     Args:
         llm_args: TensorRT-LLM's ``TorchLlmArgs`` (or the harness's).
@@ -121,6 +123,10 @@ class SemKvWorker(KvCacheConnectorWorker):
         engine: the engine hosting the connector (default TensorRT-LLM: every layer is loaded in
             ``start_load_kv``; the vLLM adapter passes :data:`~connector.engine_contract.VLLM`).
     """
+
+    supports_attention_dp = True
+    """Owner-local under attention DP: plans name this rank's block ids, saves read this rank's pool,
+    and the donor store it reads and writes is shared by content, never by rank (docs/modes.md)."""
 
     def __init__(self, llm_args: Any, *, settings: ConnectorSettings | None = None, ledger: LedgerClient | None = None,
                  store: FileDonorStore | None = None, metrics: ConnectorMetrics | None = None,

@@ -22,6 +22,14 @@ per simulated rank:
   worker returns that is not pending on that rank (never passed in, or already returned) raises
   ``KeyError`` (``AsyncRequests.extract_by_id``); the runtime acts on an id only when EVERY worker
   has returned it (the ``mpi_allgather`` intersection).
+- attention DP (a driver with an ``attention_dp_rank``): the driver is ONE rank of the engine, with
+  its own scheduler (the 2026 manager builds one on every attention-DP owner and calls it without
+  broadcasting) and its own workers, whose ``get_finished`` completes that rank's requests alone (no
+  allgather across owners). Under a version whose ``SchedulerOutput`` has ``attention_dp_rank``
+  (2026 main) the driver refuses, as ``KvCacheConnectorManager.validate_attention_dp`` does at
+  executor bring-up, a scheduler or worker class that does not declare
+  ``supports_attention_dp = True`` (``NotImplementedError``). TensorRT-LLM's ``is_dummy_request``
+  padding requests, which the manager never shows the connector, are not modelled.
 
 Where the source lets an exception escape the executor loop (every call outside ``_forward_step``'s
 ``try``: the scheduler hooks, ``bind_connector_meta``, ``start_load_kv``, ``get_finished``, the
@@ -142,7 +150,8 @@ class ConnectorDriver:
         scheduler: the connector's scheduler object.
         workers: one worker per simulated rank (all see the same KV pool).
         manager: the engine's KV cache manager.
-        attention_dp_rank: set on every ``SchedulerOutput`` when not None (and the version has it).
+        attention_dp_rank: this driver is that attention-DP rank: set on every ``SchedulerOutput``
+            (when the version has the field), and the connector classes must opt in (see above).
         version: the modelled TensorRT-LLM version.
     """
 
@@ -150,6 +159,13 @@ class ConnectorDriver:
                  attention_dp_rank: int | None = None, version: TrtllmVersion = TRTLLM_MAIN_2026) -> None:
         if not workers:
             raise ValueError("at least one connector worker is required")
+        if attention_dp_rank is not None and version.scheduler_output_has_attention_dp_rank:
+            for cls in (type(scheduler), *(type(w) for w in workers)):
+                if getattr(cls, "supports_attention_dp", False) is not True:
+                    raise NotImplementedError(
+                        f"{cls.__name__}: the connector must declare supports_attention_dp=True and implement "
+                        "owner-local scheduling/transfers against a shared pool (TensorRT-LLM's "
+                        "KvCacheConnectorManager.validate_attention_dp)")
         self.scheduler = scheduler
         self.workers = workers
         self.manager = manager

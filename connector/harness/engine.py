@@ -68,7 +68,15 @@ class HarnessLLM:
         max_num_tokens: longest prefill chunk of a request (tokens, a multiple of
             ``tokens_per_block``).
         max_seq_len: longest prompt + generation (tokens); default ``model_config.max_context``.
-        attention_dp_rank: reported in events and ``SchedulerOutput`` when not None.
+        attention_dp_rank: this engine is rank ``attention_dp_rank`` of an attention-DP engine
+            (``llm_args.enable_attention_dp``): it holds its own KV pool, scheduler and worker, as each
+            rank of TensorRT-LLM's attention DP does, and reports the rank in its KV events and (2026
+            main) in every ``SchedulerOutput``. Build one ``HarnessLLM`` per rank (same model and
+            configuration) to model the whole engine; requests go to the rank they are submitted to
+            (TensorRT-LLM's attention-DP router decides that in a real engine).
+        attention_dp_size: attention-DP ranks of that engine (``llm_args.tensor_parallel_size``, as
+            in TensorRT-LLM, where the attention-DP ranks are the tensor-parallel ranks with
+            attention not sharded); default ``attention_dp_rank + 1``. Ignored without a rank.
         event_shape: ``"newer"`` or ``"1.2"`` KV-event dicts.
         first_request_id: first request id of this engine.
         connector_timeout_s: longest a request may wait parked for an async load (seconds;
@@ -76,6 +84,12 @@ class HarnessLLM:
         model: reuse an already built model (must match ``model_config``).
         trtllm_version: the TensorRT-LLM version whose behaviour is modelled.
         max_batch_size: most requests active at once; later ones wait (FIFO).
+
+    Raises:
+        ValueError: inconsistent configuration (``tokens_per_block``, ``max_num_tokens``,
+            ``max_batch_size``, an ``attention_dp_rank`` outside ``attention_dp_size``).
+        NotImplementedError: under attention DP on 2026 main, a connector class that does not
+            declare ``supports_attention_dp = True`` (TensorRT-LLM refuses it at bring-up).
 
     Thread-safety: every public method may be called from any thread; iterations are serialised.
     """
@@ -89,6 +103,7 @@ class HarnessLLM:
         max_num_tokens: int = 512,
         max_seq_len: int | None = None,
         attention_dp_rank: int | None = None,
+        attention_dp_size: int | None = None,
         event_shape: EventShape = "newer",
         first_request_id: int = 1,
         connector_timeout_s: float = 30.0,
@@ -105,6 +120,11 @@ class HarnessLLM:
             raise ValueError("max_num_tokens must be a positive multiple of tokens_per_block")
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        dp_size = 1
+        if attention_dp_rank is not None:
+            dp_size = attention_dp_size if attention_dp_size is not None else attention_dp_rank + 1
+            if not 0 <= attention_dp_rank < dp_size:
+                raise ValueError(f"attention_dp_rank={attention_dp_rank} is not one of {dp_size} attention-DP ranks")
         self.model_config = cfg
         self.model = model if model is not None else HarnessTransformer(cfg)
         self.max_num_tokens = max_num_tokens
@@ -114,6 +134,7 @@ class HarnessLLM:
         self.llm_args = HarnessLlmArgs(
             model=cfg.name, harness_model_config=cfg, kv_cache_config=kvc, max_seq_len=self.max_seq_len,
             max_num_tokens=max_num_tokens, enable_attention_dp=attention_dp_rank is not None,
+            tensor_parallel_size=dp_size,
             kv_connector_config=kv_connector if isinstance(kv_connector, KvCacheConnectorConfig) else None,
         )
         self._lock = threading.RLock()

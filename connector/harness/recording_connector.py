@@ -114,6 +114,8 @@ def make_recording_connector(plan: RecordingPlan) -> tuple[type, type]:
     """Build ``(scheduler_cls, worker_cls)`` sharing ``plan``; both take ``llm_args``."""
 
     class RecordingScheduler(KvCacheConnectorScheduler):
+        supports_attention_dp = True  # records its own rank's calls only: owner-local
+
         def __init__(self, llm_args: Any) -> None:
             super().__init__(llm_args)
             self.tokens_per_block = llm_args.kv_cache_config.tokens_per_block
@@ -158,6 +160,8 @@ def make_recording_connector(plan: RecordingPlan) -> tuple[type, type]:
             return plan.save_async(request) if callable(plan.save_async) else plan.save_async
 
     class RecordingWorker(KvCacheConnectorWorker):
+        supports_attention_dp = True  # transfers into its own rank's pool only: owner-local
+
         def __init__(self, llm_args: Any) -> None:
             super().__init__(llm_args)
             self.rank = plan.next_worker_rank()
