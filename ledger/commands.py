@@ -236,7 +236,8 @@ def inspect(
     """Show one item's history from the log.
 
     The ledger is only read: one it cannot write (a read-only mount, a snapshot) is opened read-only,
-    with a note on stderr.
+    with a note on stderr. A block's history is a search of the log's block events (seconds on a
+    ledger of millions of rows): a progress bar on stderr when stderr is a terminal, not with --json.
 
     Exit codes: 0 the item has log rows, 1 nothing found (no log row names it), 2 usage or
     database error.
@@ -244,8 +245,12 @@ def inspect(
     from ledger.stats import block_history, history
     from ledger.types import parse_hash
 
-    with _reading(db) as conn:
-        rows = block_history(conn, parse_hash(ident), limit) if kind == "block" else history(conn, kind, ident, limit)
+    with _reading(db) as conn, _progress_bar(enabled=kind == "block" and not json_out and sys.stderr.isatty()) as bar:
+        if kind == "block":  # a search of the log's block events: seconds on a large ledger
+            progress = None if bar is None else _mover(bar, bar.add_task("searching the log", total=None))
+            rows = block_history(conn, parse_hash(ident), limit, progress)
+        else:
+            rows = history(conn, kind, ident, limit)
     if json_out:
         print(json.dumps({"kind": kind, "id": ident, "rows": [_log_row_json(r) for r in rows]}, default=_json_bytes))
     else:

@@ -7,6 +7,7 @@ for one item's history, from the log; nothing is written. The JSON shape of :fun
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, func, select
@@ -76,30 +77,39 @@ def history(conn: Connection, kind: str, ident: str, limit: int = 200) -> list[d
 
 _BLOCK_KINDS = ("block_stored", "block_removed", "block_updated")
 BLOCK_HISTORY_PAGE_ROWS = 5_000
+BLOCK_HISTORY_WINDOW_SEQS = 100_000
+"""The log is searched this many seqs at a time, so that progress can be shown between windows."""
 
 
-def block_history(conn: Connection, block_hash: BlockHash, limit: int = 200) -> list[dict[str, Any]]:
+def block_history(conn: Connection, block_hash: BlockHash, limit: int = 200,
+                  progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
     """Engine events of every engine naming ``block_hash``, oldest first (the newest ``limit``).
 
     A removed block has no projection row left to say which engines knew it (ledger.apply), so the
     log's block events are searched: the database keeps only rows whose body holds the hash's
-    msgpack bytes (a scan in C: :meth:`~ledger.backends.base.Backend.contains_bytes`), read in
-    pages of :data:`BLOCK_HISTORY_PAGE_ROWS`; those are decoded and kept when an event really
-    names the hash (the bytes can also occur elsewhere in a body). Memory holds one page and
-    ``limit`` rows.
+    msgpack bytes (a scan in C: :meth:`~ledger.backends.base.Backend.contains_bytes`), in windows of
+    :data:`BLOCK_HISTORY_WINDOW_SEQS` seqs and pages of :data:`BLOCK_HISTORY_PAGE_ROWS` rows; those
+    are decoded and kept when an event really names the hash (the bytes can also occur elsewhere in
+    a body). Memory holds one page and ``limit`` rows. ``progress(seq searched up to, newest seq)``
+    is called after each window.
 
     Raises:
         sqlalchemy.exc.SQLAlchemyError: the database failed.
     """
     needle = ev.BODY_ENCODER.encode(block_hash)  # what the recorder wrote: msgspec encodes canonically
     contains = backend_named(conn.dialect.name).contains_bytes(_LOG.c.body, needle)
-    query = (select(_LOG).where(_LOG.c.kind.in_(_BLOCK_KINDS), contains, _LOG.c.seq > bindparam("after"))
+    query = (select(_LOG).where(_LOG.c.kind.in_(_BLOCK_KINDS), contains, _LOG.c.seq > bindparam("after"),
+                                _LOG.c.seq <= bindparam("upto"))
              .order_by(_LOG.c.seq).limit(BLOCK_HISTORY_PAGE_ROWS))
+    head = conn.execute(select(func.max(_LOG.c.seq))).scalar() or 0
     kept: collections.deque[dict[str, Any]] = collections.deque(maxlen=limit)
-    after = 0
-    while page := conn.execute(query, {"after": after}).all():
-        kept.extend(row for row in _decoded(page) if block_hash in _hashes_of(row["body"]))
-        after = page[-1].seq
+    for start in range(0, head, BLOCK_HISTORY_WINDOW_SEQS):
+        params = {"after": start, "upto": start + BLOCK_HISTORY_WINDOW_SEQS}
+        while page := conn.execute(query, params).all():
+            kept.extend(row for row in _decoded(page) if block_hash in _hashes_of(row["body"]))
+            params["after"] = page[-1].seq
+        if progress is not None:
+            progress(min(params["upto"], head), head)
     return list(kept)
 
 

@@ -1,5 +1,6 @@
 """Long operator work shows progress on a terminal and nowhere else (issue 23): ``replay`` while it
-rebuilds and ``migrate`` for each step a revision reports (0003's projection rebuild) draw a bar on
+rebuilds, ``inspect block`` while it searches the log and ``migrate`` for each step a revision
+reports (0003's projection rebuild) draw a bar on
 stderr when stderr is a terminal; off a terminal, and with ``--json``, stderr stays empty.
 
 Real CLI processes with stderr on a pseudo-terminal (:mod:`pty`) or a pipe, real SQLite ledgers;
@@ -133,6 +134,18 @@ def test_replay_is_quiet_off_a_terminal_and_with_json(ledger: str) -> None:
     code, stdout, terminal = run_with_terminal_stderr("replay", "--db", ledger, "--json")
     assert code == 0 and terminal.strip() == "", terminal
     assert json.loads(stdout)["equal"] is True  # stdout holds the JSON and nothing else
+
+
+def test_inspect_block_draws_its_search_on_a_terminal_only(ledger: str, log_rows: int) -> None:
+    code, stdout, terminal = run_with_terminal_stderr("inspect", "block", "1001", "--db", ledger)
+    assert code == 0, terminal
+    assert "searching the log" in terminal and BAR in terminal and f"{log_rows}/{log_rows}" in terminal
+    assert "block_stored" in stdout and "block_removed" in stdout
+    piped = run_piped("inspect", "block", "1001", "--db", ledger)
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+    code, stdout, terminal = run_with_terminal_stderr("inspect", "block", "1001", "--db", ledger, "--json")
+    assert code == 0 and terminal.strip() == "", terminal
+    assert [row["kind"] for row in json.loads(stdout)["rows"]] == ["block_stored", "block_removed"]
 
 
 def test_migrate_draws_0003s_rebuild_on_a_terminal(ledger_at_0002: str, log_rows: int) -> None:

@@ -55,13 +55,21 @@ def test_block_history_keeps_an_engine_that_removed_the_block(sqlite_db: str) ->
 
 
 @pytest.mark.parametrize("ledger", ["sqlite_db", "postgres_db"])
-def test_block_history_finds_64_bit_and_wide_hashes_and_only_events_naming_them(ledger: str, request) -> None:
+@pytest.mark.parametrize("window_seqs, page_rows", [(100_000, 5_000), (2, 1)])
+def test_block_history_finds_64_bit_and_wide_hashes_and_only_events_naming_them(ledger: str, window_seqs: int,
+                                                                                page_rows: int, request,
+                                                                                monkeypatch) -> None:
     # The database prefilters log rows by the hash's msgpack bytes; a body holding those bytes
-    # elsewhere (here as a parent_hash) must not be reported, and the newest `limit` rows are kept.
+    # elsewhere (here as a parent_hash) must not be reported, and the newest `limit` rows are kept,
+    # whatever the search's windows and pages.
     import asyncio
 
+    from ledger import stats
     from ledger.db import sync_engine
     from ledger.stats import block_history
+
+    monkeypatch.setattr(stats, "BLOCK_HISTORY_WINDOW_SEQS", window_seqs)
+    monkeypatch.setattr(stats, "BLOCK_HISTORY_PAGE_ROWS", page_rows)
     from ledger.writer import LedgerWriter
     from tools.harness.builders import batch, removed, stored
 
