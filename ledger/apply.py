@@ -127,6 +127,14 @@ class Changes:
         self.quarantines: list[tuple[str, int]] = []
         """(engine_id, seq) of each :data:`QUARANTINE`, in log order."""
 
+    def clear(self) -> None:
+        """Forget what was recorded (a whole fold, which writes every row, clears it as it goes so
+        that its memory does not grow with every block the log ever named)."""
+        for keys in self.dirty.values():
+            keys.clear()
+        self.dropped_blocks.clear()
+        self.quarantines.clear()
+
     def removal_of_unseen_block(self, key: BlockKey, stream_hash: tuple[str, int, int, int]) -> bool:
         """A removal found no row for ``key``. True when the writer accounts for it (a row it did
         not load); False counts it ``removed_unknown``."""

@@ -1,4 +1,4 @@
-"""The ledger's own commands: ``migrate``, ``replay``, ``stats``, ``inspect``.
+"""The ledger's own commands: ``migrate``, ``replay``, ``snapshot``, ``stats``, ``inspect``.
 
 Errors a user can cause (bad URL, unreachable database, schema not migrated, a ledger that cannot
 be written given to ``migrate``) print one line and exit 2; a replay that disagrees with the live
@@ -14,6 +14,7 @@ revision reports (:func:`ledger.migrate.migration_progress`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import sys
@@ -84,8 +85,8 @@ def migrate(db: DbOption = DEFAULT_DB) -> None:
 @user_errors
 def replay(
     db: DbOption = DEFAULT_DB,
-    until: Annotated[int | None, typer.Option(help="Stop after this log seq (time travel); no diff then.",
-                                              min=0)] = None,
+    until: Annotated[int | None, typer.Option(help="Stop after this log seq (time travel; from the newest "
+                                              "snapshot at or before it, if any); no diff then.", min=0)] = None,
     out: Annotated[str | None, typer.Option(help="Keep the rebuilt projections (tables only, no log) in this SQLite file, for sqlite3.")] = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -109,6 +110,32 @@ def replay(
         _print_report(report)
     if report.compared and not report.equal:
         raise typer.Exit(1)
+
+
+@app.command()
+@user_errors
+def snapshot(db: DbOption = DEFAULT_DB, json_out: JsonOption = False) -> None:
+    """Take a projection snapshot at the head of the log (the fold of the log, from the newest snapshot).
+
+    ``replay --until SEQ`` then starts from the newest snapshot at or before SEQ and folds only the
+    log after it. Snapshots are made by folding the log, never copied from the live projections,
+    and the audit (``replay`` without --until) never uses them. A progress bar on stderr while it
+    folds, when stderr is a terminal and not with --json.
+
+    Exit codes: 0 taken (or the newest one is already at the head); 2 usage or database error.
+    """
+    from ledger.replay import snapshot_at_head
+
+    with _progress_bar(enabled=not json_out and sys.stderr.isatty()) as bar:
+        progress = None if bar is None else _mover(bar, bar.add_task("folding the log", total=None))
+        taken = snapshot_at_head(db, progress)
+    if json_out:
+        print(json.dumps(dataclasses.asdict(taken)))
+        return
+    since = f"the snapshot at seq {taken.started_from}" if taken.started_from else "the start of the log"
+    console.print(f"snapshot at seq {taken.seq}: folded {count(taken.folded)} log rows from {since} in "
+                  f"{taken.seconds:.1f} s, {count(taken.size_bytes)} bytes" if taken.folded else
+                  f"snapshot at seq {taken.seq}: already there (nothing logged since)", highlight=False)
 
 
 @contextlib.contextmanager
@@ -152,7 +179,7 @@ def _report_json(report) -> dict[str, Any]:
     return {
         "equal": report.equal if report.compared else None, "compared": report.compared, "events": report.events, "last_seq": report.last_seq,
         "rebuild_seconds": report.rebuild_seconds, "events_per_second": report.events_per_second,
-        "row_counts": report.row_counts, "scratch_path": report.scratch_path,
+        "row_counts": report.row_counts, "scratch_path": report.scratch_path, "started_from": report.started_from,
         "diffs": [{"table": d.table, "only_in_live": d.totals[0], "only_in_replay": d.totals[1], "changed": d.totals[2],
                    "samples": {"only_in_live": d.only_in_live, "only_in_replay": d.only_in_replay,
                                "changed": [{"live": a, "replay": b} for a, b in d.changed]}}
@@ -161,7 +188,8 @@ def _report_json(report) -> dict[str, Any]:
 
 
 def _print_report(report) -> None:
-    table = Table(title=f"replay of {count(report.events)} log rows (through seq {report.last_seq})")
+    start = f", from the snapshot at seq {report.started_from}" if report.started_from else ""
+    table = Table(title=f"replay of {count(report.events)} log rows (through seq {report.last_seq}{start})")
     for column in ("projection", "rows rebuilt", "only in live", "only in replay", "changed"):
         table.add_column(column, justify="right" if column != "projection" else "left")
     diffs = {d.table: d for d in report.diffs}

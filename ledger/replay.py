@@ -7,7 +7,8 @@ any file that holds more than projection tables: :func:`refuse_foreign_scratch`)
 then compares every projection table row by row with the live one. Any difference is a bug.
 
 ``until`` stops after that log seq (time travel); the diff is then skipped, since the live
-projections are at the head of the log.
+projections are at the head of the log, and the rebuild starts from the newest projection snapshot
+at or before ``until`` when there is one (:mod:`ledger.snapshot`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from ledger.backends.base import ReadOnlyOpen
 from ledger.backends.sqlite import sqlite_open_uri
 from ledger.db import Sql, audit_engine, sync_engine
 from ledger.errors import LedgerError
-from ledger.migrate import check_schema
+from ledger.migrate import check_schema, current_revision
 from ledger.prepared import Prepared
 from ledger.recorder import write_projection
 from ledger.schema import PROJECTION_TABLES, Base, LogRow
+from ledger.snapshot import ProjectionSnapshot, from_projection, latest_snapshot, save_snapshot, to_projection
 
 _LOG = LogRow.__table__
 Progress = Callable[[int, int], None]
@@ -61,6 +63,8 @@ class ReplayReport:
     compared: bool
     scratch_path: str | None = None
     row_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    started_from: int = 0
+    """The seq of the snapshot the rebuild started from (``--until`` only), 0: the start of the log."""
 
     @property
     def events_per_second(self) -> float:
@@ -80,9 +84,10 @@ _LOG_PAGE = Prepared(select(*(_LOG.c[name] for name in _LOG_COLUMNS))
 _SEQ_MAX = 2**63 - 1
 
 
-def iter_log(conn: Connection, until: int | None = None, batch_rows: int = 20_000) -> Iterator[LogEntry]:
+def iter_log(conn: Connection, until: int | None = None, batch_rows: int = 20_000, *,
+             after: int = 0) -> Iterator[LogEntry]:
     """Log rows in seq order as :class:`LogEntry` (bodies decoded), streamed in pages of
-    ``batch_rows``, up to ``until`` (a seq; None: the whole log).
+    ``batch_rows``, from after seq ``after`` up to ``until`` (a seq; None: the whole log).
 
     Pages are read on the DBAPI cursor (:class:`~ledger.prepared.Prepared`): SQLAlchemy's result
     rows cost a third of the rebuild (tools/results/replay-2026-12-03.md).
@@ -92,7 +97,7 @@ def iter_log(conn: Connection, until: int | None = None, batch_rows: int = 20_00
     """
     sql = Sql.of(conn)
     decode = ev.BODY_DECODER.decode
-    params = {"after": 0, "until": _SEQ_MAX if until is None else until, "page_rows": batch_rows}
+    params = {"after": after, "until": _SEQ_MAX if until is None else until, "page_rows": batch_rows}
     while True:
         try:
             rows = sql.all(_LOG_PAGE, params)
@@ -105,18 +110,24 @@ def iter_log(conn: Connection, until: int | None = None, batch_rows: int = 20_00
         params["after"] = rows[-1][0]
 
 
-def rebuild(conn: Connection, until: int | None = None, progress: Progress | None = None) -> tuple[Projection, int, int]:
-    """Apply the log to a fresh projection. Returns (projection, events applied, last seq)."""
-    total = conn.execute(select(func.count()).select_from(_LOG).where(_LOG.c.seq <= until) if until is not None
-                         else select(func.count()).select_from(_LOG)).scalar_one()
-    proj = Projection()
-    count, last_seq = 0, 0
-    for entry in iter_log(conn, until):
+def rebuild(conn: Connection, until: int | None = None, progress: Progress | None = None, *,
+            start: ProjectionSnapshot | None = None) -> tuple[Projection, int, int]:
+    """Fold the log up to ``until`` (None: all of it) into a fresh projection, or into ``start``'s
+    rows and only the log after its seq. Returns (projection, log rows folded, last seq).
+    ``progress(folded, to fold)`` every 10,000 rows and at the end."""
+    after = start.seq if start is not None else 0
+    head = until if until is not None else conn.execute(select(func.max(_LOG.c.seq))).scalar() or 0
+    total = max(0, head - after)  # seqs are gapless from 1 (ledger.recorder), so no count of the log
+    proj = to_projection(start) if start is not None else Projection()
+    count, last_seq = 0, after
+    for entry in iter_log(conn, until, after=after):
         apply(proj, entry)
         count += 1
         last_seq = entry.seq
-        if progress is not None and count % 10_000 == 0:
-            progress(count, total)
+        if count % 10_000 == 0:
+            proj.changes.clear()  # nobody reads them here: bounded memory on a log of millions of rows
+            if progress is not None:
+                progress(count, total)
     if progress is not None:
         progress(count, total)
     return proj, count, last_seq
@@ -186,20 +197,62 @@ def replay(db: str, *, until: int | None = None, scratch: str | Path | None = No
         cleanup.callback(scratch_engine.dispose)
         live = cleanup.enter_context(live_engine.connect())
         check_schema(live, db)
+        live_head = live.execute(select(func.max(_LOG.c.seq))).scalar() or 0
+        compare = until is None or until >= live_head
+        # a snapshot only for looking back: the audit of the live projections folds the whole log
+        start = None if compare else latest_snapshot(live, current_revision(live) or "", until)
         started = time.perf_counter()
-        proj, count, last_seq = rebuild(live, until, progress)
+        proj, count, last_seq = rebuild(live, until, progress, start=start)
         seconds = time.perf_counter() - started
         Base.metadata.drop_all(scratch_engine, tables=list(PROJECTION_TABLES))
         Base.metadata.create_all(scratch_engine, tables=list(PROJECTION_TABLES))
         with scratch_engine.begin() as out:
             write_projection(out, proj)
-        live_head = live.execute(select(func.max(_LOG.c.seq))).scalar() or 0
-        compare = until is None or until >= live_head
         with scratch_engine.connect() as out:
             diffs = diff_tables(live, out) if compare else []
             counts = {t.name: out.execute(select(func.count()).select_from(t)).scalar_one()
                       for t in PROJECTION_TABLES}
-        return ReplayReport(count, last_seq, seconds, diffs, compare, str(scratch) if kept else None, counts)
+        return ReplayReport(count, last_seq, seconds, diffs, compare, str(scratch) if kept else None, counts,
+                            start.seq if start is not None else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotTaken:
+    seq: int
+    """The log seq the snapshot is at (the head when it was taken)."""
+    started_from: int
+    """The seq of the snapshot it was folded from (0: the start of the log)."""
+    folded: int
+    """Log rows folded."""
+    seconds: float
+    size_bytes: int
+
+
+def snapshot_at_head(db: str, progress: Progress | None = None) -> SnapshotTaken:
+    """Take a projection snapshot (:mod:`ledger.snapshot`) at the head of the log of ``db``: the
+    newest snapshot of this revision plus the log after it, folded, stored in the ledger.
+
+    Raises:
+        LedgerError: no ledger at ``db`` (or it cannot be written).
+        SchemaOutOfDate, PersistenceError (as SQLAlchemy errors from the caller's view).
+    """
+    engine = sync_engine(db, writer=True)
+    try:
+        with engine.connect() as conn:
+            check_schema(conn, db)
+            revision = current_revision(conn) or ""
+            start = latest_snapshot(conn, revision)
+            started = time.perf_counter()
+            proj, folded, last_seq = rebuild(conn, None, progress, start=start)
+            seconds = time.perf_counter() - started
+            conn.rollback()  # end the read before the write transaction (SQLite: BEGIN IMMEDIATE)
+        if start is not None and last_seq == start.seq:  # nothing logged since: keep the one there is
+            return SnapshotTaken(last_seq, start.seq, 0, seconds, 0)
+        with engine.begin() as conn:
+            size = save_snapshot(conn, from_projection(proj, last_seq), revision)
+        return SnapshotTaken(last_seq, start.seq if start is not None else 0, folded, seconds, size)
+    finally:
+        engine.dispose()
 
 
 def refuse_foreign_scratch(path: Path) -> None:

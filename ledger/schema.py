@@ -227,6 +227,19 @@ class CounterRow(Base):
     value: Mapped[int]
 
 
+
+class ProjectionSnapshotRow(Base):
+    """A projection snapshot (:mod:`ledger.snapshot`): the fold's rows after log row ``seq``, made by
+    schema ``revision``'s fold, msgpack in ``body``. Not a projection (replay neither writes nor
+    compares it); written by ``semkv-ledger snapshot`` only."""
+
+    __tablename__ = "projection_snapshots"
+
+    seq: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    revision: Mapped[str] = mapped_column(String(32), primary_key=True)
+    taken_at: Mapped[float]
+    body: Mapped[bytes]
+
 PROJECTION_TABLES = (
     EngineRow.__table__,
     StreamRow.__table__,
