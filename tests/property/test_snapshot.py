@@ -6,7 +6,6 @@ and on a ledger with donors and leases; snapshots are stored in and read back fr
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,9 +22,8 @@ from ledger.db import sync_engine
 from ledger.migrate import current_revision, upgrade
 from ledger.replay import rebuild, replay, snapshot_at_head
 from ledger.snapshot import from_projection, latest_snapshot, save_snapshot
-from ledger.writer import LedgerWriter
 from tests.property.test_ledger_interleavings import build, histories
-from tools.harness.builders import batch, created, removed, stored
+from tools.harness.builders import batch, created, record, removed, stored
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +34,7 @@ def template_db(tmp_path_factory) -> Path:
 
 
 def feed(db: str, arrived: list) -> None:
-    async def run() -> None:
-        writer = await LedgerWriter.open(db)
-        try:
-            for b in arrived:
-                await writer.append([b])
-        finally:
-            await writer.close()
-
-    asyncio.run(run())
+    record(db, *([b] for b in arrived))
 
 
 def encoded(proj, seq: int) -> bytes:

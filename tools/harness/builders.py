@@ -56,3 +56,21 @@ def batch(seq: int, *events: ev.EngineEvent, engine_id: str = "engine-a", source
         digest = xxhash.xxh3_64_intdigest(b"".join(e.raw for e in events) + seq.to_bytes(8, "big"))
     return ev.ReceivedBatch(source_id=source_id or f"{engine_id}@tcp://127.0.0.1:5557", engine_id=engine_id,
                             seq=seq, ts=ts, digest=digest, events=list(events))
+
+
+def record(db: str, *transactions: list[ev.ReceivedBatch]) -> None:
+    """Append batches to the ledger at ``db`` through the real writer, one ledger transaction per
+    argument (a list of batches)."""
+    import asyncio
+
+    from ledger.writer import LedgerWriter
+
+    async def run() -> None:
+        writer = await LedgerWriter.open(db)
+        try:
+            for batches in transactions:
+                await writer.append(batches)
+        finally:
+            await writer.close()
+
+    asyncio.run(run())

@@ -62,31 +62,20 @@ def test_block_history_finds_64_bit_and_wide_hashes_and_only_events_naming_them(
     # The database prefilters log rows by the hash's msgpack bytes; a body holding those bytes
     # elsewhere (here as a parent_hash) must not be reported, and the newest `limit` rows are kept,
     # whatever the search's windows and pages.
-    import asyncio
-
     from ledger import stats
     from ledger.db import sync_engine
     from ledger.stats import block_history
+    from tools.harness.builders import batch, record, removed, stored
 
     monkeypatch.setattr(stats, "BLOCK_HISTORY_WINDOW_SEQS", window_seqs)
     monkeypatch.setattr(stats, "BLOCK_HISTORY_PAGE_ROWS", page_rows)
-    from ledger.writer import LedgerWriter
-    from tools.harness.builders import batch, removed, stored
 
     db = request.getfixturevalue(ledger)
     big, wide, other = 0xFEDCBA9876543210, bytes(range(32)), 0x0123456789ABCDEF
 
-    async def feed() -> None:
-        writer = await LedgerWriter.open(db)
-        try:
-            await writer.append([batch(0, stored(big, wide), engine_id="engine-a")])
-            await writer.append([batch(1, stored(other, parent=big), engine_id="engine-a")])
-            await writer.append([batch(0, stored(wide), engine_id="engine-b")])
-            await writer.append([batch(2, removed(big, wide), engine_id="engine-a")])
-        finally:
-            await writer.close()
-
-    asyncio.run(feed())
+    record(db, [batch(0, stored(big, wide), engine_id="engine-a")],
+           [batch(1, stored(other, parent=big), engine_id="engine-a")],
+           [batch(0, stored(wide), engine_id="engine-b")], [batch(2, removed(big, wide), engine_id="engine-a")])
     engine = sync_engine(db)
     try:
         with engine.connect() as conn:
