@@ -49,6 +49,8 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except BrokenPipeError:
+            raise  # the reader of stdout went away (`| head`): click exits 1 quietly, no ledger error
         except (LedgerError, SQLAlchemyError, OSError, ValueError) as exc:
             db = kwargs.get("db")
             message = database_error_line(exc, db) if db and is_database_error(exc) else one_line(str(exc))

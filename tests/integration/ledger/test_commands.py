@@ -88,3 +88,17 @@ def test_block_history_finds_64_bit_and_wide_hashes_and_only_events_naming_them(
     assert big_rows == [("engine-a", "block_stored"), ("engine-a", "block_removed")]
     assert wide_rows == [("engine-a", "block_stored"), ("engine-b", "block_stored"), ("engine-a", "block_removed")]
     assert newest == [("engine-a", "block_removed")]
+
+
+def test_output_piped_into_a_reader_that_stops_early_is_no_ledger_error(sqlite_db: str) -> None:
+    # `semkv-ledger inspect … | head` once printed "error: --db …: cannot open the ledger database:
+    # broken pipe" and exited 2.
+    from tools.harness.builders import batch, record, stored
+
+    record(sqlite_db, *([batch(seq, stored(*range(seq * 50 + 1, seq * 50 + 51)))] for seq in range(400)))
+    proc = subprocess.Popen([sys.executable, "-m", "ledger", "inspect", "engine", "engine-a", "--limit", "100000",
+                             "--json", "--db", sqlite_db], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(100)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1 and "error" not in stderr, stderr
