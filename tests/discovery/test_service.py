@@ -166,7 +166,9 @@ def test_deadline_timeout_is_a_counted_miss_and_bounds_the_caller(sqlite_db: str
             started = time.perf_counter()
             match = lookup(svc, workload, lab.target, deadline_s=0.002)
             worst = max(worst, time.perf_counter() - started)
-        assert worst < 0.002 + 0.1  # loose on a 2-core VM; tools/bench_discovery.py measures the bound
+        # the provider hangs for 10 s: the callers came back with the deadline, not with it (how close to
+        # 2 ms is tools/bench_discovery.py's to measure; CI once saw > 100 ms here with both cores busy)
+        assert worst < 1.0
         assert sleepy.calls == 1  # its lane is full: later lookups skip it at once
         m = svc.metrics
         assert m.value("semkv_discovery_outcomes_total", provider="sleepy", outcome="timeout") == 6
