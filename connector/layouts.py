@@ -72,9 +72,38 @@ class LayoutSupport:
     known: bool = True
 
 
-def _size(llm_args: Any, name: str) -> int:
+def _size(llm_args: Any, name: str) -> int | None:
+    """A parallel size as TensorRT-LLM's pydantic ``TorchLlmArgs`` would read it: absent or None is
+    its default 1; an int, or a string or float holding one, must be ≥ 1; anything else is None
+    (unreadable: the layout is refused, never guessed)."""
     value = getattr(llm_args, name, None)
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+    if value is None:
+        return 1
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on", "t", "y"}, {"false", "0", "no", "off", "f", "n"}
+
+
+def _flag(llm_args: Any, name: str) -> bool | None:
+    """A boolean as pydantic reads one (``"false"`` is False); absent is False; None when unreadable."""
+    value = getattr(llm_args, name, None)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    return None
+
+
+def _unreadable(layout: str, title: str, name: str, value: Any, expected: str) -> LayoutSupport:
+    return LayoutSupport(layout, title, True, False, f"{name}={value!r}",
+                         f"{name} is not {expected}: the connector does not guess a parallel layout")
 
 
 def attention_dp_api() -> bool:
@@ -95,7 +124,7 @@ def attention_dp_layout(llm_args: Any) -> str | None:
     under another, or without attention DP. The rank is NOT part of it: every rank of one engine
     (and of any engine with the same split) computes the same bytes for the same tokens.
     """
-    if not getattr(llm_args, "enable_attention_dp", False):
+    if not _flag(llm_args, "enable_attention_dp"):
         return None
     parts = [f"attention_dp={_size(llm_args, 'tensor_parallel_size')}"]
     for name, label in (("moe_tensor_parallel_size", "moe_tp"), ("moe_expert_parallel_size", "moe_ep"),
@@ -112,9 +141,19 @@ def parallel_layouts(llm_args: Any, *, attention_dp_api: bool) -> list[LayoutSup
     Args:
         attention_dp_api: whether the connector API has attention DP (:func:`attention_dp_api`).
     """
-    tp, pp, cp = (_size(llm_args, name) for name in ("tensor_parallel_size", "pipeline_parallel_size",
-                                                      "context_parallel_size"))
-    adp = bool(getattr(llm_args, "enable_attention_dp", False))
+    names = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
+    tp, pp, cp = (_size(llm_args, name) for name in names)
+    adp = _flag(llm_args, "enable_attention_dp")
+    unreadable = [_unreadable(layout, title, name, getattr(llm_args, name, None), "a positive integer")
+                  for layout, title, name, size in zip(("tensor_parallel", "pipeline_parallel", "context_parallel"),
+                                                       ("tensor parallelism (TP)", "pipeline parallelism (PP)",
+                                                        "context parallelism (CP)"), names, (tp, pp, cp))
+                  if size is None]
+    if adp is None:
+        unreadable.append(_unreadable("attention_dp", "attention data parallelism", "enable_attention_dp",
+                                      getattr(llm_args, "enable_attention_dp", None), "a boolean"))
+    if unreadable:
+        return unreadable
     tp_in_use = tp > 1 and not adp
     rows = [
         LayoutSupport(
@@ -136,13 +175,13 @@ def parallel_layouts(llm_args: Any, *, attention_dp_api: bool) -> list[LayoutSup
                                   "enable_attention_dp=false", "not in use"))
     elif not attention_dp_api:
         rows.append(LayoutSupport(
-            "attention_dp", "attention data parallelism", True, False, f"enable_attention_dp=true, {tp} ranks",
+            "attention_dp", "attention data parallelism", True, False, f"enable_attention_dp=true, {tp} rank{'s' if tp != 1 else ''}",
             "this TensorRT-LLM's connector API (1.x) has no attention DP: one scheduler on rank 0 whose every "
             "answer is broadcast, while each rank schedules its own requests; TensorRT-LLM 2026 main "
             "(supports_attention_dp, SchedulerOutput.attention_dp_rank) is needed"))
     else:
         rows.append(LayoutSupport(
-            "attention_dp", "attention data parallelism", True, True, f"enable_attention_dp=true, {tp} ranks",
+            "attention_dp", "attention data parallelism", True, True, f"enable_attention_dp=true, {tp} rank{'s' if tp != 1 else ''}",
             "one scheduler and one KV pool per rank, every KV head on every rank; donors are registered under "
             "the rank TensorRT-LLM reports (SchedulerOutput.attention_dp_rank) and their blocks' liveness is "
             "read from that rank's KV events; any rank of the same engine, or of an engine with the same "
@@ -167,7 +206,8 @@ def mla_layout(model_config: Mapping[str, Any] | None, kv_layout: str | None) ->
         return LayoutSupport("mla", "multi-head latent attention (MLA)", False, True, "model config.json not read",
                              "give the model directory (--model) to check; with an explicit [namespace] kv_layout "
                              "MLA is supported", known=False)
-    config = model_config.get("text_config", model_config)
+    text_config = model_config.get("text_config")
+    config = text_config if isinstance(text_config, Mapping) else model_config
     mla = "kv_lora_rank" in config
     if not mla:
         return LayoutSupport("mla", "multi-head latent attention (MLA)", False, True, "no kv_lora_rank",

@@ -184,7 +184,7 @@ class DeploymentNamespace:
             return NamespaceUnknown("tokens_per_block", "llm_args.kv_cache_config.tokens_per_block is not set")
         self.tokens_per_block = tpb
         api = self._attention_dp_api
-        if api is None and getattr(llm_args, "enable_attention_dp", False):
+        if api is None and attention_dp_layout(llm_args) is not None:
             api = attention_dp_api()
         layout_refused = refused(parallel_layouts(llm_args, attention_dp_api=bool(api)))
         if layout_refused is not None:
@@ -351,7 +351,10 @@ def _layout(llm_args: Any, harness: Any, tpb: int, dtype: str, o: NamespaceOverr
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):
         return NamespaceUnknown("kv_layout", "model config.json not readable; set [namespace] kv_layout")
-    config = config.get("text_config", config)
+    if not isinstance(config, dict):
+        return NamespaceUnknown("kv_layout", "model config.json is not a JSON object; set [namespace] kv_layout")
+    text_config = config.get("text_config")  # multimodal models nest it; null or absent in the others
+    config = text_config if isinstance(text_config, dict) else config
     if "kv_lora_rank" in config:
         return NamespaceUnknown("kv_layout", "MLA model: set [namespace] kv_layout explicitly", "unsupported")
     try:

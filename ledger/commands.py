@@ -227,7 +227,7 @@ def _reading(db: str) -> Iterator[Connection]:
     with audit_engine(db) as (engine, read_only), engine.connect() as conn:
         if read_only is not None:
             _note_read_only(read_only)
-        check_schema(conn, db)
+        check_schema(conn, db, cannot_write=read_only.reason if read_only is not None else None)
         yield conn
 
 

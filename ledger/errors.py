@@ -63,10 +63,14 @@ class DeadlineExceeded(PersistenceError):
 class SchemaOutOfDate(LedgerError):
     """The ledger database is not at the schema head; run ``semkv-ledger migrate``."""
 
-    def __init__(self, url: str, current: str | None, head: str, *, unknown: bool = False) -> None:
+    def __init__(self, url: str, current: str | None, head: str, *, unknown: bool = False,
+                 cannot_write: str | None = None) -> None:
         self.current, self.head, self.unknown = current, head, unknown
         if unknown:  # a newer semkv-ledger migrated it (or a rolled-back upgrade): migrate cannot go back
             advice = "it is newer than this semkv-ledger knows: run the semkv-ledger version that migrated it"
+        elif cannot_write is not None:  # a read-only snapshot or mount: migrate would be refused too
+            advice = (f"it cannot be migrated here ({cannot_write}): copy it, with its -wal file if there is one, to "
+                      f"a writable directory, run `semkv-ledger migrate --db COPY` and audit the copy")
         else:
             advice = f"run `semkv-ledger migrate --db {url_for_humans(url)}` first"
         super().__init__(

@@ -173,12 +173,14 @@ def upgrade(db: str, revision: str = "head", *,
         _listener.reset(listening)
 
 
-def check_schema(conn: Connection, db: str) -> None:
+def check_schema(conn: Connection, db: str, *, cannot_write: str | None = None) -> None:
     """Raise :class:`SchemaOutOfDate` unless the database is at the head revision (``unknown`` when
-    its revision is none this installation has: a newer semkv-ledger migrated it)."""
+    its revision is none this installation has: a newer semkv-ledger migrated it). ``cannot_write``:
+    why this process cannot write the ledger (a read-only audit), so the advice is not ``migrate``."""
     current = current_revision(conn)
     if current != head_revision():
-        raise SchemaOutOfDate(db, current, head_revision(), unknown=current is not None and not _known(current))
+        raise SchemaOutOfDate(db, current, head_revision(), unknown=current is not None and not _known(current),
+                              cannot_write=cannot_write)
 
 
 @cache

@@ -196,7 +196,7 @@ def replay(db: str, *, until: int | None = None, scratch: str | Path | None = No
         scratch_engine = sync_engine(str(scratch), writer=True)
         cleanup.callback(scratch_engine.dispose)
         live = cleanup.enter_context(live_engine.connect())
-        check_schema(live, db)
+        check_schema(live, db, cannot_write=read_only.reason if read_only is not None else None)
         live_head = live.execute(select(func.max(_LOG.c.seq))).scalar() or 0
         compare = until is None or until >= live_head
         # a snapshot only for looking back: the audit of the live projections folds the whole log

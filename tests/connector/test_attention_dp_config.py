@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from connector.harness import HarnessLlmArgs, KvCacheConfig, LlmRequest, ModelCo
 from connector.layouts import parallel_layouts, refused
 from connector.namespace import DeploymentNamespace, Namespace, NamespaceUnknown
 from connector.scheduler import SemKvScheduler
-from connector.settings import load_connector_settings
+from connector.settings import NamespaceOverrides, load_connector_settings
 from connector.worker import SemKvWorker
 
 CFG = ModelConfig()
@@ -179,3 +180,40 @@ def test_connector_check_names_a_bad_llm_args_file(check) -> None:
     assert result.exit_code == 2 and "--llm-args" in result.output and "mapping" in result.output
     result = check("tensor_parallel_size: [\n")
     assert result.exit_code == 2 and "not valid YAML" in result.output
+
+
+@pytest.mark.parametrize(("options", "line", "code"), [
+    # read as TensorRT-LLM's pydantic arguments would read them, never as a default
+    ('tensor_parallel_size: "2"\n', "tensor parallelism (TP): REFUSED (tensor_parallel_size=2)", 1),
+    ("tensor_parallel_size: 2.0\n", "tensor parallelism (TP): REFUSED (tensor_parallel_size=2)", 1),
+    ('enable_attention_dp: "false"\ntensor_parallel_size: 2\n', "tensor parallelism (TP): REFUSED", 1),
+    ('enable_attention_dp: "true"\ntensor_parallel_size: "2"\n', "attention data parallelism: supported", 0),
+    # unreadable: refused, naming the value
+    ("tensor_parallel_size: 0\n", "tensor parallelism (TP): REFUSED (tensor_parallel_size=0)", 1),
+    ("tensor_parallel_size: -2\n", "REFUSED (tensor_parallel_size=-2): tensor_parallel_size is not a positive", 1),
+    ('pipeline_parallel_size: "two"\n', "pipeline parallelism (PP): REFUSED (pipeline_parallel_size='two')", 1),
+    ("enable_attention_dp: maybe\n", "attention data parallelism: REFUSED (enable_attention_dp='maybe')", 1),
+])
+def test_connector_check_reads_sizes_and_flags_as_tensorrt_llm_would_and_refuses_the_unreadable(
+        check, options: str, line: str, code: int) -> None:
+    result = check(options)
+    assert result.exit_code == code, result.output
+    assert line in result.output
+
+
+@pytest.mark.parametrize("text_config", [None, "a string", {"num_attention_heads": 4}])
+def test_a_model_config_with_an_odd_text_config_is_read_not_a_traceback(check, tmp_path: Path, text_config) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": text_config, "kv_lora_rank": 512}))
+    result = check("tensor_parallel_size: 1\n", "--model", str(model))
+    mla_in_use = not isinstance(text_config, dict)  # a text_config object is where a multimodal model says it
+    assert result.exit_code == (1 if mla_in_use else 0), result.output
+    assert ("multi-head latent attention (MLA): REFUSED" in result.output) == mla_in_use
+    # the engine's own namespace reads the same file (it once raised TypeError on a null text_config)
+    args = types.SimpleNamespace(model=str(model), backend="pytorch", attn_backend="TRTLLM",
+                                 kv_cache_config=types.SimpleNamespace(tokens_per_block=32))
+    overrides = NamespaceOverrides(kv_dtype="float16", engine_version="test")
+    ns = DeploymentNamespace(args, overrides).for_request(LlmRequest(0, [1, 2, 3], 1))
+    assert isinstance(ns, NamespaceUnknown) and ns.field == "kv_layout"
+    assert ("MLA model" in ns.detail) == mla_in_use  # else: the nested config has no head counts
