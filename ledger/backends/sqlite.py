@@ -130,8 +130,17 @@ def _in_existing_directory(url: URL, missing_directory: str) -> Path:
     if not path or path == ":memory:":
         raise LedgerError("the ledger needs a SQLite file, not an in-memory database")
     file = Path(path)
-    if not file.exists() and not file.parent.is_dir():
+    try:
+        exists = file.exists()
+    except PermissionError:  # a directory on the path this user may not enter
+        raise LedgerError(f"cannot reach the ledger {path}: permission denied on a directory of its path "
+                          "for this user") from None
+    if not exists and not file.parent.is_dir():
         raise LedgerError(f"{missing_directory} {path}: directory {file.parent} does not exist")
+    if exists and file.is_file() and not os.access(file, os.R_OK):  # SQLite would say "unable to open"
+        raise LedgerError(f"cannot read the ledger {path}: permission denied for this user (mode "
+                          f"{file.stat().st_mode & 0o777:04o}, owner uid {file.stat().st_uid}); ledgers are "
+                          "created mode 0600: run as their owner or give this user read access")
     return file
 
 

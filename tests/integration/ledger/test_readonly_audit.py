@@ -335,3 +335,25 @@ def test_an_older_ledger_on_a_read_only_mount_says_to_migrate_a_copy(read_only_m
         f"error: ledger schema at {mount_point / 'ledger.db'} is 0003, expected {head_revision()}: it cannot be "
         "migrated here (read-only file system): copy it, with its -wal file if there is one, to a writable "
         "directory, run `semkv-ledger migrate --db COPY` and audit the copy")
+
+
+def test_a_ledger_this_user_cannot_read_or_reach_is_one_line_that_says_permission(built: Path) -> None:
+    prefix = nobody_prefix()
+    if isinstance(prefix, str):
+        pytest.skip(prefix)
+    where = Path(tempfile.mkdtemp(prefix="semkv-unreadable-"))
+    try:
+        where.chmod(0o755)
+        shutil.copy2(built, where / "ledger.db")
+        (where / "ledger.db").chmod(0o600)  # as migrate creates it
+        unreadable = cli("stats", "--db", str(where / "ledger.db"), prefix=prefix, cwd="/")
+        (where / "inner").mkdir(mode=0o700)
+        unreachable = cli("stats", "--db", str(where / "inner" / "ledger.db"), prefix=prefix, cwd="/")
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    assert unreadable.returncode == 2 and unreadable.stderr.splitlines() == [
+        f"error: cannot read the ledger {where / 'ledger.db'}: permission denied for this user (mode 0600, owner "
+        "uid 0); ledgers are created mode 0600: run as their owner or give this user read access"]
+    assert unreachable.returncode == 2 and unreachable.stderr.splitlines() == [
+        f"error: cannot reach the ledger {where / 'inner' / 'ledger.db'}: permission denied on a directory of its "
+        "path for this user"]
