@@ -285,6 +285,9 @@ def inspect(
         print(json.dumps({"kind": kind, "id": ident, "rows": [_log_row_json(r) for r in rows]}, default=_json_bytes))
     else:
         _print_history(kind, ident, rows)
+        if not rows:  # exit 1 says it to scripts; say it to people, with where to look
+            err_console.print(f"no log row names {kind} {ident!r}: `semkv-ledger stats --db …` lists the engines, "
+                              "donors and counts this ledger holds", highlight=False, soft_wrap=True)
     if not rows:
         raise typer.Exit(1)
 

@@ -127,12 +127,15 @@ def format_hash(block_hash: BlockHash) -> str:
 
 
 def parse_hash(text: str) -> BlockHash:
-    """Parse :func:`format_hash` output (decimal, ``0x`` hex, negative int64, or 64 hex chars).
+    """Parse :func:`format_hash` output (decimal, ``0x`` hex, negative int64, or 64 hex chars, with or
+    without ``0x``).
 
     Raises:
         ValueError: text is none of those.
     """
     text = text.strip()
+    if text[:2].lower() == "0x" and len(text) == 2 + 2 * WIDE_HASH_BYTES:  # a wide hash written with 0x
+        text = text[2:]
     if len(text) == 2 * WIDE_HASH_BYTES:
         return normalize_hash(text)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -102,3 +103,17 @@ def test_output_piped_into_a_reader_that_stops_early_is_no_ledger_error(sqlite_d
     proc.stdout.close()
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1 and "error" not in stderr, stderr
+
+
+def test_an_item_with_no_history_says_so_and_where_to_look(sqlite_db: str) -> None:
+    from ledger.migrate import upgrade
+
+    upgrade(sqlite_db)
+    result = cli("inspect", "engine", "nope", "--db", sqlite_db)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("no log row names engine 'nope': `semkv-ledger stats --db …` lists the engines, "
+                                     "donors and counts this ledger holds")
+    quiet = cli("inspect", "engine", "nope", "--db", sqlite_db, "--json")
+    assert quiet.returncode == 1 and quiet.stderr == "" and json.loads(quiet.stdout)["rows"] == []
+    wide = cli("inspect", "block", "0x" + bytes(range(32)).hex(), "--db", sqlite_db)  # a wide hash written with 0x
+    assert wide.returncode == 1 and "is not a block hash" not in wide.stderr and "outside" not in wide.stderr
