@@ -74,3 +74,21 @@ def record(db: str, *transactions: list[ev.ReceivedBatch]) -> None:
             await writer.close()
 
     asyncio.run(run())
+
+
+def downgrade(db: str, revision: str) -> None:
+    """Take the ledger at ``db`` down to schema ``revision`` (Alembic's downgrade, in one
+    transaction): a ledger as an earlier version left it, for migration tests."""
+    from alembic import command
+
+    from ledger.db import sync_engine
+    from ledger.migrate import alembic_config
+
+    engine = sync_engine(db, writer=True)
+    try:
+        with engine.begin() as conn:
+            config = alembic_config()
+            config.attributes["connection"] = conn
+            command.downgrade(config, revision)
+    finally:
+        engine.dispose()

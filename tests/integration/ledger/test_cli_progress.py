@@ -23,11 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from alembic import command
 
-from ledger.db import sync_engine
-from ledger.migrate import alembic_config, migration_progress, upgrade
-from tools.harness.builders import batch, created, removed, stored
+from ledger.migrate import migration_progress, upgrade
+from tools.harness.builders import batch, created, downgrade, removed, stored
 
 CLI = Path(sys.executable).with_name("semkv-ledger")
 CALL_TIMEOUT_S = 120
@@ -75,14 +73,7 @@ def ledger(built: Path, tmp_path: Path) -> str:
 @pytest.fixture
 def ledger_at_0002(ledger: str) -> str:
     """The ledger as revision 0002 left it, so that ``migrate`` runs 0003's rebuild."""
-    engine = sync_engine(ledger, writer=True)
-    try:
-        with engine.begin() as conn:
-            config = alembic_config()
-            config.attributes["connection"] = conn
-            command.downgrade(config, "0002")
-    finally:
-        engine.dispose()
+    downgrade(ledger, "0002")
     return ledger
 
 

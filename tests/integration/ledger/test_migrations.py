@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from alembic import command
 from sqlalchemy import func, insert, select
 
 from ledger.db import sync_engine
-from ledger.migrate import alembic_config, upgrade
+from ledger.migrate import upgrade
 from ledger.replay import replay
 from ledger.schema import BlockRow, CounterRow, LogRow
 from ledger.writer import LedgerWriter
-from tools.harness.builders import batch, created, removed, stored, updated
+from tools.harness.builders import batch, created, downgrade, removed, stored, updated
 
 _BLOCKS = BlockRow.__table__
 
@@ -23,17 +22,6 @@ def _block(block_hash: int, state: str) -> dict:
             "block_hash_ext": b"", "parent_hash": None, "parent_hash_ext": None, "num_tokens": 16,
             "tokens_digest": 7, "cache_level": 0, "priority": None, "cache_salt": None, "lora_id": None,
             "state": state, "generation": 1, "store_count": 1, "stored_seq": 2, "updated_seq": 3}
-
-
-def _downgrade(db: str, revision: str) -> None:
-    engine = sync_engine(db, writer=True)
-    try:
-        with engine.begin() as conn:
-            config = alembic_config()
-            config.attributes["connection"] = conn
-            command.downgrade(config, revision)
-    finally:
-        engine.dispose()
 
 
 def _append(db: str, *batches) -> None:
@@ -55,7 +43,7 @@ def test_0003_rebuilds_projections_an_earlier_version_wrote_so_that_replay_agree
             batch(1, removed(5, event_id=2)), batch(2, removed(5, event_id=3)), batch(3, updated(5, event_id=4)),
             batch(4, stored(7, event_id=9)),  # jump: 1, 2, 6 quarantined
             batch(5, stored(8, event_id=12)))  # jump: 1, 2, 6 dropped, 7 quarantined
-    _downgrade(db, "0002")
+    downgrade(db, "0002")
     # What revision 0002's code left behind for the same log: the removed row, the blocks of the first
     # quarantine, and its counters for the double removal and the update of a removed block.
     engine = sync_engine(db, writer=True)
@@ -105,7 +93,7 @@ def test_0003_makes_blocks_one_btree_on_sqlite_and_downgrades(sqlite_db):
             return [r[0] or "" for r in conn.execute("SELECT sql FROM sqlite_master WHERE tbl_name = 'blocks'")]
 
     assert len(blocks_sql()) == 1 and "WITHOUT ROWID" in blocks_sql()[0]  # no index, no autoindex
-    _downgrade(sqlite_db, "0002")
+    downgrade(sqlite_db, "0002")
     assert "WITHOUT ROWID" not in blocks_sql()[0] and any("ix_blocks_engine_state" in s for s in blocks_sql())
     assert upgrade(sqlite_db) == ("0002", "0005")
 
@@ -119,7 +107,7 @@ def test_0004_counts_the_logs_events_by_type_so_that_stats_and_replay_agree(back
             batch(1, removed(1, event_id=3), updated(2, event_id=4)),
             batch(0, stored(9, event_id=1), engine_id="engine-b"),
             batch(2, stored(4, event_id=2), removed(4, event_id=1)))  # the removal is stale: logged, not applied
-    _downgrade(db, "0003")
+    downgrade(db, "0003")
     engine = sync_engine(db, writer=True)
     counters, log = CounterRow.__table__, LogRow.__table__
     try:

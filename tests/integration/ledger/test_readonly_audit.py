@@ -313,19 +313,10 @@ def test_another_users_ledger_is_audited_without_leaving_files_beside_it(built: 
 def test_an_older_ledger_on_a_read_only_mount_says_to_migrate_a_copy(read_only_mounts, ledger_dir: Path,
                                                                      tmp_path: Path) -> None:
     # `migrate` is refused there, so "run semkv-ledger migrate" would be a dead end
-    from alembic import command
+    from ledger.migrate import head_revision
+    from tools.harness.builders import downgrade
 
-    from ledger.db import sync_engine
-    from ledger.migrate import alembic_config, head_revision
-
-    engine = sync_engine(f"sqlite:///{ledger_dir / 'ledger.db'}", writer=True)
-    try:
-        with engine.begin() as conn:
-            config = alembic_config()
-            config.attributes["connection"] = conn
-            command.downgrade(config, "0003")
-    finally:
-        engine.dispose()
+    downgrade(f"sqlite:///{ledger_dir / 'ledger.db'}", "0003")
     mount_point = tmp_path / "mnt"
     mount_point.mkdir()
     result = on_read_only_mount(ledger_dir, mount_point, "stats", "--db", str(mount_point / "ledger.db"))
