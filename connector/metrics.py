@@ -25,7 +25,11 @@ Counters are distinct, never collapsed into one "hit" (DESIGN §8):
   ledger lease once the blocks are allocated).
 
 Histograms (seconds): lookup, metadata build, load by cache level (the donor store is host memory
-or disk: level 1), revalidation (ledger re-checks in the worker), donor save.
+or disk: level 1), revalidation (ledger re-checks in the worker), donor save, and
+``semkv_ttft_delta_seconds``: per accepted materialization, the prefill time the profitability gate
+predicted it saves minus its measured load time (:mod:`connector.profit`; an estimate of cold
+TTFT minus warm TTFT, since a request is never run both ways). A load the gate declines is a miss
+``unprofitable`` (also ``semkv_backend_declined_total{reason="unprofitable"}``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ __all__ = ["ConnectorMetrics", "MissCategory", "process_metrics", "serve_metrics
 
 _FAST = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 _SLOW = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_DELTA = (-1.0, -0.25, -0.05, -0.01, -0.0025, -0.0005, 0.0, 0.0005, 0.0025, 0.01, 0.05, 0.25, 1.0, 5.0)
 _TOKENS = (32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 _STALE = {"donor_restarted", "donor_quarantined", "donor_generation_mismatch", "donor_blocks_removed",
@@ -129,6 +134,11 @@ class ConnectorMetrics:
                                                 buckets=_FAST, registry=r)
         self.load_seconds = Histogram("semkv_load_seconds", "Plan load duration (start to last layer)",
                                       ("cache_level",), buckets=_SLOW, registry=r)
+        self.ttft_delta_seconds = Histogram(
+            "semkv_ttft_delta_seconds",
+            "Accepted materializations: the prefill time the load was predicted to save minus the load's "
+            "measured time (seconds; > 0: the request was faster than cold by about this much)",
+            buckets=_DELTA, registry=r)
         self.revalidation_seconds = Histogram("semkv_revalidation_seconds", "Worker ledger revalidation, per check",
                                               buckets=_FAST, registry=r)
         self.donors_registered = Counter("semkv_donors_registered_total", "Donors registered in the ledger",

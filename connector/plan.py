@@ -54,6 +54,10 @@ class LoadPlan:
     freshness_policy: str
     failed: str | None = None
     binding: bool = False
+    predicted_saved_s: float | None = None
+    """Prefill seconds the profitability gate predicted this load saves (None: not predicted;
+    :mod:`connector.profit`); the worker compares it with the load's real time
+    (``semkv_ttft_delta_seconds``)."""
 
     @property
     def donor_block_end(self) -> int:
@@ -95,6 +99,12 @@ class ConnectorMetadata:
     saves: tuple[SaveInstruction, ...] = ()
     iteration: int = 0
     disarmed: tuple[int | str, ...] = ()
+    scheduled_tokens: int = 0
+    """Tokens the engine computes in this iteration's forward (every request's
+    ``num_scheduled_tokens``): with :attr:`prefill_context`, what the worker divides the forward's
+    time by to learn the prefill cost (:mod:`connector.profit`)."""
+    prefill_context: int = 0
+    """The longest prompt (tokens) among this iteration's requests still in prefill; 0: no prefill."""
 
     def approx_size_bytes(self) -> int:
         """Rough pickled size (bytes), for the bound documented above."""

@@ -47,6 +47,7 @@ from connector.lookup import BackgroundRunner, DeadlineRunner, stale_reason_name
 from connector.metrics import ConnectorMetrics
 from connector.namespace import KvLayout, Namespace, NamespaceUnknown, PrefixKeys
 from connector.plan import LoadPlan, SaveInstruction
+from connector.profit import Forecast, ReuseCostModel
 from connector.settings import ConnectorSettings
 from connector.spans import LookupMiss, SpanFinder
 from ledger.errors import LedgerError
@@ -88,6 +89,8 @@ class Promise:
     """The donor's checksummed file, held (binding promises) until handed to the worker."""
     shipped_at: float | None = None
     """``time.monotonic()`` when its plan shipped (None: not yet)."""
+    forecast: Forecast | None = None
+    """What the profitability gate predicted for it (None: no gate)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -201,16 +204,23 @@ class PromiseBook:
         holder: who holds the leases (engine id, else host:pid).
         tokens_per_block: the engine's block size.
         layout: the pool layout plans must match (``KvLayout.describe()``), "" when unknown.
+        cost_model: the engine pool's :class:`~connector.profit.ReuseCostModel`; with
+            ``settings.profit.enabled`` a candidate it predicts does not pay is a miss
+            (``unprofitable``).
+        memory_level: where this store's bytes are (``host_ram``, ``local_file``, ...), for the model.
     """
 
     def __init__(self, settings: ConnectorSettings, ledger: LedgerClient, store: FileDonorStore,
                  metrics: ConnectorMetrics, finder: SpanFinder, ledger_jobs: BackgroundRunner,
                  backoff: LedgerBackoff, *, binding: bool, holder: str, tokens_per_block: int,
-                 layout: KvLayout | None) -> None:
+                 layout: KvLayout | None, cost_model: ReuseCostModel | None = None,
+                 memory_level: str = "local_file") -> None:
         self.settings, self.ledger, self.store, self.metrics = settings, ledger, store, metrics
         self.finder, self.backoff, self.holder = finder, backoff, holder
         self.tokens_per_block = tokens_per_block
         self.layout = layout.describe() if layout is not None else ""
+        self.cost_model, self.memory_level = cost_model, memory_level
+        self._gated = cost_model is not None and settings.profit.enabled
         self.policy = FreshnessPolicy(settings.freshness_policy)
         self.protocol: RetractablePromises | BindingPromises = BindingPromises() if binding else RetractablePromises()
         self._jobs = ledger_jobs
@@ -269,7 +279,7 @@ class PromiseBook:
         """
         if len(self.unshipped) >= self.settings.max_plans_per_iteration:
             raise LookupMiss("plan_limit")
-        promise = self._answer.promise(state.request_id, ns, keys, start_block)
+        promise = self._answer.promise(state.request_id, ns, keys, start_block, state.prompt_len)
         state.promise = promise
         self.unshipped.add(state.request_id)
         self.metrics.promises.inc()
@@ -277,12 +287,30 @@ class PromiseBook:
         self.metrics.leases_held.inc()
         return promise.num_blocks * self.tokens_per_block
 
+    def judge(self, span: DonorSpan, start_block: int, context_tokens: int) -> Forecast | None:
+        """The profitability gate's forecast for loading ``span`` past ``start_block`` into a prompt
+        of ``context_tokens`` tokens (None: no cost model).
+
+        Raises:
+            LookupMiss: ``unprofitable``, with the gate on and the load predicted not to pay (the
+                forecast is kept in the cost model's bounded ``declined`` list).
+        """
+        if self.cost_model is None:
+            return None
+        tokens = (span.num_blocks - start_block) * self.tokens_per_block
+        forecast = self.cost_model.forecast(tokens, context_tokens, self.memory_level)
+        if self._gated and not forecast.pays:
+            log.debug("semkv: declined donor %s: %s", span.donor_id, forecast.describe())
+            raise LookupMiss("unprofitable")
+        return forecast
+
     def hold(self, span: DonorSpan, ns: Namespace, start_block: int, secured: SecuredEntry | None, *,
-             lease_id: str | None = None, lease: Future[Lease | StaleReason] | None = None) -> Promise:
+             lease_id: str | None = None, lease: Future[Lease | StaleReason] | None = None,
+             forecast: Forecast | None = None) -> Promise:
         """Pin ``span``'s donor in the store (capacity eviction in this process skips it)."""
         self.store.lease(span.donor_id)
         return Promise(span, lease_id or self.new_lease_id(), start_block, span.num_blocks - start_block, ns.digest,
-                       time.time(), lease=lease, secured=secured)
+                       time.time(), lease=lease, secured=secured, forecast=forecast)
 
     def secure(self, span: DonorSpan) -> SecuredEntry | None:
         """Secure ``span``'s bytes as the promise protocol wants (None: nothing to secure).
@@ -335,7 +363,8 @@ class PromiseBook:
             num_blocks=p.num_blocks, token_count=p.num_blocks * self.tokens_per_block, score_bucket="exact",
             lease_id=p.lease_id, store_ref=p.span.store_ref or "", checksum=p.span.checksum or "",
             donor_engine_id=p.span.engine_id, donor_generation=p.span.generation, layout=self.layout,
-            freshness_policy=str(self.policy), failed=failed, binding=self.protocol.binding)
+            freshness_policy=str(self.policy), failed=failed, binding=self.protocol.binding,
+            predicted_saved_s=p.forecast.predicted_saving_s if p.forecast is not None else None)
 
     def _take_lease(self, request_id: Any, p: Promise) -> None:
         """Queue the promise's ledger lease on the ledger thread (FIFO with its release, so a release
@@ -510,7 +539,8 @@ class _LeaseAfterAlloc:
     def __init__(self, book: PromiseBook) -> None:
         self.book = book
 
-    def promise(self, request_id: Any, ns: Namespace, keys: list[bytes], start_block: int) -> Promise:
+    def promise(self, request_id: Any, ns: Namespace, keys: list[bytes], start_block: int,
+                context_tokens: int) -> Promise:
         book = self.book
         if not book.protocol.binding and not book.backoff.writable():
             raise LookupMiss("ledger_busy")  # its lease could not be written before build_connector_meta gives up
@@ -519,10 +549,11 @@ class _LeaseAfterAlloc:
             raise span
         if span.num_blocks <= start_block:  # cannot happen: find() honours min_match_blocks
             raise LookupMiss("too_short")
+        forecast = book.judge(span, start_block, context_tokens)
         promised_at = time.time()
         if promised_at + book.settings.lease_ttl_s <= time.time():  # a TTL shorter than this very call
             raise LookupMiss("lease_expired")
-        return book.hold(span, ns, start_block, book.secure(span))
+        return book.hold(span, ns, start_block, book.secure(span), forecast=forecast)
 
 
 class _LeaseInLookup:
@@ -535,7 +566,8 @@ class _LeaseInLookup:
         self.book, self.timeout_s = book, timeout_s
         self._runner = DeadlineRunner("semkv-lookup-lease")  # made now: the first lookup must not pay for it
 
-    def promise(self, request_id: Any, ns: Namespace, keys: list[bytes], start_block: int) -> Promise:
+    def promise(self, request_id: Any, ns: Namespace, keys: list[bytes], start_block: int,
+                context_tokens: int) -> Promise:
         book = self.book
         view = book.finder.ready_view()
 
@@ -543,6 +575,10 @@ class _LeaseInLookup:
             span = book.finder.find_unbounded(ns, keys, start_block, view)
             if isinstance(span, LookupMiss) or job.abandoned:
                 return span if isinstance(span, LookupMiss) else LookupMiss("timeout")
+            try:
+                forecast = book.judge(span, start_block, context_tokens)  # before a lease is written for it
+            except LookupMiss as miss:
+                return miss
             lease_id, min_blocks = book.new_lease_id(), start_block + book.settings.min_match_blocks
             lease = book.ledger.take_lease(span.donor_id, request_id=str(request_id), holder=book.holder,
                                            namespace=ns.digest, num_blocks=min_blocks, up_to_blocks=span.num_blocks,
@@ -560,7 +596,7 @@ class _LeaseInLookup:
                 return miss
             taken: Future[Lease | StaleReason] = Future()
             taken.set_result(lease)
-            return book.hold(span, ns, start_block, secured, lease_id=lease_id, lease=taken)
+            return book.hold(span, ns, start_block, secured, lease_id=lease_id, lease=taken, forecast=forecast)
 
         finished, result = self._runner.run(find_and_lease, self.timeout_s, on_abandon=self._abandoned)
         if not finished:

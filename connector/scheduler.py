@@ -63,6 +63,7 @@ from connector.metrics import ConnectorMetrics, process_metrics, serve_metrics
 from connector.namespace import (DeploymentNamespace, Namespace, NamespaceUnknown, PROBE_TOKENS, pool_key, pool_layout,
                                  prefix_keys, without_multimodal)
 from connector.plan import ConnectorMetadata, LoadPlan
+from connector.profit import cost_model_for, memory_level_of
 from connector.promises import LedgerBackoff, PromiseBook, RequestState
 from connector.reuse_guard import UnverifiedBlocks
 from connector.saves import ArmedSaves, SavesAfterFinish
@@ -115,6 +116,22 @@ class _FreshSpans:
 
     def live_prefix(self, span: DonorSpan, num_blocks: int) -> int:
         return min(span.num_blocks, num_blocks)
+
+
+class _IterationWork:
+    """What one iteration's forward computes, for the profitability gate's prefill cost
+    (:mod:`connector.profit`): every reported request's ``num_scheduled_tokens`` (TensorRT-LLM's
+    ``RequestData``), and the longest prompt among those still in prefill."""
+
+    __slots__ = ("context", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = self.context = 0
+
+    def add(self, data: Any, state: RequestState | None) -> None:
+        self.tokens += int(getattr(data, "num_scheduled_tokens", 0) or 0)
+        if state is not None and state.computed_position is not None and state.computed_position < state.prompt_len:
+            self.context = max(self.context, state.prompt_len)
 
 
 class SemKvScheduler(KvCacheConnectorScheduler):
@@ -184,7 +201,9 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.promises = PromiseBook(
             s, self.ledger, self.store, self.metrics, self.spans, self._ledger_jobs, backoff,
             binding=not engine.recomputes_failed_loads, holder=s.engine_id or f"{socket.gethostname()}:{os.getpid()}",
-            tokens_per_block=self.tokens_per_block, layout=self.namespace.layout)
+            tokens_per_block=self.tokens_per_block, layout=self.namespace.layout,
+            cost_model=cost_model_for(pool_key(s.engine_id, s.store_dir), **s.profit.model_dump(exclude={"enabled"})),
+            memory_level=memory_level_of(self.store))
         registrar_ledger = self._discovery.registrar_ledger if self._discovery is not None else self.ledger
         attention_dp = bool(getattr(llm_args, "enable_attention_dp", False))
         self.donor_rank = DonorRank(s, attention_dp=attention_dp,
@@ -350,14 +369,17 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         wait_until = time.monotonic() + self.settings.lease_confirm_timeout_s  # one wait for all plans
         self._iteration += 1
         loads: list[LoadPlan] = []
+        work = _IterationWork()
         try:
             self.donor_rank.observe(getattr(scheduler_output, "attention_dp_rank", None))
             for data in getattr(scheduler_output, "new_requests", []) or []:
                 state = self._reported(data)
+                work.add(data, state)
                 if state is not None and state.plan is not None and not state.shipped:
                     loads.append(self.promises.ship(data, state, wait_until))
             for data in getattr(scheduler_output, "cached_requests", []) or []:
                 state = self._reported(data)
+                work.add(data, state)
                 if state is not None:
                     self.promises.loaded(state)
             self._note_abandoned_prefills()
@@ -370,7 +392,9 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         saves, disarmed = self.saves.to_ship()
         self.saves.shipped(saves, self.promises.requests.get)
         self.metrics.metadata_build_seconds.observe(time.perf_counter() - started)
-        return ConnectorMetadata(tuple(loads), saves, self._iteration, disarmed)
+        scheduled = getattr(scheduler_output, "semkv_work", None)  # an adapter's own count (vLLM)
+        tokens, context = scheduled if scheduled is not None else (work.tokens, work.context)
+        return ConnectorMetadata(tuple(loads), saves, self._iteration, disarmed, tokens, context)
 
     def _reported(self, data: Any) -> RequestState | None:
         """The state of a request in this iteration's report, with its engine block hashes and its

@@ -45,7 +45,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from connector.discovery.settings import DiscoverySettings
 from ledger.types import FreshnessPolicy
 
-__all__ = ["CONFIG_ENV", "ENV_PREFIX", "ConnectorConfigError", "ConnectorSettings", "NamespaceOverrides",
+__all__ = ["CONFIG_ENV", "ENV_PREFIX", "ConnectorConfigError", "ConnectorSettings", "NamespaceOverrides", "ProfitSettings",
            "load_connector_settings", "setting_origin"]
 
 ENV_PREFIX = "TRTLLM_SEMKV_"
@@ -94,6 +94,28 @@ class NamespaceOverrides(BaseModel):
     engines only with ``fleet``."""
     extra: dict[str, str] = Field(default_factory=dict)
     """Anything else that changes KV bytes in your deployment (quantization recipe, ...)."""
+
+
+class ProfitSettings(BaseModel):
+    """``[profit]``: the profitability gate (:mod:`connector.profit`). A candidate is promised only
+    when the prefill it saves, predicted from this engine's own recent forwards, beats its load,
+    predicted from this engine's own recent loads from the same memory level, by ``margin``;
+    otherwise the lookup misses with reason ``unprofitable``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    enabled: bool = True
+    """Off: every fresh span at least ``min_match_blocks`` long is promised (the static gate only)."""
+    margin: float = Field(1.2, ge=1.0, le=1000.0)
+    """Accept when ``predicted saved prefill ≥ margin × predicted load`` (1.0: any load predicted not
+    slower than the prefill it replaces)."""
+    window: int = Field(64, ge=2, le=4096)
+    """Forwards kept per context-length bucket, and loads per memory level, to predict from."""
+    min_prefill_samples: int = Field(8, ge=1)
+    """Forwards that computed prompt tokens needed before the gate judges (until then it accepts)."""
+    explore_every: int = Field(50, ge=0)
+    """One declined candidate in this many is loaded anyway, so a load path that got faster is seen
+    again (0: never)."""
 
 
 class ConnectorSettings(BaseSettings):
@@ -214,6 +236,7 @@ class ConnectorSettings(BaseSettings):
     """Serve ``/metrics`` on this port (+ the process's rank); None: no server."""
     namespace: NamespaceOverrides = Field(default_factory=NamespaceOverrides)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    profit: ProfitSettings = Field(default_factory=ProfitSettings)
     """Donor discovery (``[discovery]``, ``TRTLLM_SEMKV_DISCOVERY__*``; :mod:`connector.discovery.settings`):
     off unless ``enabled``; evidence and telemetry only, it never changes what the engine is told."""
 
@@ -350,11 +373,17 @@ def settings_markdown() -> str:
         "reach TensorRT-LLM's MPI workers; vLLM takes the file from",
         "`kv_connector_extra_config={\"semkv_config\": ...}` and single values from `\"semkv_settings\"`.",
         "`semkv-ledger connector-check --config FILE` validates a file.", "",
-        *header, *model_rows(ConnectorSettings, env_prefix=ENV_PREFIX, skip=frozenset({"namespace", "discovery"})), "",
+        *header, *model_rows(ConnectorSettings, env_prefix=ENV_PREFIX, skip=frozenset({"namespace", "discovery", "profit"})), "",
         "## `[namespace]`: fields the connector cannot always read from the engine", "",
         *header, *model_rows(NamespaceOverrides, env_prefix=ENV_PREFIX, key_prefix="namespace."), "",
         "## `[discovery]`: semantic donor discovery (evidence and telemetry only)", "",
-        *header, *model_rows(DiscoverySettings, env_prefix=ENV_PREFIX, key_prefix="discovery."), ""])
+        *header, *model_rows(DiscoverySettings, env_prefix=ENV_PREFIX, key_prefix="discovery."), "",
+        "## `[profit]`: the profitability gate (reuse only when it pays)", "",
+        "Learnt per engine from its own forwards and loads (`connector/profit.py`); a decline is a miss",
+        "`unprofitable`, also in `semkv_backend_declined_total{reason}`. TensorRT-LLM ranks other than 0",
+        "and engines whose worker runs in another process than their scheduler never teach it: there the",
+        "gate lets every candidate through.", "",
+        *header, *model_rows(ProfitSettings, env_prefix=ENV_PREFIX, key_prefix="profit."), ""])
 
 
 if __name__ == "__main__":

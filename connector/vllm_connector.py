@@ -330,8 +330,21 @@ class SemKvVllmConnector(KVConnectorBase_V1):
                 request_id=req_id, new_block_ids=list(block_ids[0]) if len(block_ids) == 1 else [],
                 computed_position=int(num_computed) - external,
                 block_hashes=VllmRequest(request).block_hashes if request is not None else []))
-        meta = self.scheduler.build_connector_meta(types.SimpleNamespace(new_requests=new, cached_requests=[]))
+        meta = self.scheduler.build_connector_meta(types.SimpleNamespace(
+            new_requests=new, cached_requests=[], semkv_work=self._work(scheduler_output)))
         return SemKvVllmMetadata(meta)
+
+    def _work(self, scheduler_output: Any) -> tuple[int, int]:
+        """The step's ``(tokens scheduled, longest prompt still in prefill)`` for the profitability
+        gate: vLLM calls ``build_connector_meta`` before it advances ``num_computed_tokens``
+        (``vllm/v1/core/sched/scheduler.py``, ``schedule``), so a request still short of its prompt
+        computes prompt tokens in this step."""
+        context = 0
+        for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or {}:
+            request = self._requests.get(req_id)
+            if request is not None and int(request.num_computed_tokens) < VllmRequest(request).prompt_len:
+                context = max(context, VllmRequest(request).prompt_len)
+        return int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0), context
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Release the lease; register a finished request as a donor (True: keep blocks until saved)."""

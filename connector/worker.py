@@ -65,6 +65,7 @@ from connector.lookup import stale_reason_name
 from connector.metrics import ConnectorMetrics, process_metrics
 from connector.namespace import KvLayout, pool_key, register_pool_layout
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
+from connector.profit import cost_model_for, memory_level_of
 from connector.settings import ConnectorSettings, load_connector_settings
 from ledger.client import LedgerClient
 from ledger.types import FreshnessPolicy
@@ -156,6 +157,11 @@ class SemKvWorker(KvCacheConnectorWorker):
         self._saver.start()
         self.revalidation_seconds = 0.0  # cumulative, for benchmarks
         self.copy_seconds = 0.0
+        self.cost_model = cost_model_for(pool_key(s.engine_id, s.store_dir), **s.profit.model_dump(exclude={"enabled"}))
+        """Taught here, read by this engine's scheduler when it shares the process (:mod:`connector.profit`)."""
+        self.memory_level = memory_level_of(self.store)
+        self._forward: tuple[ConnectorMetadata, float] | None = None
+        """A forward that loads nothing and computes prompt tokens: its metadata and when it began."""
         self.load_before_forward = bool(s.load_before_forward) or not engine.recomputes_failed_loads
         """Copy every layer in ``start_load_kv`` (always on TensorRT-LLM; see
         ``ConnectorSettings.load_before_forward``)."""
@@ -204,6 +210,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         """
         self._stream = stream
         self._abandon_active()
+        self._forward = None
         meta = self.get_connector_meta()
         if not isinstance(meta, ConnectorMetadata):
             return
@@ -221,6 +228,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         if self.load_before_forward and self._active:
             for layer_idx in range(self.layout.num_layers):  # type: ignore[union-attr]
                 self._copy_active_layer(layer_idx)
+        if meta.prefill_context and not meta.loads:  # a forward that only computes: the prefill cost
+            self._forward = (meta, time.perf_counter())
 
     def _begin(self, plan: LoadPlan) -> _ActiveLoad:
         if plan.failed:
@@ -346,10 +355,21 @@ class SemKvWorker(KvCacheConnectorWorker):
 
     def _materialized(self, load: _ActiveLoad) -> None:
         self._close(load)
+        seconds, plan = time.perf_counter() - load.started, load.plan
         self.metrics.materialized.inc()
-        self.metrics.materialized_tokens.inc(load.plan.token_count)
-        self.metrics.materialized_tokens_hist.observe(load.plan.token_count)
-        self.metrics.load_seconds.labels(cache_level=_STORE_CACHE_LEVEL).observe(time.perf_counter() - load.started)
+        self.metrics.materialized_tokens.inc(plan.token_count)
+        self.metrics.materialized_tokens_hist.observe(plan.token_count)
+        self.metrics.load_seconds.labels(cache_level=_STORE_CACHE_LEVEL).observe(seconds)
+        self.cost_model.observe_load(self.memory_level, plan.token_count, seconds)
+        if plan.predicted_saved_s is not None:
+            self.metrics.ttft_delta_seconds.observe(plan.predicted_saved_s - seconds)
+
+    def _forward_ended(self) -> None:
+        """A forward that computed prompt tokens and loaded nothing ended: teach the cost model its
+        time per scheduled token (forwards with loads would mix the two costs it tells apart)."""
+        if self._forward is not None:
+            (meta, started), self._forward = self._forward, None
+            self.cost_model.observe_prefill(meta.scheduled_tokens, meta.prefill_context, time.perf_counter() - started)
 
     def _close(self, load: _ActiveLoad) -> None:
         """The load is over: its reader, its pin here and the secured entry it read through go."""
@@ -407,6 +427,7 @@ class SemKvWorker(KvCacheConnectorWorker):
             SemKvLoadError: a plan of this forward was not loaded to its last layer (the engine
                 never waited on its last layers: attention read them unloaded); the plan fails and
                 nothing counts as materialized."""
+        self._forward_ended()
         if self._active:  # every plan of a forward that ran to its end is loaded by now
             load, last = self._active[0], self.layout.num_layers - 1  # type: ignore[union-attr]
             error = SemKvLoadError(load.plan, "layer_skipped",

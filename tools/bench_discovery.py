@@ -17,10 +17,15 @@ and, with the ``semantic`` extra, embedding; prompt text allowed). Reports, as a
   of 256 tokens and, for the embedding index, random unit vectors; queries: the workload's
   targets; the query embedding itself is reported separately);
 * the hard deadline: caller-observed time of an inline lookup whose provider never answers;
-* route-advice overhead: ``PlacementAdvisor.advise`` and ``POST /v1/placement`` over loopback HTTP.
+* route-advice overhead: ``PlacementAdvisor.advise`` and ``POST /v1/placement`` over loopback HTTP;
+* the DESIGN §10 report (issue 24): every scenario ``--reps`` times (30) on a cold, a discovery_only and
+  a warm engine side by side, interleaved, medians with 95 % intervals, the high-load burst's
+  throughput with the connector on and off, and a PNG of TTFT against context length
+  (tools/reuse_trials.py). The run fails if a negative control is materialized.
 
-Usage: ``python tools/bench_discovery.py [--ctx 1024] [--long] [--sizes 1000,10000,100000]
-[--no-semantic]``. ``--long`` adds 8K/16K/32K contexts (system_prompt, rag_reordered, agent_tools).
+Usage: ``python tools/bench_discovery.py [--ctx 1024] [--reps 30] [--long [--long-reps 3]]
+[--sizes 1000,10000,100000] [--no-semantic]``. ``--long`` adds 8K/16K/32K contexts (system_prompt,
+rag_reordered, agent_tools, unrelated) to the trials and the TTFT plot.
 """
 
 from __future__ import annotations
@@ -48,10 +53,12 @@ from connector.discovery.settings import DiscoverySettings  # noqa: E402
 from connector.discovery.types import DonorRecord, Query, readonly_tokens  # noqa: E402
 from connector.harness import KvCacheConfig, LlmRequest, ModelConfig  # noqa: E402
 from connector.placement.advice import PlacementAdvisor  # noqa: E402
-from tools.discovery_report import negatives_materialized, plot, report  # noqa: E402
+from tools.discovery_report import (negatives_materialized, plot, plot_ttft, report, slower_scenarios,  # noqa: E402
+                                    trials_report)
+from tools.reuse_trials import run_trials  # noqa: E402
 from tools.harness.discovery_fleet import discovering_engine  # noqa: E402
 from tools.harness.fleet import Fleet  # noqa: E402
-from tools.workloads import Workload, build_workload  # noqa: E402
+from tools.workloads import NEGATIVE_SCENARIOS, Workload, build_workload  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TPB = 32
@@ -90,6 +97,29 @@ def counter_sum(metrics: Any, name: str) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+def make_donors(w: Workload, fleet: Fleet, service: DiscoveryService, text_of: Any, cfg: ModelConfig) -> int:
+    """The workload's donors on engines A and H (H keeps room for one request, so its donors go to host
+    memory, level 1, for ``host_offload``); returns how many blocks H offloaded."""
+    ctx = w.context_tokens
+    pool = KvCacheConfig(tokens_per_block=TPB, event_buffer_max_size=65536, max_tokens=4 * cfg.max_context)
+    a = discovering_engine(fleet, "A", service, mode="exact_equivalent", text_of=text_of, model=cfg,
+                           kv_cache_config=pool, max_num_tokens=2048)
+    h_tokens = -(-2 * ctx // TPB) * TPB + 2 * TPB  # room for one request: older blocks go to host memory
+    small = KvCacheConfig(tokens_per_block=TPB, event_buffer_max_size=65536, max_tokens=h_tokens,
+                          host_cache_size=cfg.kv_bytes_per_token * 16 * ctx)
+    h = discovering_engine(fleet, "H", service, mode="exact_equivalent", text_of=text_of, model=cfg,
+                           kv_cache_config=small, max_num_tokens=2048)
+    for key in w.donors:
+        p = w.prompt(key)
+        (h if key.startswith("host_offload/") else a).generate(list(p.tokens), cache_salt=p.cache_salt)
+    rng = np.random.default_rng(3)
+    for _ in range(3 if any(k.startswith("host_offload/") for k in w.donors) else 0):
+        h.generate(rng.integers(1, 512, ctx).tolist())  # push H's donor blocks to host memory (level 0 -> 1)
+    fleet.sync()
+    service.flush()
+    return h.llm.kv_cache_manager.num_stored_blocks(cache_level=1)
+
+
 def run_mode(mode: str, w: Workload, model: Any, root: Path, route: bool) -> dict[str, Any]:
     """Donors on A/H, every target on B in ``mode``; per-target results and B's counters."""
     ctx = w.context_tokens
@@ -110,22 +140,8 @@ def run_mode(mode: str, w: Workload, model: Any, root: Path, route: bool) -> dic
     out: dict[str, Any] = {"targets": []}
     try:
         pool = KvCacheConfig(tokens_per_block=TPB, event_buffer_max_size=65536, max_tokens=4 * cfg.max_context)
-        a = discovering_engine(fleet, "A", service, mode="exact_equivalent", text_of=text_of, model=cfg,
-                               kv_cache_config=pool, max_num_tokens=2048)
-        h_tokens = -(-2 * ctx // TPB) * TPB + 2 * TPB  # room for one request: older blocks go to host memory
-        small = KvCacheConfig(tokens_per_block=TPB, event_buffer_max_size=65536, max_tokens=h_tokens,
-                              host_cache_size=cfg.kv_bytes_per_token * 16 * ctx)
-        h = discovering_engine(fleet, "H", service, mode="exact_equivalent", text_of=text_of, model=cfg,
-                               kv_cache_config=small, max_num_tokens=2048)
-        for key in w.donors:
-            p = w.prompt(key)
-            (h if key.startswith("host_offload/") else a).generate(list(p.tokens), cache_salt=p.cache_salt)
+        out["offloaded_blocks"] = make_donors(w, fleet, service, text_of, cfg)
         rng = np.random.default_rng(3)
-        for _ in range(3 if any(k.startswith("host_offload/") for k in w.donors) else 0):
-            h.generate(rng.integers(1, 512, ctx).tolist())  # push H's donor blocks to host memory (level 0 -> 1)
-        fleet.sync()
-        service.flush()
-        out["offloaded_blocks"] = h.llm.kv_cache_manager.num_stored_blocks(cache_level=1)
         b = discovering_engine(fleet, "B", service, mode=mode, text_of=text_of, model=cfg, kv_cache_config=pool,
                                max_num_tokens=2048, min_donor_blocks=10**6,
                                store_inline_verify_max_bytes=2**40)  # first load checksums inline (in TTFT)
@@ -161,6 +177,18 @@ def run_mode(mode: str, w: Workload, model: Any, root: Path, route: bool) -> dic
     finally:
         service.close()
         fleet.stop()
+
+
+def _trials(w: Workload, reps: int, model: Any, root: Path) -> dict[str, Any]:
+    """Interleaved cold / discovery_only / warm TTFT trials of ``w`` (tools/reuse_trials.py)."""
+    root.mkdir()
+    print(f"interleaved TTFT trials, {w.context_tokens}-token contexts, {reps} repetitions …", file=sys.stderr)
+
+    def donors(fleet: Fleet, service: DiscoveryService, text_of: Any, cfg: ModelConfig) -> None:
+        make_donors(w, fleet, service, text_of, cfg)
+
+    return run_trials(w, reps, root, lambda db: make_service(db, model), donors,
+                      lambda rep, total: print(f"  repetition {rep}/{total}", file=sys.stderr))
 
 
 def precision_recall(service: DiscoveryService, w: Workload, ns_of: Any, model_id: str,
@@ -326,7 +354,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ctx", type=int, default=1024, help="target context (tokens) of the default run")
     parser.add_argument("--load", type=int, default=8, help="targets of the high_load burst")
+    parser.add_argument("--reps", type=int, default=30, help="interleaved TTFT repetitions per scenario")
     parser.add_argument("--long", action="store_true", help="also 8K/16K/32K contexts (slow)")
+    parser.add_argument("--long-reps", type=int, default=3,
+                        help="repetitions at 8K/16K/32K (a 32K prefill takes ~30-50 s on the harness here)")
     parser.add_argument("--sizes", default="1000,10000,100000", help="indexed donors for the latency sweep")
     parser.add_argument("--no-semantic", action="store_true", help="skip the embedding provider")
     args = parser.parse_args()
@@ -342,29 +373,33 @@ def main() -> None:
             print(f"scenarios, {mode} …", file=sys.stderr)
             (root / mode).mkdir()
             runs[mode] = run_mode(mode, workload, model, root / mode, route=mode == "exact_equivalent")
-        long_runs = {}
+        trials = _trials(workload, args.reps, model, root / "trials")
+        long_trials = {}
         if args.long:
             for size in (8192, 16384, 32768):
                 w = build_workload(size, scenarios=LONG_SCENARIOS)
-                pair = []
-                for mode in ("discovery_only", "exact_equivalent"):
-                    print(f"long context {size}, {mode} …", file=sys.stderr)
-                    (root / f"{mode}-{size}").mkdir()
-                    pair.append(run_mode(mode, w, model, root / f"{mode}-{size}", route=False))
-                long_runs[size] = tuple(pair)
+                long_trials[size] = _trials(w, args.long_reps, model, root / f"trials-{size}")
         print("provider latency sweep …", file=sys.stderr)
         scaling = provider_scaling(workload, sizes, model)
         bound = deadline_bound(root)
-    for run in [*runs.values(), *(r for pair in long_runs.values() for r in pair)]:
+    for run in runs.values():
         if negatives_materialized(run) or run["experimental"]:
             raise SystemExit("a negative control was materialized: DESIGN §2 violated")
-    text = report(args.ctx, runs, long_runs, scaling, bound, sizes, model is not None)
+    for t in (trials, *long_trials.values()):
+        if any(sum(t["loaded"].get(name, [])) for name in NEGATIVE_SCENARIOS):
+            raise SystemExit("a negative control was materialized in the trials: DESIGN §2 violated")
+    text = report(args.ctx, runs, scaling, bound, sizes, model is not None)
+    text += trials_report(args.ctx, trials, runs, long_trials)
+    slower = slower_scenarios(trials)
+    text += ("\nNo scenario's warm median is slower than cold beyond the 95 % intervals.\n" if not slower else
+             f"\nWarm slower than cold beyond the 95 % intervals: {', '.join(slower)}.\n")
     text += f"\nRun time: {time.perf_counter() - started:.0f} s (`python tools/bench_discovery.py" + \
             (" --long" if args.long else "") + "`).\n"
     RESULTS.mkdir(exist_ok=True)
     stem = RESULTS / f"discovery-{dt.date.today().isoformat()}"
     stem.with_suffix(".md").write_text(text)
     plot(stem.with_suffix(".png"), runs, scaling, sizes, bound)
+    plot_ttft(stem.with_name(stem.name + "-ttft.png"), {args.ctx: trials, **long_trials})
     print(text)
     print(f"wrote {stem}.md and {stem}.png", file=sys.stderr)
 

@@ -197,6 +197,13 @@ def test_scheduler_role_builds_on_the_core_and_ships_metadata(tmp_path, sqlite_d
         meta = connector.build_connector_meta(output)
         assert isinstance(meta, SemKvVllmMetadata) and isinstance(meta.inner, ConnectorMetadata)
         assert meta.inner.loads == ()
+        # the step's work, read before vLLM advances num_computed_tokens (the profitability gate's prefill cost)
+        request.num_computed_tokens = 0
+        output.num_scheduled_tokens, output.total_num_scheduled_tokens = {"r1": 64, "gone": 1}, 65
+        work = connector.build_connector_meta(output).inner
+        assert (work.scheduled_tokens, work.prefill_context) == (65, 64)
+        request.num_computed_tokens = 64  # decoding: no prompt token computed
+        assert connector.build_connector_meta(output).inner.prefill_context == 0
         assert connector.request_finished(request, [0, 1]) == (True, None)  # a donor: keep blocks until saved
         assert len(connector.build_connector_meta(output).inner.saves) == 1
     finally:
