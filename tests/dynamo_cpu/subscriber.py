@@ -88,6 +88,7 @@ class IndependentSubscriber:
             sub.setsockopt(zmq.RCVHWM, 0)  # never drop: the test reads everything
             sub.connect(endpoint)
             self._subs[sub] = engine_id
+        self.error: Exception | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="independent-subscriber", daemon=True)
         self._thread.start()
@@ -96,10 +97,13 @@ class IndependentSubscriber:
         poller = zmq.Poller()
         for sub in self._subs:
             poller.register(sub, zmq.POLLIN)
-        while not self._stop.is_set():
-            for sub, _ in poller.poll(100):
-                topic, seq, payload = sub.recv_multipart()
-                self._receive(self._subs[sub], int.from_bytes(seq, "big"), payload)
+        try:
+            while not self._stop.is_set():
+                for sub, _ in poller.poll(100):
+                    topic, seq, payload = sub.recv_multipart()
+                    self._receive(self._subs[sub], int.from_bytes(seq, "big"), payload)
+        except Exception as exc:  # noqa: BLE001 - kept and raised by snapshot(), in the test's thread
+            self.error = exc
 
     def _receive(self, engine_id: str, seq: int, payload: bytes) -> None:
         record = self.records[engine_id]
@@ -146,7 +150,14 @@ class IndependentSubscriber:
                 self.records[engine_id].runs.append(Run())
 
     def snapshot(self) -> dict[str, tuple[int, int, frozenset[int]]]:
-        """Per engine: (messages, events, live block hashes of the current run)."""
+        """Per engine: (messages, events, live block hashes of the current run).
+
+        Raises:
+            RuntimeError: the subscriber's thread failed (a replay without an end marker, a frame
+                it could not read): it is no yardstick any more.
+        """
+        if self.error is not None:
+            raise RuntimeError(f"the independent subscriber failed: {self.error!r}") from self.error
         with self.lock:
             return {engine_id: (r.messages(), r.events(), frozenset(r.current.live_blocks()))
                     for engine_id, r in self.records.items()}

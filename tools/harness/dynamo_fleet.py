@@ -74,16 +74,17 @@ class _Process:
     def stop(self, sig: signal.Signals = signal.SIGTERM, grace_s: float = STOP_GRACE_S) -> int:
         """Send ``sig`` to the process group and wait; SIGKILL the group after ``grace_s``."""
         if self.alive:
-            self._signal_group(sig)
+            self.signal(sig)
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                self._signal_group(signal.SIGKILL)
+                self.signal(signal.SIGKILL)
                 self.proc.wait(30)
-        self._signal_group(signal.SIGKILL)  # children of a process that exited (none expected)
+        self.signal(signal.SIGKILL)  # children of a process that exited (none expected)
         return self.proc.returncode
 
-    def _signal_group(self, sig: signal.Signals) -> None:
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the process group (nothing when it is gone)."""
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
@@ -188,9 +189,11 @@ class DynamoFleet:
         """Stop the frontend, then every worker (SIGTERM, SIGKILL after a grace period)."""
         if self._http is not None:
             self._http.close()
-        for process in [self.frontend, *(w.process for w in self.workers)]:
-            if process is not None:
-                process.stop()
+        processes = [p for p in [self.frontend, *(w.process for w in self.workers)] if p is not None]
+        for process in processes:  # all at once: each takes a while to shut down
+            process.signal(signal.SIGTERM)
+        for process in processes:
+            process.stop()
 
     # -- discovery and requests ----------------------------------------------------------------
 
@@ -227,9 +230,6 @@ class DynamoFleet:
             "nvext": {"extra_fields": ["worker_id", "timing"]}})
         response.raise_for_status()
         return response.json()
-
-    def worker_of(self, instance_id: int) -> Worker | None:
-        return next((w for w in self.workers if w.instance_id == instance_id), None)
 
 
 # -- the seeded workload ------------------------------------------------------------------------
