@@ -184,6 +184,7 @@ def group(dynamo_env, tmp_path_factory) -> Iterator[Group]:
             if subscriber is not None:
                 subscriber.close()
             fleet.close()
+    assert not fleet.stray_processes(), f"still running after the fleet closed: {fleet.stray_processes()}"
 
 
 def test_ledgers_equal_an_independent_subscriber_on_every_worker(group: Group) -> None:
@@ -266,17 +267,19 @@ def test_idle_restart_bumps_the_generation_within_2_s(group: Group) -> None:
     assert_ledgers_equal_subscriber(group)
     assert group.subscriber.records[worker.engine_id].current.payloads, "the worker had traffic before"
     generations = [ledger.generation(worker.engine_id) for ledger in group.ledgers]
+    stopped = time.monotonic()
     group.fleet.stop_worker(worker, signal.SIGTERM)
     group.subscriber.new_run(worker.engine_id)
     group.fleet.start_worker(worker)
     restarted = time.monotonic()
+    print(f"\nidle restart of {worker.engine_id}: {restarted - stopped:.2f} s from SIGTERM to the new process up")
     took: dict[str, float | None] = {ledger.name: None for ledger in group.ledgers}
     while time.monotonic() - restarted < 5 * IDLE_RESTART_DEADLINE_S and None in took.values():
         for ledger, generation in zip(group.ledgers, generations, strict=True):
             if took[ledger.name] is None and ledger.generation(worker.engine_id) > generation:
                 took[ledger.name] = time.monotonic() - restarted
         time.sleep(0.05)
-    print(f"\nidle restart of {worker.engine_id}: generation bump after "
+    print(f"idle restart of {worker.engine_id}: generation bump after the new process was up: "
           + ", ".join(f"{name} {'none in 10 s' if t is None else f'{t:.2f} s'}" for name, t in took.items()))
     for name, seconds in took.items():
         assert seconds is not None and seconds <= IDLE_RESTART_DEADLINE_S, \

@@ -83,6 +83,14 @@ class _Process:
         self.signal(signal.SIGKILL)  # children of a process that exited (none expected)
         return self.proc.returncode
 
+    def group_alive(self) -> bool:
+        """Something of this process's group is still running (the process or a child of it)."""
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
     def signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the process group (nothing when it is gone)."""
         try:
@@ -194,6 +202,11 @@ class DynamoFleet:
             process.signal(signal.SIGTERM)
         for process in processes:
             process.stop()
+
+    def stray_processes(self) -> list[str]:
+        """The logs' names of the processes (or their children) still running: none after :meth:`close`."""
+        processes = [p for p in [self.frontend, *(w.process for w in self.workers)] if p is not None]
+        return [p.log_path.stem for p in processes if p.alive or p.group_alive()]
 
     # -- discovery and requests ----------------------------------------------------------------
 
