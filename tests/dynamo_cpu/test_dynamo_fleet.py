@@ -171,8 +171,7 @@ def group(dynamo_env, tmp_path_factory) -> Iterator[Group]:
             fleet.start()
             print(f"\nDynamo fleet of {NUM_WORKERS} workers up in {time.monotonic() - started:.1f} s")
             subscriber = IndependentSubscriber({w.engine_id: (w.endpoint, w.replay_endpoint) for w in fleet.workers})
-            config = consumer_toml(root / "consume.toml", [(w.engine_id, w.endpoint, w.replay_endpoint, False)
-                                                           for w in fleet.workers])
+            config = consumer_toml(root / "consume.toml", fleet.consumer_sources())
             ledgers.append(Ledger("sqlite", f"sqlite:///{root / 'ledger.db'}", root, config))
             ledgers.append(Ledger("postgresql", pg_url, root, config))
             for ledger in ledgers:

@@ -3,11 +3,13 @@ process each, so that one can be stopped and restarted alone) and the frontend w
 router (``--router-mode kv``), found through file discovery in a temporary directory. Each worker
 publishes its KV events on its own ZMQ PUB port with a replay ROUTER beside it
 (``--zmq-kv-events-ports`` / ``--zmq-replay-ports``), which is what semkv-ledger's consumer
-subscribes to (:meth:`DynamoFleet.sources`).
+subscribes to (:meth:`DynamoFleet.consumer_sources`, for
+:func:`~tools.harness.consume_process.consumer_toml`).
 
 The processes run in the Dynamo venv that ``tools/dynamo_cpu/setup_env.py`` builds; every launch
-flag and environment variable below is from ``../shared/reference/DYNAMO_CPU.md`` (checked against
-``python -m dynamo.mocker --help`` / ``python -m dynamo.frontend --help`` of ai-dynamo 1.6.1). The
+flag and environment variable below is from ``../shared/reference/DYNAMO_CPU.md``, checked against
+the installed ai-dynamo 1.6.1 wheel (``dynamo/mocker/args.py``: one ``--zmq-kv-events-ports`` and
+one ``--zmq-replay-ports`` port per worker of the process; ``python -m dynamo.frontend --help``). The
 mocker binds its ZMQ sockets on 0.0.0.0 whatever ``DYN_*_HOST`` says; everything here connects to
 127.0.0.1 only.
 
@@ -202,6 +204,11 @@ class DynamoFleet:
             process.signal(signal.SIGTERM)
         for process in processes:
             process.stop()
+
+    def consumer_sources(self) -> list[tuple[str, str, str | None, bool]]:
+        """One consumer source per worker slot, for :func:`~tools.harness.consume_process.consumer_toml`:
+        (engine_id, its PUB endpoint, its replay endpoint, connect: the mocker binds)."""
+        return [(w.engine_id, w.endpoint, w.replay_endpoint, False) for w in self.workers]
 
     def stray_processes(self) -> list[str]:
         """The logs' names of the processes (or their children) still running: none after :meth:`close`."""
