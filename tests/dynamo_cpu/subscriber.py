@@ -8,12 +8,15 @@ Wire (``../shared/reference/DYNAMO_CPU.md``): live frames ``[topic, seq u64 BE, 
 ``BlockRemoved`` with ``block_hashes``, ``AllBlocksCleared``); replay: DEALER sends ``[b"", start
 seq]``, the ROUTER answers ``[b"", topic, seq, payload]`` per buffered message, then the end
 marker (seq -1, empty payload). A worker that restarts starts again at seq 0: a seq at or below the
-last one with another payload begins a new run.
+last one with another payload begins a new run, and so does a message stamped after the test
+stopped the worker (:meth:`IndependentSubscriber.stopped`; the engine's timestamps are this
+machine's clock).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -60,10 +63,17 @@ class WorkerRecord:
     runs: list[Run] = field(default_factory=lambda: [Run()])
     replayed: int = 0
     """Messages this subscriber got by replay (not live)."""
+    stopped_at: float | None = None
+    """Wall-clock time the test stopped the worker, until its new run's first message."""
 
     @property
     def current(self) -> Run:
         return self.runs[-1]
+
+    def live_blocks(self) -> frozenset[int]:
+        """The current run's live blocks; none once the worker was stopped (its cache went with its
+        process) until its new run publishes."""
+        return frozenset() if self.stopped_at is not None else frozenset(self.current.live_blocks())
 
     def messages(self) -> int:
         return sum(len(run.payloads) for run in self.runs)
@@ -110,9 +120,12 @@ class IndependentSubscriber:
         run = record.current
         if seq in run.payloads and run.payloads[seq] == payload:
             return  # already had it by replay
-        if run.payloads and seq <= run.last_seq:
+        restarted = record.stopped_at is not None and msgspec.msgpack.decode(payload)[0] > record.stopped_at
+        if restarted or (run.payloads and seq <= run.last_seq):
             with self.lock:
-                record.runs.append(Run())  # the worker restarted: its seq starts again
+                if run.payloads:
+                    record.runs.append(Run())  # the worker restarted: its seq starts again
+                record.stopped_at = None
             run = record.current
         expected = run.last_seq + 1
         if seq > expected:
@@ -142,15 +155,15 @@ class IndependentSubscriber:
         finally:
             dealer.close()
 
-    def new_run(self, engine_id: str) -> None:
-        """The test stopped this worker: what comes next is a new run (also found from the seqs
-        alone, unless the new run passed the old one's last seq before the SUB reconnected)."""
+    def stopped(self, engine_id: str) -> None:
+        """The test stopped this worker (its process has exited): a message stamped later is of a
+        new run. (The seqs alone tell it too, unless the new run passed the old one's last seq
+        before the SUB reconnected; the old run's last messages may still be on their way.)"""
         with self.lock:
-            if self.records[engine_id].current.payloads:
-                self.records[engine_id].runs.append(Run())
+            self.records[engine_id].stopped_at = time.time()
 
     def snapshot(self) -> dict[str, tuple[int, int, frozenset[int]]]:
-        """Per engine: (messages, events, live block hashes of the current run).
+        """Per engine: (messages, events, live block hashes of the current run, :meth:`WorkerRecord.live_blocks`).
 
         Raises:
             RuntimeError: the subscriber's thread failed (a replay without an end marker, a frame
@@ -159,8 +172,7 @@ class IndependentSubscriber:
         if self.error is not None:
             raise RuntimeError(f"the independent subscriber failed: {self.error!r}") from self.error
         with self.lock:
-            return {engine_id: (r.messages(), r.events(), frozenset(r.current.live_blocks()))
-                    for engine_id, r in self.records.items()}
+            return {engine_id: (r.messages(), r.events(), r.live_blocks()) for engine_id, r in self.records.items()}
 
     def close(self) -> None:
         self._stop.set()

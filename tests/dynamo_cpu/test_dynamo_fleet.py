@@ -231,7 +231,7 @@ def _restart_with_traffic(group: Group, worker: Worker, sig: signal.Signals) -> 
     try:
         wait_for(lambda: traffic.report.ok >= 2 * NUM_WORKERS, 60, "traffic to flow before the stop")
         group.fleet.stop_worker(worker, sig)
-        group.subscriber.new_run(worker.engine_id)
+        group.subscriber.stopped(worker.engine_id)
         group.fleet.start_worker(worker)
         restarted = time.monotonic()
         seen = []
@@ -268,7 +268,7 @@ def test_idle_restart_bumps_the_generation_within_2_s(group: Group) -> None:
     generations = [ledger.generation(worker.engine_id) for ledger in group.ledgers]
     stopped = time.monotonic()
     group.fleet.stop_worker(worker, signal.SIGTERM)
-    group.subscriber.new_run(worker.engine_id)
+    group.subscriber.stopped(worker.engine_id)
     group.fleet.start_worker(worker)
     restarted = time.monotonic()
     print(f"\nidle restart of {worker.engine_id}: {restarted - stopped:.2f} s from SIGTERM to the new process up")
