@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ledger import events as ev
 from ledger import reads, writes
@@ -62,13 +62,30 @@ class LedgerClient:
         the ledger never saw it."""
         return self._connections.read(lambda sql: reads.engine_info(sql, engine_id))
 
-    def placement(self, block_hashes: Sequence[BlockHash], namespace: str | None, content_keys: Sequence[bytes], *,
+    def placement(self, block_hashes: Sequence[BlockHash] | Callable[[str | None], Sequence[BlockHash] | None],
+                  namespace: str | None, content_keys: Sequence[bytes], *,
                   now: float | None = None) -> PlacementSnapshot:
         """Per engine, the request's exact live overlap and longest fresh donor span, from one
-        snapshot (:mod:`ledger.placement_reads`; placement advice, never a promise)."""
+        snapshot (:mod:`ledger.placement_reads`; placement advice, never a promise).
+
+        ``block_hashes``: the request's block hashes for every engine, or ``scheme -> hashes``
+        (None: unknown in that scheme), asked once per scheme the fleet's engines use
+        (:class:`~ledger.types.BlockKeyScheme` values; None for an engine whose scheme is unknown)."""
         now = time.time() if now is None else now
-        hashes = [split_hash(h) for h in block_hashes]
-        return self._connections.read(lambda sql: read_placement(sql, hashes, namespace, content_keys, now),
+        if callable(block_hashes):
+            per_scheme: dict[str | None, list[tuple[int, bytes]] | None] = {}
+
+            def hashes_for(scheme: str | None) -> list[tuple[int, bytes]] | None:
+                if scheme not in per_scheme:
+                    given = block_hashes(scheme)  # type: ignore[operator]
+                    per_scheme[scheme] = None if given is None else [split_hash(h) for h in given]
+                return per_scheme[scheme]
+        else:
+            fixed = [split_hash(h) for h in block_hashes]
+
+            def hashes_for(scheme: str | None) -> list[tuple[int, bytes]] | None:
+                return fixed
+        return self._connections.read(lambda sql: read_placement(sql, hashes_for, namespace, content_keys, now),
                                       snapshot=True)
 
     def last_seq(self) -> int:
