@@ -29,7 +29,8 @@ Schemes:
   ``compute_next_sequence_hash``, ``XXH3_SEED = 1337``: "preserve the mocker's existing XXH3 wire
   values"), ``lib/llm/src/kv_router/indexer.rs`` (``compute_block_hash``, ``XXH3_SEED``; commit
   322fb3afc36e8427a5df6b871a00ecb679404050) and its guide "KV Events & Hashing Consistency"
-  (xxh3-64, seed 1337, u32 tokens ``to_le_bytes``). Seen equal to Dynamo 1.6.1's ``cached_tokens``
+  (xxh3-64, seed 1337, u32 tokens ``to_le_bytes``; reference vector ``[1, 2, 3, 4]``, block size 4
+  -> 14643705804678351452, held in tests/unit/test_dynamo_block_keys.py). Seen equal to Dynamo 1.6.1's ``cached_tokens``
   on 200 of 200 requests (shared/reference/DYNAMO_CPU.md). No LoRA or multimodal salt.
 * TensorRT-LLM ``v2_sha256`` hashes are read from events (``consumer/wire.py`` normalizes them,
   :func:`ledger.types.normalize_hash`), not computed here; nor are vLLM's, whose chain starts from
@@ -39,10 +40,12 @@ Schemes:
 from __future__ import annotations
 
 import os
+import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import xxhash
 from blake3 import blake3
 
@@ -213,6 +216,8 @@ def vllm_event_block_hash(block_hash: bytes) -> int | bytes:
 
 
 DYNAMO_SEED = 1337
+_LE_PAIR = struct.Struct("<QQ")
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
 """Dynamo's ``XXH3_SEED`` (ai-dynamo/dynamo ``lib/llm/src/kv_router/indexer.rs``)."""
 
 
@@ -228,15 +233,19 @@ def dynamo_block_hashes(token_ids: Sequence[int], tokens_per_block: int) -> list
     if tokens_per_block < 1:
         raise ValueError("tokens_per_block must be >= 1")
     full = len(token_ids) - len(token_ids) % tokens_per_block
-    tokens = np.asarray(token_ids[:full], dtype=np.int64)
-    if tokens.size and (tokens.min() < 0 or tokens.max() > MASK32):
-        raise ValueError("Dynamo hashes token ids as u32: every id must be in [0, 2**32)")
-    data = tokens.astype("<u4").tobytes()
+    try:
+        tokens = array(_U32, token_ids[:full])
+    except OverflowError:
+        raise ValueError("Dynamo hashes token ids as u32: every id must be in [0, 2**32)") from None
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    data = memoryview(tokens).cast("B")
     step = 4 * tokens_per_block
+    digest, pair = xxhash.xxh3_64_intdigest, _LE_PAIR.pack
     hashes: list[int] = []
-    digest = xxhash.xxh3_64_intdigest
+    parent = None
     for start in range(0, len(data), step):
         local = digest(data[start : start + step], DYNAMO_SEED)
-        hashes.append(local if not hashes else digest(
-            hashes[-1].to_bytes(8, "little") + local.to_bytes(8, "little"), DYNAMO_SEED))
+        parent = local if parent is None else digest(pair(parent, local), DYNAMO_SEED)
+        hashes.append(parent)
     return hashes

@@ -22,6 +22,7 @@ from ledger import events as ev
 from ledger import reads, writes
 from ledger.connections import Connections
 from ledger.donor_view import DonorView
+from ledger.live_index import LiveIndex
 from ledger.placement_reads import PlacementSnapshot, read_placement
 from ledger.reads import DonorInfo, DonorSpan, EngineInfo
 from ledger.types import BlockHash, FreshnessPolicy, StaleReason, split_hash
@@ -122,6 +123,14 @@ class LedgerClient:
         end, so no single statement outgrows a statement timeout."""
         with view.catching_up:
             return self._connections.read(lambda sql: reads.refresh_view(sql, view), snapshot=True)
+
+    def refresh_live_index(self, index: LiveIndex) -> int:
+        """Load ``index`` (:class:`~ledger.live_index.LiveIndex`: every live block, in one read
+        transaction on SQLite) or catch it up with the log rows that change it since its cursor,
+        at most :data:`ledger.reads.VIEW_CATCH_UP_MAX_SEQS` log seqs per call. Returns the log seq
+        it now reflects. Cost when nothing changed: one statement (the log's max seq)."""
+        with index.catching_up:
+            return self._connections.read(lambda sql: reads.refresh_live_index(sql, index), snapshot=True)
 
     @contextlib.contextmanager
     def deadline(self, seconds: float) -> Iterator[None]:

@@ -1,9 +1,11 @@
 """Placement advice (Mode 3): which engine should serve a request, from fresh ledger state only.
 
 For a request (token ids, optional text, namespace digest, cache salt, LoRA task) the
-:class:`PlacementAdvisor` answers from ONE read of the ledger
-(:meth:`ledger.client.LedgerClient.placement`: one transaction on SQLite, so every number and every
-generation comes from the same snapshot):
+:class:`PlacementAdvisor` answers from one snapshot of the ledger: its in-memory index of live
+blocks (:class:`ledger.live_index.LiveIndex`, caught up with the log before each answer, at most
+``refresh_s`` old; the default 0 catches up every time, one statement when nothing changed), or
+with ``live_index=False`` ONE read of the ledger (:meth:`ledger.client.LedgerClient.placement`: one
+transaction on SQLite, so every number and every generation comes from the same snapshot):
 
 * per engine, the **exact live overlap**: the leading blocks of the request whose engine block hashes
   are live in that engine's CURRENT generation — what the engine's own prefix reuse would serve if
@@ -41,7 +43,10 @@ from typing import Any
 from connector.block_keys import block_hash_chain, dynamo_block_hashes
 from connector.namespace import Namespace, content_keys
 from ledger.client import LedgerClient
-from ledger.types import BlockHash, BlockKeyScheme, normalize_hash
+from ledger.errors import LedgerError
+from ledger.live_index import LiveIndex
+from ledger.placement_reads import EngineOverlap
+from ledger.types import BlockHash, BlockKeyScheme, normalize_hash, split_hashes
 
 __all__ = ["Advice", "EngineAdvice", "PlacementAdvisor", "SemanticAdvice"]
 
@@ -116,6 +121,11 @@ class PlacementAdvisor:
         discovery: semantic candidates come from here (None: exact overlap only).
         tokens_per_block: the fleet's block size (tokens), unless a request gives its own.
         semantic_timeout_s: deadline of the discovery part of one answer (seconds).
+        live_index: answer live overlaps from an in-memory index of live blocks (loaded here:
+            one read of every live block) instead of one statement per engine per 64 blocks.
+        refresh_s: catch the index up with the ledger before an answer when it is older than
+            this (seconds; 0: before every answer). An index that cannot be caught up within its
+            ``max_staleness_s`` (2 s) is not used: answers then read the ledger itself.
 
     Raises (from :meth:`advise` and :meth:`ledger_seq`): :class:`~ledger.errors.PersistenceError`
     when the ledger cannot be read; ValueError for malformed input (negative token ids,
@@ -124,13 +134,19 @@ class PlacementAdvisor:
     """
 
     def __init__(self, db: str, *, discovery: Any = None, tokens_per_block: int = 32,
-                 semantic_timeout_s: float = 0.05, max_semantic: int = 8) -> None:
+                 semantic_timeout_s: float = 0.05, max_semantic: int = 8, live_index: bool = True,
+                 refresh_s: float = 0.0) -> None:
         self.db = db
         self.discovery = discovery
         self.tokens_per_block = tokens_per_block
         self.semantic_timeout_s = semantic_timeout_s
         self.max_semantic = max_semantic
+        self.refresh_s = refresh_s
         self._ledger = LedgerClient(db)
+        self.index: LiveIndex | None = None
+        if live_index:
+            self.index = LiveIndex()
+            self._ledger.refresh_live_index(self.index)
 
     def close(self) -> None:
         self._ledger.close()
@@ -154,8 +170,8 @@ class PlacementAdvisor:
         """
         started = time.perf_counter()
         tpb = tokens_per_block or self.tokens_per_block
-        tokens = [int(t) for t in token_ids]
-        if tpb < 1 or any(t < 0 for t in tokens):
+        tokens = list(map(int, token_ids))
+        if tpb < 1 or (tokens and min(tokens) < 0):
             raise ValueError("token ids must be >= 0 and tokens_per_block >= 1")
         given = None if block_hashes is None else [normalize_hash(h) for h in block_hashes]
         keys = content_keys(Namespace(namespace, {}), tokens, tpb) if namespace else []
@@ -165,8 +181,7 @@ class PlacementAdvisor:
                 return given
             return request_hashes(scheme, tokens, tpb, cache_salt=cache_salt, lora_task_id=lora_task_id)
 
-        snapshot = self._ledger.placement(hashes_for, namespace, keys)
-        engines = snapshot.engines
+        seq, engines = self._overlaps(hashes_for, namespace, keys)
         out = [EngineAdvice(e.engine_id, e.generation, e.status, e.fresh and e.live_blocks is not None,
                             e.live_blocks, None if e.live_blocks is None else e.live_blocks * tpb,
                             e.donor_id, e.donor_blocks, e.donor_blocks * tpb, block_key_scheme=e.block_key_scheme,
@@ -180,8 +195,44 @@ class PlacementAdvisor:
         ranked = sorted((dataclasses.replace(a, semantic_tokens=by_engine.get(a.engine_id, 0)) for a in out),
                         key=lambda a: (*a.score(), a.engine_id))
         informed = any(a.score()[1:] != (0, 0, 0) for a in ranked)
-        return Advice(tuple(ranked), tuple(semantic), snapshot.seq, tpb, len(tokens), time.perf_counter() - started,
+        return Advice(tuple(ranked), tuple(semantic), seq, tpb, len(tokens), time.perf_counter() - started,
                       informed, _warnings(ranked, informed))
+
+    def _overlaps(self, hashes_for: Any, namespace: str | None,
+                  keys: Sequence[bytes]) -> tuple[int, Sequence[EngineOverlap]]:
+        """``(ledger seq, per-engine overlaps)``: live overlaps from the index when it is usable,
+        donor spans (with a namespace) from one read of the ledger; else both from one read."""
+        if not self._index_usable():
+            snapshot = self._ledger.placement(hashes_for, namespace, keys)
+            return snapshot.seq, snapshot.engines
+        per_scheme: dict[str | None, list[tuple[int, bytes]] | None] = {}
+
+        def storage_hashes(scheme: str | None) -> list[tuple[int, bytes]] | None:
+            if scheme not in per_scheme:
+                hashes = hashes_for(scheme)
+                per_scheme[scheme] = None if hashes is None else split_hashes(hashes)
+            return per_scheme[scheme]
+
+        assert self.index is not None
+        seq, engines = self.index.overlaps(storage_hashes)
+        if not (namespace and keys):
+            return seq, engines
+        donors = {e.engine_id: e for e in self._ledger.placement(lambda scheme: None, namespace, keys).engines}
+        return seq, [dataclasses.replace(e, donor_id=donors[e.engine_id].donor_id,
+                                         donor_blocks=donors[e.engine_id].donor_blocks)
+                     if e.engine_id in donors else e for e in engines]
+
+    def _index_usable(self) -> bool:
+        """Catch the index up when it is older than ``refresh_s``; True when it may answer."""
+        index = self.index
+        if index is None:
+            return False
+        if index.age_s() >= self.refresh_s:
+            try:
+                self._ledger.refresh_live_index(index)
+            except LedgerError:
+                pass  # within max_staleness_s the index still answers; past it, the ledger is read
+        return index.ready
 
     def _semantic(self, tokens: list[int], text: str | None, model_id: str, namespace: str | None, tpb: int,
                   generations: dict[str, int], limit: int) -> list[SemanticAdvice]:

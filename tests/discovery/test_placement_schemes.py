@@ -12,6 +12,7 @@ daemon logs a source's configured scheme, and advice then finds a Dynamo worker'
 from __future__ import annotations
 
 import json
+import random
 
 import msgspec
 import pytest
@@ -22,7 +23,7 @@ from connector.placement.advice import PlacementAdvisor
 from connector.placement.http import create_app
 from tests.discovery.conftest import append
 from tests.integration.consumer.daemon_support import DaemonRun, FaultPublisher, settings_for, subscribed, wait_until
-from tools.harness.builders import batch, stored
+from tools.harness.builders import batch, removed, stored
 
 TPB = 16
 PROMPT = [(7 * i + 3) % 50_000 for i in range(6 * TPB + 5)]  # 6 full blocks and a partial one
@@ -128,3 +129,32 @@ async def test_the_consumer_logs_a_sources_configured_scheme_and_advice_uses_it(
         assert by_engine(advisor.advise(PROMPT)) == {"worker-7": ("known", 5, True, "dynamo")}
     finally:
         advisor.close()
+
+
+def test_the_live_index_answers_as_the_ledger_does_through_stores_removals_and_bumps(db: str) -> None:
+    """Seeded random traffic on three engines (stores of prompt prefixes, removals, lost batches
+    that bump the generation, a stream of another attention-DP rank): after every transaction the
+    in-memory index and the ledger's own tables give the same overlaps for every prompt."""
+    rng = random.Random(22)
+    prompts = [[rng.randrange(1000) for _ in range(8 * TPB)] for _ in range(4)]
+    chains = [block_hash_chain(p, TPB) for p in prompts]
+    indexed = PlacementAdvisor(db, tokens_per_block=TPB)
+    direct = PlacementAdvisor(db, tokens_per_block=TPB, live_index=False)
+    seqs = {"a": 0, "b": 0, "c": 0}
+    try:
+        for step in range(60):
+            engine = rng.choice("abc")
+            chain = rng.choice(chains)
+            n = rng.randrange(1, 9)
+            if rng.random() < 0.6:
+                event = stored(*chain[:n], num_tokens=TPB, dp_rank=rng.choice((0, 0, 1)))
+            else:
+                event = removed(*rng.sample(chain, n), dp_rank=rng.choice((0, 0, 1)))
+            seqs[engine] += 2 if rng.random() < 0.1 else 1  # now and then a lost batch: a gap, a bump
+            append(db, batch(seqs[engine], event, engine_id=engine))
+            for prompt in prompts:
+                assert by_engine(indexed.advise(prompt)) == by_engine(direct.advise(prompt)), step
+        assert indexed.index is not None and indexed.index.blocks() > 0
+    finally:
+        indexed.close()
+        direct.close()
