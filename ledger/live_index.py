@@ -5,7 +5,8 @@ current generation. Read from the ``blocks`` projection that costs one statement
 stream per 64 blocks (:mod:`ledger.placement_reads`): 7.5 ms p99 at 2K tokens on an 8-engine fleet
 with ~1M live blocks, where Dynamo's own router answers in 0.27 ms. :class:`LiveIndex` answers
 from memory instead: per engine its generation and status, and per stream the set of its live
-blocks' storage hashes (``(block_hash, block_hash_ext)``, :func:`ledger.types.split_hash`). It is
+blocks' index keys (:func:`index_keys`: the signed 64-bit storage hash of a 64-bit hash, an int
+hashed once by the set; ``(block_hash, block_hash_ext)`` of a wide one). It is
 a read model of the ledger, caught up by :meth:`ledger.client.LedgerClient.refresh_live_index`
 from what the log gained since the seq it reflects (:attr:`LiveIndex.cursor`), the way the
 connector's :class:`~ledger.donor_view.DonorView` is:
@@ -29,14 +30,28 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ledger import events as ev
-from ledger.placement_reads import EngineOverlap, HashesFor
-from ledger.types import EngineStatus, split_hash
+from ledger.placement_reads import EngineOverlap
+from ledger.types import I64_MAX, TWO_64, BlockHash, EngineStatus, split_hash
 
-__all__ = ["INDEX_KINDS", "LiveIndex"]
+__all__ = ["INDEX_KINDS", "IndexKey", "KeysFor", "LiveIndex", "index_keys"]
+
+IndexKey = int | tuple[int, bytes]
+KeysFor = Callable[[str | None], Sequence[IndexKey] | None]
+"""scheme (None: unknown) -> the request's block hashes as :func:`index_keys`, or None: not known."""
+
+
+def index_keys(block_hashes: Iterable[BlockHash]) -> list[IndexKey]:
+    """Canonical block hashes (:func:`ledger.types.normalize_hash`) -> the index's keys: a 64-bit
+    hash's signed storage form (``block_hash``), a wide hash's ``(block_hash, block_hash_ext)``."""
+    return [(h - TWO_64 if h > I64_MAX else h) if type(h) is int else split_hash(h) for h in block_hashes]
+
+
+def _stored_key(block_hash: int, ext: bytes) -> IndexKey:
+    return (block_hash, ext) if ext else block_hash
 
 INDEX_KINDS = ("block_stored", "block_removed", "generation_bumped", "engine_registered")
 """Log kinds whose rows change the index (applied rows only; other engine events only make their
@@ -59,7 +74,7 @@ class LiveIndex:
         """Log seq the index reflects; -1 until loaded."""
         self._caught_up_at = float("-inf")
         self._engines: dict[str, tuple[int, str]] = {}
-        self._live: dict[str, dict[Stream, set[tuple[int, bytes]]]] = {}
+        self._live: dict[str, dict[Stream, set[IndexKey]]] = {}
         self._schemes: dict[str, str] = {}
         self._lock = threading.Lock()
         self.catching_up = threading.Lock()
@@ -91,9 +106,9 @@ class LiveIndex:
         status)``, ``live_rows`` ``(engine_id, attention_dp_rank, window_size, block_hash,
         block_hash_ext)`` of every live block (in its engine's current generation, as every live
         block is)."""
-        live: dict[str, dict[Stream, set[tuple[int, bytes]]]] = {}
+        live: dict[str, dict[Stream, set[IndexKey]]] = {}
         for engine_id, dp_rank, window, block_hash, ext in live_rows:
-            live.setdefault(engine_id, {}).setdefault((dp_rank, window), set()).add((block_hash, bytes(ext)))
+            live.setdefault(engine_id, {}).setdefault((dp_rank, window), set()).add(_stored_key(block_hash, bytes(ext)))
         with self._lock:
             self._engines = {e: (g, str(s)) for e, g, s in engines}
             self._live, self._schemes, self.cursor = live, dict(schemes), upto_seq
@@ -125,18 +140,18 @@ class LiveIndex:
             return
         blocks = self._live.setdefault(engine_id, {}).setdefault(stream, set())
         if kind == "block_stored":
-            blocks.update(split_hash(block.block_hash) for block in body.blocks)
+            blocks.update(index_keys(block.block_hash for block in body.blocks))
         else:  # block_removed
-            blocks.difference_update(split_hash(h) for h in body.block_hashes)
+            blocks.difference_update(index_keys(body.block_hashes))
 
     # -- lookup (memory only) ----------------------------------------------------------------
 
-    def overlaps(self, block_hashes: HashesFor) -> tuple[int, tuple[EngineOverlap, ...]]:
+    def overlaps(self, block_hashes: KeysFor) -> tuple[int, tuple[EngineOverlap, ...]]:
         """``(cursor, overlaps)``: per engine (``engine_id`` order), the leading blocks of the
         request live in its current generation (the most over its streams), as
         :func:`ledger.placement_reads.read_placement` reports them, without donor spans.
-        ``block_hashes(scheme)`` gives the request's storage hashes in an engine's scheme (None:
-        unknown, reported as ``live_blocks`` None)."""
+        ``block_hashes(scheme)`` gives the request's hashes in an engine's scheme as
+        :func:`index_keys` (None: unknown, reported as ``live_blocks`` None)."""
         with self._lock:
             out = []
             for engine_id in sorted(self._engines):
@@ -152,7 +167,7 @@ class LiveIndex:
             return self.cursor, tuple(out)
 
 
-def _leading(live: set[tuple[int, bytes]], hashes: Sequence[tuple[int, bytes]]) -> int:
+def _leading(live: set[IndexKey], hashes: Sequence[IndexKey]) -> int:
     """How many of ``hashes``, from the first, are in ``live``."""
     count = 0
     for key in hashes:

@@ -8,8 +8,9 @@ fresh tail of one block, asked of two advisors on the same ledger in alternation
 time: ``PlacementAdvisor(live_index=False)`` (one statement per engine and stream per 64 blocks, the
 code before issue #22's index) and ``PlacementAdvisor()`` (the index, caught up before every answer:
 ``refresh_s`` 0), once from tokens (Dynamo's hashes computed per engine) and once with the block
-hashes given. Garbage collection is off while timing. Both answers are compared (every engine's
-overlap); a difference stops the run.
+hashes given; then the same over HTTP (``semkv-ledger serve``'s app under uvicorn on a loopback
+socket, one server per advisor, httpx with a kept connection). Garbage collection is off while
+timing (in process). Both answers are compared (every engine's overlap); a difference stops the run.
 
 Usage: ``python tools/bench_placement.py [--engines 8] [--prompts-per-engine 16]
 [--prompt-tokens 32768] [--queries 300]``; prints a markdown table of p50 / p99 in ms.
@@ -27,12 +28,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import msgspec
+import socket
+import threading
+import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from connector.block_keys import dynamo_block_hashes  # noqa: E402
 from connector.placement.advice import PlacementAdvisor  # noqa: E402
+from connector.placement.http import create_app  # noqa: E402
 from ledger.migrate import upgrade  # noqa: E402
 from ledger.writer import LedgerWriter  # noqa: E402
 from tools.harness.builders import batch, stored  # noqa: E402
@@ -66,6 +72,23 @@ async def populate(db: str, engines: int, prompts: list[list[list[int]]]) -> int
 
 def overlaps(advice) -> dict:  # noqa: ANN001
     return {a.engine_id: (a.live_blocks, a.generation, a.status) for a in advice.engines}
+
+
+def serve(advisor: PlacementAdvisor) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """The placement app on a loopback socket (a thread): (base URL, server, thread)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(advisor), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
+
+
+def row(case: str, times: dict[str, list[float]]) -> tuple[str, tuple[float, float], tuple[float, float]]:
+    p = {name: (statistics.median(v) * 1e3, statistics.quantiles(v, n=100)[98] * 1e3) for name, v in times.items()}
+    return case, p["ledger tables"], p["live index"]
 
 
 def main() -> None:
@@ -109,10 +132,31 @@ def main() -> None:
                                 raise SystemExit(f"the two answers differ: {overlaps(answers[0])} {overlaps(answers[1])}")
                     finally:
                         gc.enable()
-                    case = f"{label}, {'block hashes given' if given else 'from tokens'}"
-                    p = {name: (statistics.median(v) * 1e3, statistics.quantiles(v, n=100)[98] * 1e3)
-                         for name, v in times.items()}
-                    rows.append((case, p["ledger tables"], p["live index"]))
+                    rows.append(row(f"{label}, {'block hashes given' if given else 'from tokens'}", times))
+            servers = {name: serve(advisor) for name, advisor in (("ledger tables", direct), ("live index", indexed))}
+            clients = {name: httpx.Client(base_url=url, timeout=60) for name, (url, _, _) in servers.items()}
+            try:
+                for label, length in (("2K tokens", 2048), (f"{args.prompt_tokens // 1024}K tokens", args.prompt_tokens)):
+                    times = {name: [] for name in servers}
+                    for _ in range(args.queries):
+                        prompt = rng.choice(rng.choice(prompts))
+                        body = {"token_ids": prompt[: length - TPB] + [rng.randrange(50_000) for _ in range(TPB)],
+                                "tokens_per_block": TPB, "max_semantic": 0}
+                        answers = []
+                        for name, client in clients.items():
+                            t0 = time.perf_counter()
+                            response = client.post("/v1/placement", json=body)
+                            times[name].append(time.perf_counter() - t0)
+                            answers.append({e["engine_id"]: e["live_blocks"] for e in response.json()["engines"]})
+                        if answers[0] != answers[1]:
+                            raise SystemExit(f"the two HTTP answers differ: {answers}")
+                    rows.append(row(f"{label}, from tokens, over HTTP", times))
+            finally:
+                for client in clients.values():
+                    client.close()
+                for _, server, thread in servers.values():
+                    server.should_exit = True
+                    thread.join(10)
         finally:
             indexed.close()
             direct.close()

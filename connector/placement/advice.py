@@ -44,11 +44,12 @@ from connector.block_keys import block_hash_chain, dynamo_block_hashes
 from connector.namespace import Namespace, content_keys
 from ledger.client import LedgerClient
 from ledger.errors import LedgerError
-from ledger.live_index import LiveIndex
+from ledger.live_index import IndexKey, LiveIndex, index_keys
 from ledger.placement_reads import EngineOverlap
-from ledger.types import BlockHash, BlockKeyScheme, normalize_hash, split_hashes
+from ledger.types import TWO_64, U64_MAX, BlockHash, BlockKeyScheme, normalize_hash
 
-__all__ = ["Advice", "EngineAdvice", "PlacementAdvisor", "SemanticAdvice"]
+__all__ = ["Advice", "EngineAdvice", "PlacementAdvisor", "SemanticAdvice", "canonical_hashes", "request_hashes"]
+_I64_MIN = -(2**63)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -170,10 +171,10 @@ class PlacementAdvisor:
         """
         started = time.perf_counter()
         tpb = tokens_per_block or self.tokens_per_block
-        tokens = list(map(int, token_ids))
+        tokens = token_ids if type(token_ids) is list else list(map(int, token_ids))
         if tpb < 1 or (tokens and min(tokens) < 0):
             raise ValueError("token ids must be >= 0 and tokens_per_block >= 1")
-        given = None if block_hashes is None else [normalize_hash(h) for h in block_hashes]
+        given = None if block_hashes is None else canonical_hashes(block_hashes)
         keys = content_keys(Namespace(namespace, {}), tokens, tpb) if namespace else []
 
         def hashes_for(scheme: str | None) -> list[BlockHash] | None:
@@ -205,16 +206,16 @@ class PlacementAdvisor:
         if not self._index_usable():
             snapshot = self._ledger.placement(hashes_for, namespace, keys)
             return snapshot.seq, snapshot.engines
-        per_scheme: dict[str | None, list[tuple[int, bytes]] | None] = {}
+        per_scheme: dict[str | None, list[IndexKey] | None] = {}
 
-        def storage_hashes(scheme: str | None) -> list[tuple[int, bytes]] | None:
+        def keys_for(scheme: str | None) -> list[IndexKey] | None:
             if scheme not in per_scheme:
                 hashes = hashes_for(scheme)
-                per_scheme[scheme] = None if hashes is None else split_hashes(hashes)
+                per_scheme[scheme] = None if hashes is None else index_keys(hashes)
             return per_scheme[scheme]
 
         assert self.index is not None
-        seq, engines = self.index.overlaps(storage_hashes)
+        seq, engines = self.index.overlaps(keys_for)
         if not (namespace and keys):
             return seq, engines
         donors = {e.engine_id: e for e in self._ledger.placement(lambda scheme: None, namespace, keys).engines}
@@ -251,6 +252,16 @@ class PlacementAdvisor:
                 break
         return out
 
+
+
+def canonical_hashes(block_hashes: Sequence[int | str | bytes]) -> list[BlockHash]:
+    """The caller's block hashes in canonical form (:func:`ledger.types.normalize_hash`), with a
+    fast path for 64-bit integers, signed or not (what engines publish).
+
+    Raises:
+        ValueError: a hash that is not an integer in [-2**63, 2**64), 32 bytes or 64 hex characters.
+    """
+    return [h % TWO_64 if type(h) is int and _I64_MIN <= h <= U64_MAX else normalize_hash(h) for h in block_hashes]
 
 
 def request_hashes(scheme: str | None, tokens: Sequence[int], tokens_per_block: int, *,
