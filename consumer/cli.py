@@ -409,7 +409,7 @@ def consume_command(
     replay_timeout_s: Annotated[float | None, typer.Option(help="Replay fails after this many seconds "
                                                            "without a reply (default 2).")] = None,
     idle_replay_s: Annotated[float | None, typer.Option(help="Probe replay after this many idle seconds "
-                                                        "(default 5; 0 disables the idle probe).")] = None,
+                                                        "(default 0.5; 0 disables the idle probe, which also finds idle engine restarts).")] = None,
     max_frame_bytes: Annotated[int | None, typer.Option(help="Frames above this are dead-lettered "
                                                         "undecoded (default 16 MiB).")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info (default), warning or error.")] = None,

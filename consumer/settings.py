@@ -46,6 +46,7 @@ from pydantic_settings import (
 )
 
 from ledger.db import DEFAULT_DB
+from ledger.types import BlockKeyScheme
 from ledger.settings_doc import default_text, markdown_cell
 
 __all__ = ["DEFAULT_ENDPOINT", "ConsumerSettings", "SourceSettings", "check_tcp_endpoint", "load_settings"]
@@ -101,6 +102,11 @@ class SourceSettings(BaseModel):
     """Bind the SUB socket instead of connecting (for vLLM engines that connect their PUB)."""
     source_id: str = ""
     """Ledger key of this source; default ``f"{engine_id}@{endpoint}"``."""
+    block_key_scheme: BlockKeyScheme | None = None
+    """How the engine computes its block hashes: ``trtllm_v1``, ``trtllm_v2``, ``vllm`` or ``dynamo``;
+    logged in the ledger, so that placement advice computes a request's hashes the engine's way.
+    None: inferred where the wire tells (TensorRT-LLM LLM-API events: ``trtllm_v1``); otherwise
+    advice answers the engine as ``unknown`` unless the caller gives its own block hashes."""
     curve_publisher_key: Path | None = None
     """CURVE: the engine publisher's public key file (``ENGINE.key``), pinned when connecting; for a
     ``bind`` source, the key file or directory of ``*.key`` files of the publishers admitted (ZAP).
@@ -149,10 +155,15 @@ class ConsumerSettings(BaseSettings):
     """Messages waiting between the sources and the writer; a full queue stops the sources reading."""
     replay_timeout_s: float = Field(2.0, gt=0)
     """Replay gives up when no reply arrives for this long (between two replies)."""
-    idle_replay_s: float = Field(5.0, ge=0)
-    """After this long without a message, ask the replay endpoint for anything newer (finds lost
-    trailing batches, and batches published before the SUB connected); 0 disables it (the start-up
-    probe and the replay of seen gaps still run)."""
+    idle_replay_s: float = Field(0.5, ge=0)
+    """After this long without a message, ask the replay endpoint again for the last batch passed
+    on and anything newer: finds lost trailing batches, batches published before the SUB
+    connected, and an engine that restarted and stayed idle (its buffer no longer holds that
+    batch: the generation is bumped within about ``idle_replay_s`` + 0.2 s of the restarted
+    engine answering; issue #22). Cost per idle engine: 1 / ``idle_replay_s`` requests per second
+    (2 at the default), each answered with one batch (the last one) and the end marker; none while
+    messages flow. 0 disables it (the start-up probe and the replay of seen gaps still run; an
+    idle restart is then seen only when the engine publishes again)."""
     max_frame_bytes: int = Field(16 * MIB, ge=1024)
     """A frame above this is dead-lettered undecoded (``oversized_frame``)."""
     max_events_per_message: int = Field(65_536, ge=1)

@@ -45,7 +45,17 @@ possibly already past ``L``, is replayed from 0 as above. (A position without a 
 batch at ``L`` on, and the ledger judges it by digest.) A source without a position asks from 0.
 After ``idle_replay_s`` (0: never) without a message or probe the same probe runs again, from
 ``last_seq`` (finds lost trailing batches, batches published before the SUB connected, and a
-restart nothing was heard of once its new run passed ``last_seq``).
+restart nothing was heard of). An engine's replay buffer always holds its newest batch, so a
+complete answer with nothing at all (the end marker only) to a request for a ``last_seq`` whose
+digest is known proves a restart just as another digest would: the engine no longer holds the
+batch it published there (Dynamo's mocker and vLLM restart at seq 0 and answer so; issue #22).
+The new run is then replayed from 0 as above; when it has published nothing yet, the restart is
+reported at once (a :class:`~ledger.events.GapReport` with reason ``seq_reset``: the ledger bumps
+the generation) and the new run's first batch, whenever it comes, is passed on ``new_run`` with
+``restart_logged`` (no second bump). An engine whose replay buffer holds nothing (a buffer of 0
+batches) cannot be told from a restarted one: do not give it a ``replay_endpoint``. A replay
+endpoint that does not answer proves nothing (the probe times out after ``replay_timeout_s``, the
+SUB is read again, and live messages waiting in ZMQ meanwhile are received then).
 
 ``record``: every message passed on (live or recovered, in that order; duplicates excluded) is
 appended to a capture file (``consumer/capture.py``), replayable by ``semkv-ledger publish``.
@@ -144,11 +154,18 @@ class SeqTracker:
 
 class ReplayResult(msgspec.Struct, frozen=True):
     """What one replay request brought: batches received, how many distinct seqs of the wanted
-    range they covered, and whether the end marker arrived (False: timeout)."""
+    range they covered, whether the end marker arrived (False: timeout), and messages received
+    before it (batches and undecodable messages alike)."""
 
     batches: int
     covered: int
     complete: bool
+    messages: int = 0
+
+    @property
+    def empty(self) -> bool:
+        """The end marker and nothing else came: the engine's buffer holds nothing from the start asked."""
+        return self.complete and self.messages == 0
 
 
 class Source:
@@ -182,6 +199,8 @@ class Source:
         self._verdict: Literal["pending", "same_run", "restart"] | None = None  # restart check by replay
         self._replay_start = 0
         self._new_run = False  # a restart was proven: the next batch passed on opens the new run
+        self._restart_logged = False  # ...and the restart was already reported to the ledger (GapReport)
+        self._describe = source.block_key_scheme  # carried by the first batch passed on, then None
         self._replayed = 0  # replayed batches passed on (not dropped as duplicates)
         self.tracker = SeqTracker(position.last_seq if position else None, settings.dedup_window_batches,
                                   position.last_digest if position else None)
@@ -417,11 +436,27 @@ class Source:
         restarted, self._verdict = self._verdict == "restart" and start > 0, None
         self._probed_at = time.monotonic()
         self._m.replay_probes.labels(**self._labels).inc()
-        if restarted:
+        gone = judge and result.empty  # the batch at last_seq, held before, is no longer held: a restart
+        if gone:
+            self.log.warning("source.restart_found_by_empty_replay", last_seq=last,
+                             reason=str(GenerationReason.SEQ_RESET))
+        if restarted or gone:
             await self._replay_new_run(None)
+        if gone and self._new_run:  # the new run published nothing yet: no batch carried the news
+            await self._report_restart_without_batches(last)  # type: ignore[arg-type]
         if self._replayed > replayed_before:
             self.log.info("source.probe_recovered", start_seq=start, batches=self._replayed - replayed_before,
                           complete=result.complete)
+
+    async def _report_restart_without_batches(self, last: int) -> None:
+        """An idle engine restarted and has published nothing since: the ledger bumps the
+        generation now (its blocks are gone with the old run), and the tracker forgets the old
+        run, so the new run's first batch, at any seq, is passed on ``new_run`` with
+        ``restart_logged`` (the ledger opens its epoch without a second bump)."""
+        await self._submit(GapReport(self.source_id, self.config.engine_id, last + 1, 0, GenerationReason.SEQ_RESET))
+        self._m.restarts_seen.labels(**self._labels).inc()
+        self._restart_logged = True
+        self.tracker = SeqTracker(None, self._settings.dedup_window_batches)
 
     async def _feed_one(self, item: ReceivedBatch | DeadLetter, frames: list[bytes]) -> None:
         """Pass on one replayed message unless the source already has it."""
@@ -451,11 +486,13 @@ class Source:
         """Advance the tracker and pass the batch on (with a GapReport first for a late joiner
         whose earlier batches replay could not give). The judgements replay proved travel with
         the batch: ``new_run`` (a restart) and ``late`` (an old batch of the run we know)."""
+        counted = False  # a restart already counted when it was reported (_report_restart_without_batches)
         if self._new_run:
-            self._new_run = False
+            counted = self._restart_logged
             self.log.warning("source.new_run", seq=item.seq, last_seq=self.tracker.last_seq,
-                             reason=str(GenerationReason.SEQ_RESET))
-            kind, item = "restart", msgspec.structs.replace(item, new_run=True)
+                             reason=str(GenerationReason.SEQ_RESET), restart_logged=self._restart_logged)
+            kind, item = "restart", msgspec.structs.replace(item, new_run=True, restart_logged=self._restart_logged)
+            self._new_run = self._restart_logged = False
         if kind == "first" and item.seq > 0 and not self._known_to_ledger:
             await self._submit(GapReport(self.source_id, self.config.engine_id, 0, item.seq,
                                          GenerationReason.SEQ_GAP))
@@ -466,7 +503,7 @@ class Source:
         elif kind == "late":
             self.log.warning("source.late_batch", seq=item.seq, last_seq=self.tracker.last_seq)
             item = msgspec.structs.replace(item, late=True)
-        elif kind == "restart":
+        elif kind == "restart" and not counted:
             self._m.restarts_seen.labels(**self._labels).inc()
         if kind != "late":  # a late batch goes to the ledger (logged, never applied) but moves nothing here
             self.tracker.accept(item.seq, item.digest, kind)
@@ -498,6 +535,9 @@ class Source:
                              reason=str(letter.reason), detail=letter.detail[:500])
         if self._record is not None:
             self._record.write(frames, time.time_ns())
+        if self._describe is not None and isinstance(item, ReceivedBatch):
+            item = msgspec.structs.replace(item, block_key_scheme=str(self._describe))
+            self._describe = None
         await self._submit(item)
 
     # -- replay client ------------------------------------------------------------------------
@@ -513,13 +553,13 @@ class Source:
         """
         endpoint = self.config.replay_endpoint
         if endpoint is None:
-            return ReplayResult(0, 0, False)
+            return ReplayResult(0, 0, False)  # not complete: proves nothing
         started = time.perf_counter()
         self._replay_start = start_seq
         dealer = self._replay_socket(endpoint)
         await dealer.send_multipart([b"", pack_seq(start_seq)])
         timeout_ms = int(self._settings.replay_timeout_s * 1000)
-        batches, covered, complete, previous = 0, 0, False, None
+        batches, covered, complete, previous, messages = 0, 0, False, None, 0
         while await dealer.poll(timeout_ms, zmq.POLLIN):
             frames = await dealer.recv_multipart()
             if frames and frames[0] == b"":
@@ -527,6 +567,7 @@ class Source:
             if is_end_marker(frames):
                 complete = True
                 break
+            messages += 1
             if len(frames) == 2:
                 frames = [self._topic, *frames]
             item = self._decode(frames)
@@ -542,7 +583,7 @@ class Source:
             self._dealer = None
             self._retire("replay")
         self._m.replay_seconds.labels(**self._labels).observe(time.perf_counter() - started)
-        return ReplayResult(batches, covered, complete)
+        return ReplayResult(batches, covered, complete, messages)
 
     def _replay_socket(self, endpoint: str) -> zmq.asyncio.Socket:
         if self._dealer is None:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ledger import events as ev
 from ledger import reads, writes
 from ledger.connections import Connections
 from ledger.donor_view import DonorView
+from ledger.live_index import LiveIndex
 from ledger.placement_reads import PlacementSnapshot, read_placement
 from ledger.reads import DonorInfo, DonorSpan, EngineInfo
 from ledger.types import BlockHash, FreshnessPolicy, StaleReason, split_hash
@@ -62,13 +63,30 @@ class LedgerClient:
         the ledger never saw it."""
         return self._connections.read(lambda sql: reads.engine_info(sql, engine_id))
 
-    def placement(self, block_hashes: Sequence[BlockHash], namespace: str | None, content_keys: Sequence[bytes], *,
+    def placement(self, block_hashes: Sequence[BlockHash] | Callable[[str | None], Sequence[BlockHash] | None],
+                  namespace: str | None, content_keys: Sequence[bytes], *,
                   now: float | None = None) -> PlacementSnapshot:
         """Per engine, the request's exact live overlap and longest fresh donor span, from one
-        snapshot (:mod:`ledger.placement_reads`; placement advice, never a promise)."""
+        snapshot (:mod:`ledger.placement_reads`; placement advice, never a promise).
+
+        ``block_hashes``: the request's block hashes for every engine, or ``scheme -> hashes``
+        (None: unknown in that scheme), asked once per scheme the fleet's engines use
+        (:class:`~ledger.types.BlockKeyScheme` values; None for an engine whose scheme is unknown)."""
         now = time.time() if now is None else now
-        hashes = [split_hash(h) for h in block_hashes]
-        return self._connections.read(lambda sql: read_placement(sql, hashes, namespace, content_keys, now),
+        if callable(block_hashes):
+            per_scheme: dict[str | None, list[tuple[int, bytes]] | None] = {}
+
+            def hashes_for(scheme: str | None) -> list[tuple[int, bytes]] | None:
+                if scheme not in per_scheme:
+                    given = block_hashes(scheme)  # type: ignore[operator]
+                    per_scheme[scheme] = None if given is None else [split_hash(h) for h in given]
+                return per_scheme[scheme]
+        else:
+            fixed = [split_hash(h) for h in block_hashes]
+
+            def hashes_for(scheme: str | None) -> list[tuple[int, bytes]] | None:
+                return fixed
+        return self._connections.read(lambda sql: read_placement(sql, hashes_for, namespace, content_keys, now),
                                       snapshot=True)
 
     def last_seq(self) -> int:
@@ -105,6 +123,14 @@ class LedgerClient:
         end, so no single statement outgrows a statement timeout."""
         with view.catching_up:
             return self._connections.read(lambda sql: reads.refresh_view(sql, view), snapshot=True)
+
+    def refresh_live_index(self, index: LiveIndex) -> int:
+        """Load ``index`` (:class:`~ledger.live_index.LiveIndex`: every live block, in one read
+        transaction on SQLite) or catch it up with the log rows that change it since its cursor,
+        at most :data:`ledger.reads.VIEW_CATCH_UP_MAX_SEQS` log seqs per call. Returns the log seq
+        it now reflects. Cost when nothing changed: one statement (the log's max seq)."""
+        with index.catching_up:
+            return self._connections.read(lambda sql: reads.refresh_live_index(sql, index), snapshot=True)
 
     @contextlib.contextmanager
     def deadline(self, seconds: float) -> Iterator[None]:

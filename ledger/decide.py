@@ -20,7 +20,7 @@ import msgspec
 
 from ledger import events as ev
 from ledger.apply import LogEntry, Projection, apply
-from ledger.types import DeadLetterReason, GenerationReason, StreamKey
+from ledger.types import DeadLetterReason, EngineStatus, GenerationReason, StreamKey
 
 # batch_index of the BatchReceived row; events use 0..n-1 (DESIGN §5 idempotency key).
 BATCH_ROW_INDEX = -1
@@ -172,6 +172,9 @@ class Decider:
     def ingest(self, batch: ev.ReceivedBatch) -> None:
         """Accept one ZMQ message: duplicate check, restart/gap detection, then its events."""
         self.ensure_engine(batch.engine_id)
+        if batch.block_key_scheme is not None:
+            self.emit(ev.EngineDescribed(engine_id=batch.engine_id, block_key_scheme=batch.block_key_scheme),
+                      engine_id=batch.engine_id)
         placed = self._place(batch)
         if placed is None:
             self.result.duplicate_batches += 1
@@ -280,8 +283,14 @@ class Decider:
 
     def _new_epoch(self, batch: ev.ReceivedBatch, epoch: int) -> int:
         """An engine restart: bump the generation and, when the new run is first heard of past
-        its seq 0, log the gap ``[0, seq)`` (what the engine's replay buffer no longer held)."""
-        self.bump(batch.engine_id, GenerationReason.SEQ_RESET, batch.source_id)
+        its seq 0, log the gap ``[0, seq)`` (what the engine's replay buffer no longer held).
+
+        A restart the consumer already reported (``restart_logged``: an idle probe proved it
+        before the new run published anything) is not bumped twice while the engine is still
+        ``resyncing`` (no event applied since that bump: nothing was trusted in between)."""
+        engine = self.proj.engines[batch.engine_id]
+        if not (batch.restart_logged and engine.status == EngineStatus.RESYNCING):
+            self.bump(batch.engine_id, GenerationReason.SEQ_RESET, batch.source_id)
         if batch.seq > 0:
             self.gap(batch.engine_id, batch.source_id, GenerationReason.SEQ_GAP, 0, batch.seq, bump=False)
         return epoch + 1

@@ -134,6 +134,15 @@ class ReceivedBatch(msgspec.Struct, frozen=True, gc=False):
     passed on): this is the first batch it passes on of the new run, whatever its seq. The ledger
     starts a new source epoch, bumps the generation and logs a gap for the new run's seqs below
     this one (``[0, seq)``: the engine's replay buffer no longer held them)."""
+    block_key_scheme: str | None = None
+    """The source's configured :class:`~ledger.types.BlockKeyScheme`, carried by the first batch a
+    consumer process passes on from the source: the ledger logs it (``engine_described``)."""
+    restart_logged: bool = False
+    """With ``new_run``: the consumer already reported this restart (a :class:`GapReport` with
+    reason ``seq_reset``, sent when an idle probe proved the restart before the new run had
+    published anything), so the ledger opens the new epoch without a second bump, provided the
+    engine applied no event since its generation was bumped (still ``resyncing``); otherwise it
+    bumps as for any new run (fail closed)."""
 
 
 class DeadLetter(msgspec.Struct, frozen=True, gc=False):
@@ -151,7 +160,13 @@ class DeadLetter(msgspec.Struct, frozen=True, gc=False):
 
 class GapReport(msgspec.Struct, frozen=True, gc=False):
     """The consumer could not recover batches ``[from_seq, to_seq)`` of a source (replay failed or
-    did not cover them), or started without proof of continuity (``from_seq == to_seq``)."""
+    did not cover them), or started without proof of continuity (``from_seq == to_seq``).
+
+    Reason ``seq_reset`` (``from_seq`` = the last seq passed on + 1, ``to_seq`` = 0): an idle probe
+    proved by replay that the engine restarted and its new run has published nothing yet (the
+    engine's replay buffer holds no batch at or after the last seq, whose batch it held before);
+    the ledger bumps the generation now, and the new run's first batch comes ``new_run`` with
+    ``restart_logged`` (:class:`ReceivedBatch`)."""
 
     source_id: str
     engine_id: str
@@ -199,6 +214,15 @@ class GenerationBumped(_Event, frozen=True):
     engine_id: str
     generation: int
     reason: GenerationReason
+
+
+class EngineDescribed(_Event, frozen=True):
+    """What the consumer's settings say of an engine: its block-key scheme
+    (:class:`~ledger.types.BlockKeyScheme` value). Logged when a consumer process passes on the
+    engine's first batch; the newest one counts (placement advice reads it). No projection."""
+
+    engine_id: str
+    block_key_scheme: str
 
 
 class EventDeadLettered(_Event, frozen=True):
@@ -267,6 +291,7 @@ LedgerFact = (
     | EngineRegistered
     | GapDetected
     | GenerationBumped
+    | EngineDescribed
     | EventDeadLettered
     | DonorRegistered
     | DonorSaved

@@ -22,7 +22,9 @@ from ledger import events as ev
 from ledger.db import Sql
 from ledger.donor_view import DonorView
 from ledger.freshness import DonorFacts, fresh_donor_clause, longest_prefix, stale_reason
+from ledger.live_index import INDEX_KINDS, LiveIndex
 from ledger.liveness import LIVENESS_KINDS
+from ledger.placement_reads import block_key_schemes
 from ledger.prepared import Prepared
 from ledger.schema import BlockRow, DonorBlockRow, DonorRow, EngineRow, LeaseRow, LogRow
 from ledger.types import (
@@ -202,6 +204,34 @@ def refresh_view(sql: Sql, view: DonorView) -> int:
     blocks = sql.all(_BLOCK_ROWS, {"after": after, "upto": upto, **_BLOCK_ROW_PARAMS}) if after >= 0 else []
     view.changed(upto, sql.all(_ENGINE_GENERATIONS, {}), sql.all(_DONORS_CHANGED, {"after": after, "upto": upto}),
                  blocks, lambda row: _view_donor(sql, row), complete=upto == latest)
+    return upto
+
+
+_INDEX_ROWS = Prepared(
+    select(_LOG.c.seq, _LOG.c.kind, _LOG.c.engine_id, _LOG.c.attention_dp_rank, _LOG.c.window_size, _LOG.c.body)
+    .where(_LOG.c.kind.in_([bindparam(f"kind{i}") for i in range(len(INDEX_KINDS))]),
+           _LOG.c.seq > bindparam("after"), _LOG.c.seq <= bindparam("upto"), _LOG.c.applied.is_(True))
+    .order_by(_LOG.c.seq))
+"""The log's rows that change the live index in a seq range (one range of ``ix_log_kind_seq`` per kind)."""
+_INDEX_ROW_PARAMS = {f"kind{i}": kind for i, kind in enumerate(INDEX_KINDS)}
+_LIVE_BLOCKS = Prepared(
+    select(_BLOCKS.c.engine_id, _BLOCKS.c.attention_dp_rank, _BLOCKS.c.window_size, _BLOCKS.c.block_hash,
+           _BLOCKS.c.block_hash_ext).where(_BLOCKS.c.state == str(BlockState.LIVE)))
+
+
+def refresh_live_index(sql: Sql, index: LiveIndex) -> int:
+    """Load ``index`` or catch it up with the ledger (see
+    :meth:`ledger.client.LedgerClient.refresh_live_index`); returns the log seq it now reflects."""
+    latest = sql.one(_MAX_SEQ, {})[0] or 0
+    if latest == index.cursor:
+        index.caught_up()
+        return latest
+    if index.cursor < 0:
+        index.load(latest, sql.all(_ENGINE_GENERATIONS, {}), sql.all(_LIVE_BLOCKS, {}), block_key_schemes(sql))
+        return latest
+    upto = min(latest, index.cursor + VIEW_CATCH_UP_MAX_SEQS)
+    rows = sql.all(_INDEX_ROWS, {"after": index.cursor, "upto": upto, **_INDEX_ROW_PARAMS})
+    index.changed(upto, rows, sql.all(_ENGINE_GENERATIONS, {}), block_key_schemes(sql), complete=upto == latest)
     return upto
 
 

@@ -153,6 +153,18 @@ class BlockState(enum.StrEnum):
     QUARANTINED = "quarantined"
 
 
+class BlockKeyScheme(enum.StrEnum):
+    """How an engine computes the block hashes it publishes (its events' ``block_hash``), so that
+    placement advice can compute a request's hashes the engine's way. A property of the engine's
+    stream: set per source in the consumer's settings (``block_key_scheme``) and logged
+    (``engine_described``), or inferred from the wire dialect (``ledger.placement_reads``)."""
+
+    TRTLLM_V1 = "trtllm_v1"  # TensorRT-LLM v1_block_key (WIRE.md §A.1): connector.block_keys.block_hash_chain
+    TRTLLM_V2 = "trtllm_v2"  # TensorRT-LLM v2_sha256 / v2_sha256_64: not computed here (caller's hashes only)
+    VLLM = "vllm"  # vLLM's sha256 chain seeded per process (NONE_HASH): not computed here (caller's hashes only)
+    DYNAMO = "dynamo"  # Dynamo's xxh3-64 seed 1337 chain: connector.block_keys.dynamo_block_hashes
+
+
 class DonorState(enum.StrEnum):
     REGISTERED = "registered"  # known to the ledger, KV bytes not yet saved
     LIVE = "live"  # bytes saved and checksummed in the donor store

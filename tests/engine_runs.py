@@ -3,7 +3,8 @@
 :class:`EngineRun` stamps seqs from 0 (and, in dialect (a), ``event_id``s from 0) as one engine
 process does, and returns each batch as the ZMQ frames ``[topic, seq8, payload]`` it would send
 (reference/WIRE.md): dialect ``"trt"`` = (a), TensorRT-LLM LLM-API dicts with ``event_id`` and
-``data.type``; dialect ``"vllm"`` = (b), vLLM maps tagged ``type``, no ``event_id``.
+``data.type``; dialect ``"vllm"`` = (b), vLLM maps tagged ``type``, no ``event_id`` (as Dynamo and
+TensorRT-LLM's native publisher send them); ``"vllm-array"``: vLLM's own tagged positional arrays.
 :func:`received` decodes frames with the consumer's real decoder (``consumer.wire``).
 """
 
@@ -30,13 +31,13 @@ class EngineRun:
     the next seq on it. Ops: ``("stored", [h, …])`` (a chain) and ``("removed", [h, …])``."""
 
     def __init__(self, dialect: str, topic: bytes = b"kv") -> None:
-        if dialect not in DIALECTS:
+        if dialect not in (*DIALECTS, "vllm-array"):
             raise ValueError(dialect)
         self.dialect, self.topic = dialect, topic
         self.next_seq = 0
         self.next_event_id = 0
 
-    def events(self, *ops: Op) -> list[dict[str, Any]]:
+    def events(self, *ops: Op) -> list[Any]:
         return [self._event(kind, hashes) for kind, hashes in ops]
 
     def payload(self, *ops: Op) -> bytes:
@@ -47,7 +48,11 @@ class EngineRun:
         self.next_seq += 1
         return frames
 
-    def _event(self, kind: str, hashes: list[int]) -> dict[str, Any]:
+    def _event(self, kind: str, hashes: list[int]) -> dict[str, Any] | list[Any]:
+        if self.dialect == "vllm-array":  # vLLM's own encoding: tagged positional arrays (WIRE.md §B)
+            if kind == "stored":
+                return ["BlockStored", hashes, None, list(range(BLOCK_SIZE * len(hashes))), BLOCK_SIZE, None, "GPU"]
+            return ["BlockRemoved", hashes, "GPU"]
         if self.dialect == "vllm":
             if kind == "stored":
                 return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,

@@ -1,14 +1,23 @@
 """Placement advice (Mode 3): which engine should serve a request, from fresh ledger state only.
 
 For a request (token ids, optional text, namespace digest, cache salt, LoRA task) the
-:class:`PlacementAdvisor` answers from ONE read of the ledger
-(:meth:`ledger.client.LedgerClient.placement`: one transaction on SQLite, so every number and every
-generation comes from the same snapshot):
+:class:`PlacementAdvisor` answers from one snapshot of the ledger: its in-memory index of live
+blocks (:class:`ledger.live_index.LiveIndex`, caught up with the log before each answer, at most
+``refresh_s`` old; the default 0 catches up every time, one statement when nothing changed), or
+with ``live_index=False`` ONE read of the ledger (:meth:`ledger.client.LedgerClient.placement`: one
+transaction on SQLite, so every number and every generation comes from the same snapshot):
 
 * per engine, the **exact live overlap**: the leading blocks of the request whose engine block hashes
-  (TensorRT-LLM's ``v1_block_key`` chain with the request's cache salt and LoRA task, WIRE.md §A.1,
-  :func:`connector.block_keys.block_hash_chain`) are live in that engine's CURRENT generation
-  — what the engine's own prefix reuse would serve if the request were routed there;
+  are live in that engine's CURRENT generation — what the engine's own prefix reuse would serve if
+  the request were routed there. The hashes are computed the way the engine computes them, by its
+  block-key scheme (:class:`~ledger.types.BlockKeyScheme`, from the ledger:
+  :mod:`ledger.placement_reads`): TensorRT-LLM's ``v1_block_key`` chain with the request's cache
+  salt and LoRA task (WIRE.md §A.1, :func:`connector.block_keys.block_hash_chain`), Dynamo's xxh3
+  chain (:func:`connector.block_keys.dynamo_block_hashes`); or they are the caller's own
+  (``block_hashes``: e.g. a router that hashed the request already, and the only way for vLLM and
+  TensorRT-LLM ``v2`` engines, whose hashes are not computed here). An engine whose hashes are not
+  known this way is answered with ``overlap = "unknown"`` (``live_blocks`` None, ``fresh`` False),
+  never as a fresh engine holding nothing;
 * per engine, the longest **fresh donor span** (with a namespace digest) over the request's
   chained content keys: fresh as :mod:`ledger.freshness` says (the lookup's rule), block liveness
   aside (freshness policy ``store``);
@@ -17,7 +26,10 @@ generation comes from the same snapshot):
 
 Engines whose status is not ``active`` (resynchronising after lost events) are reported with
 ``fresh = False`` and no overlap: their blocks are not trusted until the consumer has a new
-baseline. Engines are ranked by ``max(live_blocks, donor_blocks)``, then by semantic evidence.
+baseline. Engines are ranked by ``max(live_blocks, donor_blocks)``, then by semantic evidence,
+engines with an unknown overlap last. When no engine has any evidence (every score 0 or
+unknown) the order is only ``engine_id`` order: the answer says so (``informed`` False and a
+warning) instead of presenting the first engine as the best.
 Nothing here changes anything: it is advice for a router, never a promise (docs/modes.md).
 """
 
@@ -28,27 +40,43 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from connector.block_keys import block_hash_chain
+from connector.block_keys import block_hash_chain, dynamo_block_hashes
 from connector.namespace import Namespace, content_keys
 from ledger.client import LedgerClient
+from ledger.errors import LedgerError
+from ledger.live_index import IndexKey, LiveIndex, index_keys
+from ledger.placement_reads import EngineOverlap
+from ledger.types import TWO_64, U64_MAX, BlockHash, BlockKeyScheme, normalize_hash
 
-__all__ = ["Advice", "EngineAdvice", "PlacementAdvisor", "SemanticAdvice"]
+__all__ = ["Advice", "EngineAdvice", "PlacementAdvisor", "SemanticAdvice", "canonical_hashes", "request_hashes"]
+_I64_MIN = -(2**63)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineAdvice:
-    """One engine's exact overlap with the request, read at ``generation`` (blocks and tokens)."""
+    """One engine's exact overlap with the request, read at ``generation`` (blocks and tokens).
+
+    ``overlap``: ``known``, or ``unknown`` when the request's hashes in the engine's
+    ``block_key_scheme`` are not known (``live_blocks``/``live_tokens`` None, ``fresh`` False).
+    ``fresh``: the engine is ``active`` and its overlap known."""
 
     engine_id: str
     generation: int
     status: str
     fresh: bool
-    live_blocks: int
-    live_tokens: int
+    live_blocks: int | None
+    live_tokens: int | None
     donor_id: str | None
     donor_blocks: int
     donor_tokens: int
     semantic_tokens: int = 0
+    block_key_scheme: str | None = None
+    overlap: str = "known"
+
+    def score(self) -> tuple[int, int, int, int]:
+        """Sort key, best first: known before unknown, then blocks (live or donor), live, semantic."""
+        live = self.live_blocks or 0
+        return (self.live_blocks is None, -max(live, self.donor_blocks), -live, -self.semantic_tokens)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,6 +106,9 @@ class Advice:
     tokens_per_block: int
     num_tokens: int
     elapsed_s: float
+    informed: bool = True
+    """Some engine has evidence (live, donor or semantic tokens): the order means something."""
+    warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -91,6 +122,11 @@ class PlacementAdvisor:
         discovery: semantic candidates come from here (None: exact overlap only).
         tokens_per_block: the fleet's block size (tokens), unless a request gives its own.
         semantic_timeout_s: deadline of the discovery part of one answer (seconds).
+        live_index: answer live overlaps from an in-memory index of live blocks (loaded here:
+            one read of every live block) instead of one statement per engine per 64 blocks.
+        refresh_s: catch the index up with the ledger before an answer when it is older than
+            this (seconds; 0: before every answer). An index that cannot be caught up within its
+            ``max_staleness_s`` (2 s) is not used: answers then read the ledger itself.
 
     Raises (from :meth:`advise` and :meth:`ledger_seq`): :class:`~ledger.errors.PersistenceError`
     when the ledger cannot be read; ValueError for malformed input (negative token ids,
@@ -99,13 +135,19 @@ class PlacementAdvisor:
     """
 
     def __init__(self, db: str, *, discovery: Any = None, tokens_per_block: int = 32,
-                 semantic_timeout_s: float = 0.05, max_semantic: int = 8) -> None:
+                 semantic_timeout_s: float = 0.05, max_semantic: int = 8, live_index: bool = True,
+                 refresh_s: float = 0.0) -> None:
         self.db = db
         self.discovery = discovery
         self.tokens_per_block = tokens_per_block
         self.semantic_timeout_s = semantic_timeout_s
         self.max_semantic = max_semantic
+        self.refresh_s = refresh_s
         self._ledger = LedgerClient(db)
+        self.index: LiveIndex | None = None
+        if live_index:
+            self.index = LiveIndex()
+            self._ledger.refresh_live_index(self.index)
 
     def close(self) -> None:
         self._ledger.close()
@@ -116,19 +158,35 @@ class PlacementAdvisor:
 
     def advise(self, token_ids: Sequence[int], *, text: str | None = None, namespace: str | None = None,
                cache_salt: str | None = None, lora_task_id: int | None = None, model_id: str = "",
-               tokens_per_block: int | None = None, max_semantic: int | None = None) -> Advice:
-        """Rank the fleet's engines for one request (see the module docstring)."""
+               tokens_per_block: int | None = None, max_semantic: int | None = None,
+               block_hashes: Sequence[int | str | bytes] | None = None) -> Advice:
+        """Rank the fleet's engines for one request (see the module docstring).
+
+        ``block_hashes``: the request's block hashes as the engines compute them (one per full
+        block, in order; ints in [-2**63, 2**64), or 32-byte / 64-hex wide hashes), used for
+        every engine instead of computing them; None: computed per engine's scheme.
+
+        Raises:
+            ValueError: a negative token id, ``tokens_per_block`` < 1, or a malformed block hash.
+        """
         started = time.perf_counter()
         tpb = tokens_per_block or self.tokens_per_block
-        tokens = [int(t) for t in token_ids]
-        if tpb < 1 or any(t < 0 for t in tokens):
+        tokens = token_ids if type(token_ids) is list else list(map(int, token_ids))
+        if tpb < 1 or (tokens and min(tokens) < 0):
             raise ValueError("token ids must be >= 0 and tokens_per_block >= 1")
-        hashes = block_hash_chain(tokens, tpb, cache_salt=cache_salt, lora_task_id=lora_task_id)
+        given = None if block_hashes is None else canonical_hashes(block_hashes)
         keys = content_keys(Namespace(namespace, {}), tokens, tpb) if namespace else []
-        snapshot = self._ledger.placement(hashes, namespace, keys)
-        engines = snapshot.engines
-        out = [EngineAdvice(e.engine_id, e.generation, e.status, e.fresh, e.live_blocks, e.live_blocks * tpb,
-                            e.donor_id, e.donor_blocks, e.donor_blocks * tpb) for e in engines]
+
+        def hashes_for(scheme: str | None) -> list[BlockHash] | None:
+            if given is not None:
+                return given
+            return request_hashes(scheme, tokens, tpb, cache_salt=cache_salt, lora_task_id=lora_task_id)
+
+        seq, engines = self._overlaps(hashes_for, namespace, keys)
+        out = [EngineAdvice(e.engine_id, e.generation, e.status, e.fresh and e.live_blocks is not None,
+                            e.live_blocks, None if e.live_blocks is None else e.live_blocks * tpb,
+                            e.donor_id, e.donor_blocks, e.donor_blocks * tpb, block_key_scheme=e.block_key_scheme,
+                            overlap="unknown" if e.live_blocks is None else "known") for e in engines]
         generations = {e.engine_id: e.generation for e in engines}
         semantic = self._semantic(tokens, text, model_id, namespace, tpb, generations,
                                   self.max_semantic if max_semantic is None else max_semantic)
@@ -136,9 +194,46 @@ class PlacementAdvisor:
         for s in semantic:
             by_engine[s.engine_id] = max(by_engine.get(s.engine_id, 0), s.reusable_token_count)
         ranked = sorted((dataclasses.replace(a, semantic_tokens=by_engine.get(a.engine_id, 0)) for a in out),
-                        key=lambda a: (-max(a.live_blocks, a.donor_blocks), -a.live_blocks, -a.semantic_tokens,
-                                       a.engine_id))
-        return Advice(tuple(ranked), tuple(semantic), snapshot.seq, tpb, len(tokens), time.perf_counter() - started)
+                        key=lambda a: (*a.score(), a.engine_id))
+        informed = any(a.score()[1:] != (0, 0, 0) for a in ranked)
+        return Advice(tuple(ranked), tuple(semantic), seq, tpb, len(tokens), time.perf_counter() - started,
+                      informed, _warnings(ranked, informed))
+
+    def _overlaps(self, hashes_for: Any, namespace: str | None,
+                  keys: Sequence[bytes]) -> tuple[int, Sequence[EngineOverlap]]:
+        """``(ledger seq, per-engine overlaps)``: live overlaps from the index when it is usable,
+        donor spans (with a namespace) from one read of the ledger; else both from one read."""
+        if not self._index_usable():
+            snapshot = self._ledger.placement(hashes_for, namespace, keys)
+            return snapshot.seq, snapshot.engines
+        per_scheme: dict[str | None, list[IndexKey] | None] = {}
+
+        def keys_for(scheme: str | None) -> list[IndexKey] | None:
+            if scheme not in per_scheme:
+                hashes = hashes_for(scheme)
+                per_scheme[scheme] = None if hashes is None else index_keys(hashes)
+            return per_scheme[scheme]
+
+        assert self.index is not None
+        seq, engines = self.index.overlaps(keys_for)
+        if not (namespace and keys):
+            return seq, engines
+        donors = {e.engine_id: e for e in self._ledger.placement(lambda scheme: None, namespace, keys).engines}
+        return seq, [dataclasses.replace(e, donor_id=donors[e.engine_id].donor_id,
+                                         donor_blocks=donors[e.engine_id].donor_blocks)
+                     if e.engine_id in donors else e for e in engines]
+
+    def _index_usable(self) -> bool:
+        """Catch the index up when it is older than ``refresh_s``; True when it may answer."""
+        index = self.index
+        if index is None:
+            return False
+        if index.age_s() >= self.refresh_s:
+            try:
+                self._ledger.refresh_live_index(index)
+            except LedgerError:
+                pass  # within max_staleness_s the index still answers; past it, the ledger is read
+        return index.ready
 
     def _semantic(self, tokens: list[int], text: str | None, model_id: str, namespace: str | None, tpb: int,
                   generations: dict[str, int], limit: int) -> list[SemanticAdvice]:
@@ -157,3 +252,38 @@ class PlacementAdvisor:
                 break
         return out
 
+
+
+def canonical_hashes(block_hashes: Sequence[int | str | bytes]) -> list[BlockHash]:
+    """The caller's block hashes in canonical form (:func:`ledger.types.normalize_hash`), with a
+    fast path for 64-bit integers, signed or not (what engines publish).
+
+    Raises:
+        ValueError: a hash that is not an integer in [-2**63, 2**64), 32 bytes or 64 hex characters.
+    """
+    return [h % TWO_64 if type(h) is int and _I64_MIN <= h <= U64_MAX else normalize_hash(h) for h in block_hashes]
+
+
+def request_hashes(scheme: str | None, tokens: Sequence[int], tokens_per_block: int, *,
+                   cache_salt: str | None = None, lora_task_id: int | None = None) -> list[BlockHash] | None:
+    """The request's block hashes as an engine of ``scheme`` computes them, or None when they
+    cannot be computed here (unknown scheme, vLLM, TensorRT-LLM v2, or Dynamo with a cache salt
+    or LoRA task, which its hashes do not mix in here)."""
+    if scheme == BlockKeyScheme.TRTLLM_V1:
+        return block_hash_chain(tokens, tokens_per_block, cache_salt=cache_salt, lora_task_id=lora_task_id)
+    if scheme == BlockKeyScheme.DYNAMO and cache_salt is None and lora_task_id is None:
+        return dynamo_block_hashes(tokens, tokens_per_block)  # type: ignore[return-value]
+    return None
+
+
+def _warnings(ranked: Sequence[EngineAdvice], informed: bool) -> tuple[str, ...]:
+    out = []
+    unknown = [a.engine_id for a in ranked if a.overlap == "unknown"]
+    if unknown:
+        out.append(f"overlap unknown for {len(unknown)} engine(s) ({', '.join(unknown[:8])}): their block-key "
+                   "scheme is not known or cannot be computed here; configure block_key_scheme for their "
+                   "sources or pass block_hashes")
+    if not informed and ranked:
+        out.append("no engine holds any block of this request (or none is known): the order is engine_id "
+                   "order, not evidence")
+    return tuple(out)

@@ -38,6 +38,7 @@ __all__ = ["PlacementRequest", "create_app", "docs_page"]
 MAX_TOKENS = 262_144
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Digest = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+EngineBlockHash = Annotated[int, Field(ge=-(2**63), lt=2**64)] | Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")]
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -54,6 +55,11 @@ class PlacementRequest(BaseModel):
     model_id: str = Field("", max_length=400)
     tokens_per_block: int | None = Field(None, ge=1, le=4096)
     max_semantic: int = Field(8, ge=0, le=64)
+    block_hashes: list[EngineBlockHash] | None = Field(None, max_length=MAX_TOKENS)
+    """The request's block hashes as the engines compute them (one per full block, in order: a
+    64-bit integer, signed or not, or 64 hex characters), used for every engine instead of
+    hashes computed from ``token_ids`` by each engine's scheme (the only way to get an overlap
+    for vLLM and TensorRT-LLM v2 engines)."""
 
 
 class DonorIn(BaseModel):
@@ -99,7 +105,7 @@ def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: Co
             advice = advisor.advise(body.token_ids, text=body.text, namespace=body.namespace,
                                     cache_salt=body.cache_salt, lora_task_id=body.lora_task_id,
                                     model_id=body.model_id, tokens_per_block=body.tokens_per_block,
-                                    max_semantic=body.max_semantic)
+                                    max_semantic=body.max_semantic, block_hashes=body.block_hashes)
         except ValueError as exc:
             requests.labels(outcome="rejected").inc()
             raise HTTPException(422, str(exc)) from None

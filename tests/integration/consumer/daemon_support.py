@@ -145,8 +145,9 @@ class FaultPublisher:
 
     def __init__(self, *, buffer_steps: int = 10_000, replay: bool = True, topic: bytes = b"kv",
                  endpoint: str = "tcp://127.0.0.1:0", replay_endpoint: str = "tcp://127.0.0.1:0",
-                 bind: bool = True, hwm: int = 100_000) -> None:
+                 bind: bool = True, hwm: int = 100_000, replay_topic: bool = True) -> None:
         self.topic = topic
+        self.replay_topic = replay_topic  # False: replies [seq8, payload], as vLLM's and Dynamo's ROUTER send
         self.buffer = _LockedBuffer(buffer_steps)
         self.replay_stats = ReplayStats()
         self.sent: dict[int, list[bytes]] = {}
@@ -190,7 +191,7 @@ class FaultPublisher:
         frames = [self.topic, seq.to_bytes(8, "big"), payload]
         self.sent[seq] = frames
         if buffer:
-            self.buffer.append(seq, frames)
+            self.buffer.append(seq, frames if self.replay_topic else frames[1:])
         if send:
             self._pub.send_multipart(frames)
         return frames

@@ -1,0 +1,171 @@
+"""Placement advice latency: the ledger's tables against the in-memory live index, side by side.
+
+A SQLite ledger holds ``--engines`` Dynamo workers (block-key scheme ``dynamo``, logged as the
+consumer logs it), each with ``--prompts-per-engine`` cached prompts of ``--prompt-tokens`` tokens
+(16 tokens per block): ``engines × prompts × prompt-tokens / 16`` live blocks, written through the
+real recorder. Each query is a cached prompt's first N tokens (N = 2K or the whole prompt) with a
+fresh tail of one block, asked of two advisors on the same ledger in alternation, one query at a
+time: ``PlacementAdvisor(live_index=False)`` (one statement per engine and stream per 64 blocks, the
+code before issue #22's index) and ``PlacementAdvisor()`` (the index, caught up before every answer:
+``refresh_s`` 0), once from tokens (Dynamo's hashes computed per engine) and once with the block
+hashes given; then the same over HTTP (``semkv-ledger serve``'s app under uvicorn on a loopback
+socket, one server per advisor, httpx with a kept connection). Garbage collection is off while
+timing (in process). Both answers are compared (every engine's overlap); a difference stops the run.
+
+Usage: ``python tools/bench_placement.py [--engines 8] [--prompts-per-engine 16]
+[--prompt-tokens 32768] [--queries 300]``; prints a markdown table of p50 / p99 in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import socket
+import threading
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from connector.block_keys import dynamo_block_hashes  # noqa: E402
+from connector.placement.advice import PlacementAdvisor  # noqa: E402
+from connector.placement.http import create_app  # noqa: E402
+from ledger.migrate import upgrade  # noqa: E402
+from ledger.writer import LedgerWriter  # noqa: E402
+from tools.harness.builders import batch, stored  # noqa: E402
+
+TPB = 16
+BLOCKS_PER_EVENT = 256
+
+
+async def populate(db: str, engines: int, prompts: list[list[list[int]]]) -> int:
+    """Store each engine's prompts' chains (Dynamo hashes) through the recorder; returns blocks."""
+    writer = await LedgerWriter.open(db)
+    total = 0
+    try:
+        for e in range(engines):
+            engine_id, seq = f"worker-{e}", 0
+            for prompt in prompts[e]:
+                chain = dynamo_block_hashes(prompt, TPB)
+                for start in range(0, len(chain), BLOCKS_PER_EVENT):
+                    part = chain[start : start + BLOCKS_PER_EVENT]
+                    item = batch(seq, stored(*part, parent=chain[start - 1] if start else None, num_tokens=TPB,
+                                             type_name="BlockStored"), engine_id=engine_id)
+                    if seq == 0:
+                        item = msgspec.structs.replace(item, block_key_scheme="dynamo")
+                    await writer.append([item])
+                    seq += 1
+                    total += len(part)
+    finally:
+        await writer.close()
+    return total
+
+
+def overlaps(advice) -> dict:  # noqa: ANN001
+    return {a.engine_id: (a.live_blocks, a.generation, a.status) for a in advice.engines}
+
+
+def serve(advisor: PlacementAdvisor) -> tuple[str, uvicorn.Server, threading.Thread]:
+    """The placement app on a loopback socket (a thread): (base URL, server, thread)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(advisor), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
+
+
+def row(case: str, times: dict[str, list[float]]) -> tuple[str, tuple[float, float], tuple[float, float]]:
+    p = {name: (statistics.median(v) * 1e3, statistics.quantiles(v, n=100)[98] * 1e3) for name, v in times.items()}
+    return case, p["ledger tables"], p["live index"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", type=int, default=8)
+    parser.add_argument("--prompts-per-engine", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=32_768)
+    parser.add_argument("--queries", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=22)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    prompts = [[[rng.randrange(50_000) for _ in range(args.prompt_tokens)] for _ in range(args.prompts_per_engine)]
+               for _ in range(args.engines)]
+    with tempfile.TemporaryDirectory() as tmp:
+        db = f"sqlite:///{Path(tmp) / 'ledger.db'}"
+        upgrade(db)
+        started = time.perf_counter()
+        blocks = asyncio.run(populate(db, args.engines, prompts))
+        print(f"ledger: {args.engines} engines, {blocks} live blocks, written in {time.perf_counter() - started:.1f} s")
+        started = time.perf_counter()
+        indexed = PlacementAdvisor(db, tokens_per_block=TPB)
+        print(f"index loaded in {time.perf_counter() - started:.2f} s ({indexed.index.blocks()} blocks)")
+        direct = PlacementAdvisor(db, tokens_per_block=TPB, live_index=False)
+        rows = []
+        try:
+            for label, length in (("2K tokens", 2048), (f"{args.prompt_tokens // 1024}K tokens", args.prompt_tokens)):
+                for given in (False, True):
+                    times = {"ledger tables": [], "live index": []}
+                    gc.disable()
+                    try:
+                        for _ in range(args.queries):
+                            prompt = rng.choice(rng.choice(prompts))
+                            tokens = prompt[: length - TPB] + [rng.randrange(50_000) for _ in range(TPB)]
+                            hashes = dynamo_block_hashes(tokens, TPB) if given else None
+                            answers = []
+                            for name, advisor in (("ledger tables", direct), ("live index", indexed)):
+                                t0 = time.perf_counter()
+                                answers.append(advisor.advise(tokens, block_hashes=hashes))
+                                times[name].append(time.perf_counter() - t0)
+                            if overlaps(answers[0]) != overlaps(answers[1]):
+                                raise SystemExit(f"the two answers differ: {overlaps(answers[0])} {overlaps(answers[1])}")
+                    finally:
+                        gc.enable()
+                    rows.append(row(f"{label}, {'block hashes given' if given else 'from tokens'}", times))
+            servers = {name: serve(advisor) for name, advisor in (("ledger tables", direct), ("live index", indexed))}
+            clients = {name: httpx.Client(base_url=url, timeout=60) for name, (url, _, _) in servers.items()}
+            try:
+                for label, length in (("2K tokens", 2048), (f"{args.prompt_tokens // 1024}K tokens", args.prompt_tokens)):
+                    times = {name: [] for name in servers}
+                    for _ in range(args.queries):
+                        prompt = rng.choice(rng.choice(prompts))
+                        body = {"token_ids": prompt[: length - TPB] + [rng.randrange(50_000) for _ in range(TPB)],
+                                "tokens_per_block": TPB, "max_semantic": 0}
+                        answers = []
+                        for name, client in clients.items():
+                            t0 = time.perf_counter()
+                            response = client.post("/v1/placement", json=body)
+                            times[name].append(time.perf_counter() - t0)
+                            answers.append({e["engine_id"]: e["live_blocks"] for e in response.json()["engines"]})
+                        if answers[0] != answers[1]:
+                            raise SystemExit(f"the two HTTP answers differ: {answers}")
+                    rows.append(row(f"{label}, from tokens, over HTTP", times))
+            finally:
+                for client in clients.values():
+                    client.close()
+                for _, server, thread in servers.values():
+                    server.should_exit = True
+                    thread.join(10)
+        finally:
+            indexed.close()
+            direct.close()
+    print("\n| query | ledger tables p50 / p99 (ms) | live index p50 / p99 (ms) | p99 ratio |")
+    print("|---|---:|---:|---:|")
+    for case, before, after in rows:
+        print(f"| {case} | {before[0]:.3f} / {before[1]:.3f} | {after[0]:.3f} / {after[1]:.3f} | "
+              f"{before[1] / after[1]:.1f}× |")
+
+
+if __name__ == "__main__":
+    main()
