@@ -9,9 +9,18 @@ is the same table for operators.
 What TensorRT-LLM does per layout (NVIDIA/TensorRT-LLM, read through the project's source tools):
 
 * **Tensor parallelism** (``tensor_parallel_size > 1`` without attention DP): every rank holds a
-  shard of the KV heads (``block_elems`` per rank is ``num_kv_heads / tp`` heads); one scheduler
-  on rank 0 broadcasts to every rank's worker (``_run_on_leader``). A donor would be one shard per
-  rank, complete only when every shard is saved and verified: not built yet (issue 21). Refused.
+  contiguous shard of the KV heads (``block_elems`` per rank is ``num_kv_heads / tp`` heads:
+  ``tensorrt_llm/_torch/modules/attention.py`` splits heads with ``mapping.tp_size``); one
+  scheduler on rank 0 whose every answer is broadcast to every rank's worker (``_run_on_leader`` →
+  ``mpi_broadcast``), and ``get_finished`` acted on only when every rank returned an id
+  (``mpi_allgather``; ``connectors/kv_cache_connector.py`` @ 035ab91cad04). Supported: each rank's
+  worker saves and loads its own shard; a donor is complete (its ``donor_saved`` written, pointing
+  at a manifest of every rank's shard) only when every rank's shard is published, and offered only
+  once every shard is checksummed (:mod:`connector.donor_store`); a plan names every rank's shard
+  and fails as a whole. The namespace's ``parallel_layout`` carries the TP size and the
+  head-to-rank mapping (:func:`tensor_parallel_layout`), so shards of different layouts never mix.
+  KV heads fewer than (or not a multiple of) the ranks — TensorRT-LLM then replicates heads — are
+  refused.
 * **Pipeline parallelism** / **context parallelism**: a rank holds some of the layers / some of
   the sequence; no rank holds a whole block. Refused.
 * **Attention data parallelism** (``enable_attention_dp``; ``tensor_parallel_size`` is then the
@@ -43,8 +52,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LayoutSupport", "attention_dp_api", "attention_dp_layout", "mla_layout", "parallel_layouts", "refused",
-           "sliding_window_layout"]
+__all__ = ["LayoutSupport", "attention_dp_api", "attention_dp_layout", "mla_layout", "parallel_layouts",
+           "model_kv_heads", "process_rank", "refused", "sliding_window_layout", "tensor_parallel_kv_heads", "tensor_parallel_layout",
+           "tensor_parallel_size"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,12 +144,71 @@ def attention_dp_layout(llm_args: Any) -> str | None:
     return ",".join(parts)
 
 
-def parallel_layouts(llm_args: Any, *, attention_dp_api: bool) -> list[LayoutSupport]:
+def tensor_parallel_size(llm_args: Any) -> int:
+    """Ranks the KV heads are split over: ``tensor_parallel_size`` without attention DP, else 1
+    (under attention DP every rank holds every head); 1 when unreadable (the layout is refused)."""
+    if _flag(llm_args, "enable_attention_dp") is not False:
+        return 1
+    return _size(llm_args, "tensor_parallel_size") or 1
+
+
+def tensor_parallel_kv_heads(num_kv_heads: int, tp_size: int) -> list[range] | None:
+    """The KV heads of each rank, contiguous (rank ``r`` holds ``[r * n / tp, (r + 1) * n / tp)``),
+    or None when ``num_kv_heads`` is not a positive multiple of ``tp_size`` (TensorRT-LLM then
+    replicates KV heads across ranks, which the connector refuses)."""
+    if num_kv_heads < tp_size or num_kv_heads % tp_size:
+        return None
+    per_rank = num_kv_heads // tp_size
+    return [range(r * per_rank, (r + 1) * per_rank) for r in range(tp_size)]
+
+
+def tensor_parallel_layout(tp_size: int, num_kv_heads: int | None) -> str:
+    """The namespace's ``parallel_layout`` under tensor parallelism: the TP size and which KV heads
+    each rank holds (``tp=2,kv_heads=0-1/2-3``); ``kv_heads=per_rank_kv_layout`` when the pool's
+    per-rank shape comes from ``[namespace] kv_layout`` and the heads are not known. A TP engine's
+    KV differs from a TP = 1 engine's (partial sums reduced across ranks), so the TP size alone
+    already keeps their donors apart; the mapping keeps apart engines that split heads differently.
+
+    Raises:
+        ValueError: ``num_kv_heads`` cannot be split over ``tp_size`` ranks.
+    """
+    if num_kv_heads is None:
+        return f"tp={tp_size},kv_heads=per_rank_kv_layout"
+    heads = tensor_parallel_kv_heads(num_kv_heads, tp_size)
+    if heads is None:
+        raise ValueError(f"{num_kv_heads} KV heads cannot be split over {tp_size} tensor-parallel ranks")
+    return f"tp={tp_size},kv_heads=" + "/".join(f"{h.start}-{h.stop - 1}" for h in heads)
+
+
+def process_rank() -> int:
+    """This process's MPI/torch rank from the usual environment variables (0 when none is set): the
+    tensor-parallel rank of a TensorRT-LLM worker (one MPI process per rank, no pipeline parallelism)."""
+    import os
+
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def model_kv_heads(model_config: Mapping[str, Any] | None) -> int | None:
+    """KV heads of a model's ``config.json`` (or its ``text_config``), or None when not given."""
+    if model_config is None:
+        return None
+    text_config = model_config.get("text_config")
+    config = text_config if isinstance(text_config, Mapping) else model_config
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
+
+
+def parallel_layouts(llm_args: Any, *, attention_dp_api: bool, num_kv_heads: int | None = None) -> list[LayoutSupport]:
     """TP, PP, CP and attention DP of ``llm_args`` (TensorRT-LLM's ``TorchLlmArgs``, the harness's,
     or any object with those attribute names; missing ones mean TensorRT-LLM's defaults).
 
     Args:
         attention_dp_api: whether the connector API has attention DP (:func:`attention_dp_api`).
+        num_kv_heads: the model's KV heads when known: tensor parallelism is refused when they
+            cannot be split evenly over the ranks.
     """
     names = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
     tp, pp, cp = (_size(llm_args, name) for name in names)
@@ -155,13 +224,25 @@ def parallel_layouts(llm_args: Any, *, attention_dp_api: bool) -> list[LayoutSup
     if unreadable:
         return unreadable
     tp_in_use = tp > 1 and not adp
+    heads = tensor_parallel_kv_heads(num_kv_heads, tp) if tp_in_use and num_kv_heads is not None else None
+    if tp_in_use and num_kv_heads is not None and heads is None:
+        tp_row = LayoutSupport(
+            "tensor_parallel", "tensor parallelism (TP)", True, False,
+            f"tensor_parallel_size={tp}, {num_kv_heads} KV heads",
+            "the KV heads are not a multiple of the ranks: TensorRT-LLM replicates KV heads across ranks then, "
+            "which the connector does not serve")
+    else:
+        tp_row = LayoutSupport(
+            "tensor_parallel", "tensor parallelism (TP)", tp_in_use, True,
+            f"tensor_parallel_size={tp}" + (", the attention-DP ranks: attention not sharded" if adp else "")
+            + (f", KV heads by rank {tensor_parallel_layout(tp, num_kv_heads).split('=')[-1]}" if heads else ""),
+            "every rank holds a contiguous shard of the KV heads; each rank's worker saves and loads its own "
+            "shard, a donor is offered only once every rank's shard is saved and checksummed, a plan names every "
+            "rank's shard and fails as a whole, and the namespace's parallel_layout (TP size, KV heads per rank) "
+            "keeps shards of different layouts apart; KV heads not a multiple of the ranks are refused"
+            if tp_in_use else "not in use: each rank holds every KV head of its blocks")
     rows = [
-        LayoutSupport(
-            "tensor_parallel", "tensor parallelism (TP)", tp_in_use, not tp_in_use,
-            f"tensor_parallel_size={tp}" + (", the attention-DP ranks: attention not sharded" if adp else ""),
-            "every rank holds a shard of the KV heads; a donor would be one shard per rank, complete only when "
-            "every rank's shard is saved and verified, which the connector does not do yet (issue 21)"
-            if tp_in_use else "not in use: each rank holds every KV head of its blocks"),
+        tp_row,
         LayoutSupport(
             "pipeline_parallel", "pipeline parallelism (PP)", pp > 1, pp == 1, f"pipeline_parallel_size={pp}",
             "every rank holds only some of the layers: no rank holds a whole block, and some TensorRT-LLM "

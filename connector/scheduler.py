@@ -58,6 +58,7 @@ from connector.discovery.hook import SchedulerDiscovery
 from connector.donor_store import FileDonorStore
 from connector.donors import DonorRank, DonorRegistrar, prefill_completed
 from connector.engine_contract import TENSORRT_LLM, EngineContract
+from connector.layouts import process_rank
 from connector.lookup import BackgroundRunner
 from connector.metrics import ConnectorMetrics, process_metrics, serve_metrics
 from connector.namespace import (DeploymentNamespace, Namespace, NamespaceUnknown, PROBE_TOKENS, pool_key, pool_layout,
@@ -79,14 +80,6 @@ if TYPE_CHECKING:
 __all__ = ["SemKvScheduler", "process_rank"]
 
 log = logging.getLogger(__name__)
-
-
-def process_rank() -> int:
-    """This process's MPI/torch rank from the usual environment variables (0 when none is set)."""
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
 
 
 def _window_size(llm_args: Any, settings: ConnectorSettings) -> int:

@@ -3,7 +3,7 @@
 process per rank.
 
 ``run_tensor_parallel(fn, size)`` spawns ``size`` processes; each sets ``RANK`` / ``WORLD_SIZE``
-(the connector reads its rank from them, ``connector.scheduler.process_rank``), joins the process
+(the connector reads its rank from them, ``connector.layouts.process_rank``), joins the process
 group, calls ``fn(TensorParallel(rank, size), *args)`` and sends back what it returns (picklable).
 ``fn`` must be importable (a module-level function): the processes are spawned, not forked.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -42,7 +43,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, size: int, port: int, args: tu
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         try:
-            results.put((rank, "ok", fn(TensorParallel(rank, size), *args)))
+            # plain pickle: tensors travel as bytes, not as shared memory the exiting rank would take away
+            results.put((rank, "ok", pickle.dumps(fn(TensorParallel(rank, size), *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # boundary: the parent reports it with the rank
@@ -73,7 +75,7 @@ def run_tensor_parallel(fn: Callable[..., Any], size: int = 2, args: tuple = (),
                                    f"within {timeout_s} s") from None
             if status == "error":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{value}")
-            got[rank] = value
+            got[rank] = pickle.loads(value)
     finally:
         for proc in procs:
             proc.join(timeout=10)
