@@ -225,7 +225,11 @@ def parallel_layouts(llm_args: Any, *, attention_dp_api: bool, num_kv_heads: int
         return unreadable
     tp_in_use = tp > 1 and not adp
     heads = tensor_parallel_kv_heads(num_kv_heads, tp) if tp_in_use and num_kv_heads is not None else None
-    if tp_in_use and num_kv_heads is not None and heads is None:
+    engine_refuses = getattr(llm_args, "semkv_tensor_parallel_refused", None)  # an adapter without shards
+    if tp_in_use and isinstance(engine_refuses, str):
+        tp_row = LayoutSupport("tensor_parallel", "tensor parallelism (TP)", True, False,
+                               f"tensor_parallel_size={tp}", engine_refuses)
+    elif tp_in_use and num_kv_heads is not None and heads is None:
         tp_row = LayoutSupport(
             "tensor_parallel", "tensor parallelism (TP)", True, False,
             f"tensor_parallel_size={tp}, {num_kv_heads} KV heads",

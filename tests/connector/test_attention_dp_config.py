@@ -10,10 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
-import typer
-from typer.testing import CliRunner
 
-from connector.cli import register
 from connector.donors import DonorRank
 from connector.harness import HarnessLlmArgs, KvCacheConfig, LlmRequest, ModelConfig
 from connector.layouts import parallel_layouts, refused
@@ -122,27 +119,7 @@ def test_a_configured_rank_that_agrees_is_accepted() -> None:
     assert rank.for_donor() == 2
 
 
-# ----------------------------------------------------------------------------------- connector-check
-@pytest.fixture
-def check(tmp_path: Path, sqlite_db: str):  # noqa: ANN201
-    app = typer.Typer()
-    register(app)
-    app.command("noop")(lambda: None)  # a second command keeps typer in multi-command mode
-    config = tmp_path / "connector.toml"
-    config.write_text(f'mode = "exact_equivalent"\nengine_id = "e"\ndb = "{sqlite_db}"\n'
-                      f'store_dir = "{tmp_path / "store"}"\n')
-
-    def run(options: str | None, *extra: str):  # noqa: ANN202
-        args = ["connector-check", "--config", str(config)]
-        if options is not None:
-            path = tmp_path / "llm.yaml"
-            path.write_text(options)
-            args += ["--llm-args", str(path)]
-        return CliRunner().invoke(app, [*args, *extra])
-
-    return run
-
-
+# ----------------------------------------------------------------------------------- connector-check (fixture `check`: conftest.py)
 def test_connector_check_reports_attention_dp_supported(check) -> None:
     result = check("tensor_parallel_size: 4\nenable_attention_dp: true\nkv_cache_config:\n  tokens_per_block: 32\n")
     assert result.exit_code == 0, result.output
