@@ -38,9 +38,19 @@ What TensorRT-LLM does per layout (NVIDIA/TensorRT-LLM, read through the project
   API: blocks and donors are per rank, a donor is registered under the rank TensorRT-LLM reports,
   and its block liveness is read from that rank's blocks (docs/modes.md). TensorRT-LLM 1.x's
   connector API has no attention DP (one scheduler on rank 0, every call broadcast): refused there.
-* **Variable sliding windows** (``kv_cache_config.max_attention_window``): blocks a window passed
-  hold no KV (``BAD_PAGE_INDEX``), and several windows mean several layer groups; the
-  ``*_by_layer_group`` hooks are not implemented. Refused (the namespace checks it).
+* **Variable sliding windows** (``kv_cache_config.max_attention_window``, one window per layer,
+  the list repeated over the layers when shorter): TensorRT-LLM groups layers by window size, one
+  layer group per distinct window (``BaseKVCacheManager::groupLayersByWindowSize``, a map ordered
+  by window: ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp``, stored version, read_file id
+  126178160). :func:`layer_groups` judges each group: a FULL-attention group (window ≥
+  ``max_seq_len``) keeps every block's KV and could be reused by a byte copy of whole blocks, as
+  today; a SLIDING group keeps only the blocks of the last ``window`` tokens (the others are
+  ``BAD_PAGE_INDEX``, -1, in the page lists), so no prefix of whole blocks from position 0 can be
+  copied out of a donor for it. The deployment is refused as a whole while any group is sliding,
+  and with several groups in any case: TensorRT-LLM 1.x's KV cache manager refuses a connector
+  with several window sizes ("KV Cache Connector is not supported with multiple window sizes",
+  same file), and 2026 main's calls the ``*_by_layer_group`` hooks and ``register_kv_cache_layout``,
+  which the connector does not implement. One window ≥ ``max_seq_len`` is full attention: served.
 * **MLA** (``kv_lora_rank`` in the model config): one latent per token (``kv_factor`` 1), which
   the model config alone does not size; supported with an explicit ``[namespace] kv_layout`` (a
   byte copy of whole blocks needs only the pool's shape), refused without (the namespace checks it).
@@ -52,8 +62,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LayoutSupport", "attention_dp_api", "attention_dp_layout", "mla_layout", "parallel_layouts",
-           "model_kv_heads", "process_rank", "refused", "sliding_window_layout", "tensor_parallel_kv_heads", "tensor_parallel_layout",
+__all__ = ["LayerGroup", "LayoutSupport", "attention_dp_api", "attention_dp_layout", "mla_layout", "parallel_layouts",
+           "layer_groups", "model_kv_heads", "process_rank", "refused", "sliding_window_layout", "tensor_parallel_kv_heads", "tensor_parallel_layout",
            "tensor_parallel_size"]
 
 
@@ -274,15 +284,98 @@ def parallel_layouts(llm_args: Any, *, attention_dp_api: bool, num_kv_heads: int
     return rows
 
 
-def sliding_window_layout(llm_args: Any) -> LayoutSupport:
-    """Variable / sliding attention windows (``kv_cache_config.max_attention_window``)."""
-    window = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None)
-    return LayoutSupport(
-        "sliding_window", "sliding / variable attention windows (VSWA layer groups)", bool(window), not window,
-        f"kv_cache_config.max_attention_window={window}",
-        "blocks a window has passed hold no KV (BAD_PAGE_INDEX) and several windows are several layer groups; "
-        "the per-layer-group hooks (update_state_after_alloc_by_layer_group, request_finished_by_layer_group, "
-        "register_kv_cache_layout) are not implemented" if window else "not in use: one full-attention pool")
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """One of TensorRT-LLM's KV layer groups (the layers sharing one attention window).
+
+    Attributes:
+        group: its index, groups ordered by window size (TensorRT-LLM's map from window to layers).
+        window: the attention window (tokens).
+        layers: the layers in it, e.g. ``1,3,5`` (or ``l % 2 == 1`` when the layer count is unknown).
+        full_attention: the window covers ``max_seq_len``: no block ever leaves it.
+        reusable: a byte copy of whole blocks from position 0 could serve this group.
+        reason: why (one sentence).
+    """
+
+    group: int
+    window: int
+    layers: str
+    full_attention: bool
+    reusable: bool
+    reason: str
+
+    def describe(self) -> str:
+        """``group 1 (window 512, layers 1,3): NOT reusable: ...`` for logs and connector-check."""
+        verdict = "reusable" if self.reusable else "NOT reusable"
+        return f"group {self.group} (window {self.window}, layers {self.layers}): {verdict}: {self.reason}"
+
+
+def _windows(value: Any) -> list[int] | None:
+    """``kv_cache_config.max_attention_window`` as a list of positive ints (an int is one window for
+    every layer); None when not set; [] when unreadable."""
+    if value is None:
+        return None
+    values = [value] if isinstance(value, (int, str)) else value
+    try:
+        windows = [int(v) for v in values]
+    except (TypeError, ValueError):
+        return []
+    return windows if windows and all(w > 0 for w in windows) else []
+
+
+def layer_groups(windows: list[int], num_layers: int | None, max_seq_len: int | None) -> list[LayerGroup]:
+    """TensorRT-LLM's layer groups for per-layer ``windows`` (repeated over the layers when shorter),
+    each judged for reuse (see the module docstring).
+
+    Args:
+        windows: ``kv_cache_config.max_attention_window`` (tokens, each > 0).
+        num_layers: the model's layers, when known.
+        max_seq_len: ``llm_args.max_seq_len``, when known: a window at least that long is full attention.
+    """
+    by_window: dict[int, list[int]] = {}
+    for position, window in enumerate(windows if num_layers is None else
+                                      [windows[l % len(windows)] for l in range(num_layers)]):
+        by_window.setdefault(window, []).append(position)
+    groups = []
+    for index, window in enumerate(sorted(by_window)):
+        positions = by_window[window]
+        if num_layers is not None:
+            layers = ",".join(map(str, positions))
+        else:  # the list repeats over the layers: name the positions it gives
+            layers = "all" if len(windows) == 1 else f"l % {len(windows)} in {{{','.join(map(str, positions))}}}"
+        full = max_seq_len is not None and window >= max_seq_len
+        groups.append(LayerGroup(
+            index, window, layers, full, full,
+            "full attention: every block keeps its KV, so whole blocks copied byte for byte would serve it"
+            if full else
+            f"sliding window: a block the window has passed holds no KV (BAD_PAGE_INDEX, -1), so a donor keeps only "
+            f"its last {window} tokens' blocks and no prefix of whole blocks from position 0 can be copied for it"
+            + ("" if max_seq_len is not None else " (max_seq_len unknown: taken as a sliding window)")))
+    return groups
+
+
+def sliding_window_layout(llm_args: Any, num_layers: int | None = None) -> LayoutSupport:
+    """Variable / sliding attention windows (``kv_cache_config.max_attention_window``), judged per
+    layer group (:func:`layer_groups`); ``num_layers`` names each group's layers when given."""
+    raw = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None)
+    windows, setting = _windows(raw), f"kv_cache_config.max_attention_window={raw}"
+    title = "sliding / variable attention windows (VSWA layer groups)"
+    if windows is None:
+        return LayoutSupport("sliding_window", title, False, True, setting, "not in use: one full-attention pool")
+    if not windows:
+        return LayoutSupport("sliding_window", title, True, False, setting,
+                             "max_attention_window is not a list of positive integers: the connector does not guess")
+    max_seq_len = _size(llm_args, "max_seq_len") if getattr(llm_args, "max_seq_len", None) is not None else None
+    groups = layer_groups(windows, num_layers, max_seq_len)
+    if len(groups) == 1 and groups[0].full_attention:
+        return LayoutSupport("sliding_window", title, False, True, setting,
+                             f"not in use: one window ({groups[0].window}) covering max_seq_len is full attention")
+    why = ("several layer groups: TensorRT-LLM 1.x refuses a connector with several window sizes, and 2026 main "
+           "calls the per-layer-group hooks (update_state_after_alloc_by_layer_group, "
+           "request_finished_by_layer_group, register_kv_cache_layout), which the connector does not implement"
+           if len(groups) > 1 else "its only layer group is a sliding window")
+    return LayoutSupport("sliding_window", title, True, False, setting,
+                         f"{why}; " + "; ".join(group.describe() for group in groups))
 
 
 def mla_layout(model_config: Mapping[str, Any] | None, kv_layout: str | None) -> LayoutSupport:

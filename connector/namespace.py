@@ -217,7 +217,7 @@ class DeploymentNamespace:
         dtype = _kv_dtype(llm_args, kvc, o)
         if dtype is None:
             return NamespaceUnknown("kv_dtype", "KV dtype is 'auto' in llm_args; set [namespace] kv_dtype")
-        window = sliding_window_layout(llm_args)
+        window = sliding_window_layout(llm_args, getattr(harness, "num_layers", None))
         if window.in_use:
             return NamespaceUnknown("attention_window", f"{window.setting} (sliding or variable windows) is not "
                                     f"supported: {window.reason}", "unsupported")
