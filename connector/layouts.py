@@ -50,7 +50,8 @@ What TensorRT-LLM does per layout (NVIDIA/TensorRT-LLM, read through the project
   and with several groups in any case: TensorRT-LLM 1.x's KV cache manager refuses a connector
   with several window sizes ("KV Cache Connector is not supported with multiple window sizes",
   same file), and 2026 main's calls the ``*_by_layer_group`` hooks and ``register_kv_cache_layout``,
-  which the connector does not implement. One window ≥ ``max_seq_len`` is full attention: served.
+  which the connector implements only to decline (so that the engine starts: TensorRT-LLM rejects a
+  flat-only scheduler at bring-up). One window ≥ ``max_seq_len`` is full attention: served.
 * **MLA** (``kv_lora_rank`` in the model config): one latent per token (``kv_factor`` 1), which
   the model config alone does not size; supported with an explicit ``[namespace] kv_layout`` (a
   byte copy of whole blocks needs only the pool's shape), refused without (the namespace checks it).
@@ -372,7 +373,8 @@ def sliding_window_layout(llm_args: Any, num_layers: int | None = None) -> Layou
                              f"not in use: one window ({groups[0].window}) covering max_seq_len is full attention")
     why = ("several layer groups: TensorRT-LLM 1.x refuses a connector with several window sizes, and 2026 main "
            "calls the per-layer-group hooks (update_state_after_alloc_by_layer_group, "
-           "request_finished_by_layer_group, register_kv_cache_layout), which the connector does not implement"
+           "request_finished_by_layer_group, register_kv_cache_layout), which the connector implements only to "
+           "decline: the engine runs, nothing is reused"
            if len(groups) > 1 else "its only layer group is a sliding window")
     return LayoutSupport("sliding_window", title, True, False, setting,
                          f"{why}; " + "; ".join(group.describe() for group in groups))

@@ -187,6 +187,25 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.register_layer_views([kv_cache_tensor[:, layer] for layer in range(layers)],
                                   KvLayout(layers, kv_factor, elems, str(kv_cache_tensor.dtype).removeprefix("torch.")))
 
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """TensorRT-LLM 2026 main's description of the cache (``KvCacheLayout``): a cache that is one
+        pool tensor is registered as :meth:`register_kv_caches`; one of several layer groups or
+        regions (VSWA) is not served (docs/modes.md, "Variable sliding windows"): nothing is loaded
+        or saved, and the pool registered under this engine's key names no namespace's layout, so
+        the scheduler's lookups miss and it registers no donor (``_pool_matches``). Overridden so
+        such an engine still starts (the default raises ``NotImplementedError``)."""
+        tensor = layout.as_single_pool_tensor()
+        if tensor is not None:
+            self.register_kv_caches(tensor)
+            return
+        groups = len(getattr(layout, "groups", ()) or ())
+        regions = sum(len(getattr(group, "regions", ()) or ()) for group in getattr(layout, "groups", ()) or ())
+        self.layers, self.num_blocks, self.layout = [], 0, None
+        register_pool_layout(pool_key(self.settings.engine_id, self.settings.store_dir),
+                             KvLayout(0, 0, 0, f"not-served:{groups}-layer-groups-{regions}-regions"))
+        log.warning("semkv: the KV cache has %d layer group(s) and %d region(s) (variable sliding windows): the "
+                    "connector loads and saves nothing on this engine", groups, regions)
+
     def register_layer_views(self, views: list[torch.Tensor], layout: KvLayout) -> None:
         """Learn the pool as one view per layer, each ``[num_blocks, kv_factor, block_elems]``.
 

@@ -75,3 +75,48 @@ def test_connector_check_names_the_groups_layers_from_the_model(check, tmp_path:
     assert result.exit_code == 1, result.output
     assert "group 0 (window 1024, layers 0,2): NOT reusable" in result.output
     assert "group 1 (window 8192, layers 1,3): reusable: full attention" in result.output
+
+
+# ------------------------------------------------------------- a cache of several layer groups (2026 main)
+class TwoGroupLayout:
+    """What TensorRT-LLM 2026 main's ``KvCacheLayout`` offers a worker (``groups``, each with
+    ``regions``; ``as_single_pool_tensor()`` None when one tensor cannot describe the cache): the
+    attributes ``register_kv_cache_layout``'s default reads (``connectors/kv_cache_connector.py`` @
+    035ab91cad04). TensorRT-LLM cannot run here; this stands for its layout of a VSWA cache."""
+
+    groups = (types.SimpleNamespace(regions=(object(),)), types.SimpleNamespace(regions=(object(),)))
+
+    def as_single_pool_tensor(self) -> None:
+        return None
+
+
+def test_a_vswa_engine_starts_and_the_connector_declines_every_layer_group(tmp_path: Path, sqlite_db: str) -> None:
+    from connector._trtllm import KvCacheConnectorScheduler
+    from connector.metrics import ConnectorMetrics
+    from connector.scheduler import SemKvScheduler
+    from connector.settings import load_connector_settings
+    from connector.worker import SemKvWorker
+
+    # TensorRT-LLM rejects at bring-up a scheduler left with the flat forms under several groups
+    for hook in ("update_state_after_alloc_by_layer_group", "request_finished_by_layer_group"):
+        assert getattr(SemKvScheduler, hook) is not getattr(KvCacheConnectorScheduler, hook)
+    settings = load_connector_settings({"db": sqlite_db, "mode": "exact_equivalent", "engine_id": "vswa",
+                                        "store_dir": str(tmp_path / "store")}, environ={})
+    metrics = ConnectorMetrics()
+    args = dataclasses.replace(ARGS, kv_cache_config=types.SimpleNamespace(
+        **dataclasses.asdict(ARGS.kv_cache_config), max_attention_window=None))  # windows not in llm_args
+    scheduler, worker = (SemKvScheduler(args, settings=settings, metrics=metrics),
+                         SemKvWorker(args, settings=settings, metrics=metrics))
+    try:
+        worker.register_kv_cache_layout(TwoGroupLayout())  # the default would raise NotImplementedError
+        assert worker.layers == [] and worker.layout is None
+        request = LlmRequest(7, list(range(1, 200)), 4)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert metrics.misses_by_reason() == {"layout_mismatch": 1}  # the pool the worker registered
+        scheduler.update_state_after_alloc_by_layer_group(request, [[1, 2], [3, -1]])
+        request.output_token_ids.append(5)  # its prefill completed: a donor candidate on a served cache
+        assert scheduler.request_finished_by_layer_group(request, [[1, 2], [3, -1]]) is False  # no donor, no pin
+        assert metrics.value("semkv_donors_registered_total") == 0
+    finally:
+        scheduler.close()
+        worker.close()
