@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from connector.harness import HarnessLLM, TensorParallel
+from connector.harness import ExecutorStopped, HarnessLLM, TensorParallel
 from connector.harness.recording_connector import RecordingPlan, make_recording_connector
 from tests.harness.helpers import CFG, CHUNK, kvc, prompt
 from tools.harness.tp import run_tensor_parallel
@@ -78,3 +78,25 @@ def test_the_scheduler_runs_on_rank_0_only_and_every_rank_acts_on_a_save_only_wh
     # rank 0 reported the save first; neither rank released the blocks until rank 1 did too
     assert r0["pending"] == r1["pending"] and r0["pending"][0] == [r0["first"]]
     assert r0["first"] not in r0["done"] and r0["done"] == r1["done"]
+
+
+def _leader_raises(tp: TensorParallel) -> dict:
+    plan = RecordingPlan(promise=0, fail_hook="build_connector_meta")
+    scheduler_cls, worker_cls = make_recording_connector(plan)
+    llm = HarnessLLM(CFG, kv_cache_config=kvc(), kv_connector=(scheduler_cls, worker_cls), max_num_tokens=CHUNK,
+                     tensor_parallel=tp)
+    try:
+        llm.generate(DOC, 1)
+    except ExecutorStopped as stop:
+        return {"hook": stop.hook, "cause": type(stop.__cause__).__name__, "message": str(stop),
+                "stopped": llm.stopped is not None, "binds": plan.hooks().count("bind_connector_meta")}
+    return {}
+
+
+def test_the_leaders_scheduler_raising_stops_every_ranks_executor_together() -> None:
+    """TensorRT-LLM broadcasts the leader's result; an exception there ends rank 0's loop, and the
+    harness broadcasts it so the other ranks stop too rather than wait in the broadcast forever."""
+    r0, r1 = run_tensor_parallel(_leader_raises, 2)
+    assert r0["hook"] == r1["hook"] == "build_connector_meta" and r0["stopped"] and r1["stopped"]
+    assert r0["cause"] == "RuntimeError" and r1["cause"] == "LeaderError"
+    assert "tensor-parallel rank 0 raised" in r1["message"] and r0["binds"] == r1["binds"] == 0
