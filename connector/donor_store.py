@@ -790,7 +790,9 @@ class FileDonorStore:
         except FileNotFoundError as exc:
             raise EntryMissing(f"donor store entry {ref} not found") from exc
         shards = self._verified.shards_of(ref)
-        if not shards and size < _ALIGN:  # no data: a manifest this process has not verified yet
+        # an entry with data is at least _ALIGN bytes; a manifest's header alone is far less (were one
+        # larger, a lookup would only checksum it inline instead of in the background)
+        if not shards and size < _ALIGN:  # a manifest this process has not verified yet
             try:
                 shards = self.read_header(ref).shards
             except ChecksumMismatch:

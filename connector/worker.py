@@ -148,8 +148,9 @@ class SemKvWorker(KvCacheConnectorWorker):
         """Tensor-parallel ranks: each rank's worker saves and loads its own shard of every donor."""
         self.tp_rank = process_rank() if self.tp_size > 1 else 0
         """This worker's rank (TensorRT-LLM's ``mpi_rank()``: one MPI process per rank)."""
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"semkv: process rank {self.tp_rank} is not one of tensor_parallel_size={self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:  # e.g. pipeline ranks too: a layout the namespace refuses
+            log.error("semkv: process rank %d is not one of tensor_parallel_size=%d: this worker saves and loads no "
+                      "shard", self.tp_rank, self.tp_size)
         self.layers: list[torch.Tensor] = []  # per layer: [num_blocks, kv_factor, block_elems] (views)
         self.num_blocks = 0
         self.layout: KvLayout | None = None
@@ -261,9 +262,9 @@ class SemKvWorker(KvCacheConnectorWorker):
             raise SemKvLoadError(plan, "no_kv_cache", "register_kv_caches was not called")
         if plan.layout != self.layout.describe():
             raise SemKvLoadError(plan, "layout_mismatch", f"plan {plan.layout} vs pool {self.layout.describe()}")
-        if len(plan.shards) != (self.tp_size if self.tp_size > 1 else 0):
+        if len(plan.shards) != (self.tp_size if self.tp_size > 1 else 0) or not 0 <= self.tp_rank < self.tp_size:
             raise SemKvLoadError(plan, "layout_mismatch", f"plan names {len(plan.shards)} shards; this engine has "
-                                 f"tensor_parallel_size={self.tp_size}")
+                                 f"tensor_parallel_size={self.tp_size} and this worker rank {self.tp_rank}")
         if len(plan.target_block_ids) != plan.num_blocks or (
                 plan.target_block_ids and max(plan.target_block_ids) >= self.num_blocks):
             raise SemKvLoadError(plan, "bad_targets", f"{len(plan.target_block_ids)} target blocks")

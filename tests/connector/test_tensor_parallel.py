@@ -70,6 +70,9 @@ def _donor_saved_by_a(tp: TensorParallel, root: str) -> None:
     if tp.rank == 0:
         a.connector.scheduler.flush()
     dist.barrier()  # both ranks' shards are published before anyone looks for the donor
+    if tp.rank == 0:  # A is done: its scheduler's background jobs must not race B's (e.g. checksum the faulted shard)
+        a.connector.scheduler.close()
+    a.connector.workers[0].close()
 
 
 def _fault(root: str, fault: str | None) -> None:
