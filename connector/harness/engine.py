@@ -375,7 +375,7 @@ class HarnessLLM:
         return KVCacheManager(
             num_layers=cfg.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=cfg.head_dim,
             tokens_per_block=tpb, num_blocks=(kvc.max_tokens or max(4 * cfg.max_context, 1024)) // tpb,
-            host_num_blocks=(kvc.host_cache_size or 0) // (cfg.kv_bytes_per_token * tpb),
+            host_num_blocks=(kvc.host_cache_size or 0) * self.tensor_parallel.size // (cfg.kv_bytes_per_token * tpb),
             enable_block_reuse=kvc.enable_block_reuse, enable_partial_reuse=kvc.enable_partial_reuse,
             secondary_offload_min_priority=kvc.secondary_offload_min_priority
             if kvc.secondary_offload_min_priority is not None else 30,
