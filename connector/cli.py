@@ -129,12 +129,14 @@ def connector_check(
 def _report_layouts(path: Path, options: Any, model_config: dict[str, Any] | None, kv_layout: str | None) -> Any:
     """Print every layout's verdict for ``options``; returns the first refused one in use, or None."""
     from connector import _trtllm
-    from connector.layouts import attention_dp_api, mla_layout, parallel_layouts, refused, sliding_window_layout
+    from connector.layouts import (attention_dp_api, mla_layout, model_kv_heads, parallel_layouts, refused,
+                                   sliding_window_layout)
 
     api = attention_dp_api()
     where = (_trtllm.TRTLLM_CONNECTOR_MODULE if _trtllm.TRTLLM_AVAILABLE else
              "TensorRT-LLM not importable here: checked against the connector's own ABCs (2026 main's contract)")
-    rows = [*parallel_layouts(options, attention_dp_api=api), sliding_window_layout(options),
+    rows = [*parallel_layouts(options, attention_dp_api=api, num_kv_heads=model_kv_heads(model_config)),
+            sliding_window_layout(options, _num_layers(model_config)),
             mla_layout(model_config, kv_layout)]
     typer.echo(f"parallel layouts of {path} (connector API: {where}):")
     for row in rows:
@@ -143,6 +145,15 @@ def _report_layouts(path: Path, options: Any, model_config: dict[str, Any] | Non
         shown = row.in_use or not row.known
         typer.echo(f"  {row.title}: {verdict} ({row.setting})" + (f": {row.reason}" if shown else ""))
     return refused(rows)
+
+
+def _num_layers(model_config: dict[str, Any] | None) -> int | None:
+    """``num_hidden_layers`` of the model's config.json (or its ``text_config``), when given."""
+    if model_config is None:
+        return None
+    text_config = model_config.get("text_config")
+    layers = (text_config if isinstance(text_config, dict) else model_config).get("num_hidden_layers")
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
 
 
 def _llm_options(path: Path) -> Any:

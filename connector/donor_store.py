@@ -15,6 +15,16 @@ holds the layout, ``layer_checksums`` (xxh3-128 hex of each layer's bytes), the 
 and fields, and a probe key. The entry's **checksum** (what the ledger records in ``donor_saved``)
 is xxh3-128 (hex) of the header bytes, so ledger → header → every layer is one chain of checksums.
 
+Tensor parallelism: a donor of a TP engine is one SHARD per rank, each written by its rank's worker
+as an ordinary entry ``<donor_id>.tp<rank>of<size>.kv`` (:meth:`FileDonorStore.put_shard`; header
+field ``shard``), plus a MANIFEST ``<donor_id>.kv`` whose header lists every shard as ``(ref,
+checksum)`` (field ``shards``) and which holds no data. Whichever rank publishes the last shard
+writes the manifest (published with ``link``, so exactly one rank does, whatever the timing) and
+appends the one ``donor_saved``, naming the manifest: ledger → manifest → shard headers → every
+layer stays one chain of checksums, and a donor is complete only when every shard is. Verifying,
+trusting (:meth:`FileDonorStore.known_verified`), securing and evicting a manifest covers every
+shard; a shard missing or changed makes the whole donor unverified.
+
 Guarantees:
 
 * Atomic publish: bytes go to ``.tmp-*`` in the same directory, are fsynced, then renamed to the
@@ -39,6 +49,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -53,7 +64,8 @@ import xxhash
 from ledger.errors import EventRejected
 
 __all__ = ["MAX_OPEN_VERIFIED", "ChecksumMismatch", "DonorReader", "DonorStore", "DonorStoreError", "EntryHeader",
-           "EntryMissing", "FileDonorStore", "SecuredEntry", "StoreDirUnusable", "StoreFull", "StoredEntry"]
+           "EntryMissing", "FileDonorStore", "SecuredEntry", "SecuredShards", "StoreDirUnusable", "StoreFull",
+           "StoredEntry", "shard_ref"]
 
 log = logging.getLogger(__name__)
 MAGIC = b"SEMKVDS1"
@@ -61,6 +73,7 @@ _ALIGN = 4096
 _SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp-"
 _TMP_MAX_AGE_S = 600.0
+_SHARD_NAME = re.compile(r"\.tp\d+of\d+$")
 MAX_OPEN_VERIFIED = 1024
 """Verified entries whose file a process keeps open (per store directory), so that securing one for a
 promise costs no system call; an entry beyond it is secured by opening it (one ``open`` and one
@@ -118,6 +131,10 @@ class EntryHeader:
     probe: str | None = None
     namespace_fields: dict[str, str] = dataclasses.field(default_factory=dict)
     created_at: float = 0.0
+    shard: tuple[int, int] | None = None
+    """``(rank, size)`` of a tensor-parallel shard; None for a whole donor or a manifest."""
+    shards: tuple[tuple[str, str], ...] = ()
+    """A manifest's shards, ``(ref, header checksum)`` by rank; empty otherwise (see the module docstring)."""
 
     @property
     def layer_bytes(self) -> int:
@@ -129,6 +146,16 @@ class EntryHeader:
         """Bytes of one block in one layer."""
         return self.kv_factor * self.block_elems * self.itemsize
 
+    def raw(self) -> bytes:
+        """The header's bytes as stored (the fields tensor parallelism added are left out when unset,
+        so a whole donor's header is what it always was)."""
+        fields = dataclasses.asdict(self)
+        if fields["shard"] is None:
+            del fields["shard"]
+        if not fields["shards"]:
+            del fields["shards"]
+        return json.dumps(fields, separators=(",", ":")).encode()
+
     def layout(self) -> str:
         return (f"num_layers={self.num_layers},kv_factor={self.kv_factor},block_elems={self.block_elems},"
                 f"dtype={self.dtype}")
@@ -138,6 +165,11 @@ class DonorStore(Protocol):
     """The donor store interface the connector uses (implement it for LMCache, Mooncake, ...)."""
 
     def put(self, donor_id: str, layers: Sequence[Any], header: dict[str, Any]) -> StoredEntry: ...
+
+    def put_shard(self, donor_id: str, rank: int, num_shards: int, layers: Sequence[Any],
+                  header: dict[str, Any]) -> tuple[StoredEntry, StoredEntry | None]: ...
+
+    def shards_of(self, ref: str) -> tuple[tuple[str, str], ...]: ...
 
     def open(self, ref: str, checksum: str) -> DonorReader: ...
 
@@ -258,6 +290,7 @@ class _VerifiedFiles:
 
     def __init__(self) -> None:
         self._known: dict[str, _Verified] = {}
+        self._shards: dict[str, tuple[tuple[str, str], ...]] = {}  # manifest ref -> its shards
         self._queue: deque[str] = deque()  # recheck order: every known entry once (forgotten ones until reached)
         self._queued: set[str] = set()
         self._lock = threading.Lock()
@@ -268,10 +301,16 @@ class _VerifiedFiles:
         known = self._known.get(ref)
         return None if known is None else (known.identity, known.checksum)
 
-    def remember(self, ref: str, identity: _Identity, checksum: str, fd: int | None = None) -> None:
+    def shards_of(self, ref: str) -> tuple[tuple[str, str], ...]:
+        return self._shards.get(ref, ())
+
+    def remember(self, ref: str, identity: _Identity, checksum: str, fd: int | None = None,
+                 shards: tuple[tuple[str, str], ...] = ()) -> None:
         """Record ``ref`` as checksummed; ``fd`` (open on that very file) is taken over: kept when the
-        open budget allows, else closed."""
+        open budget allows, else closed. ``shards``: a manifest's, each verified before it."""
         with self._lock:
+            if shards:
+                self._shards[ref] = shards
             if ref not in self._queued:
                 self._queue.append(ref)
                 self._queued.add(ref)
@@ -337,6 +376,7 @@ class _VerifiedFiles:
         """Under the lock: drop ``record`` from the known entries; its descriptor closes once unheld."""
         if self._known.get(ref) is record:
             del self._known[ref]
+            self._shards.pop(ref, None)
         record.forgotten = True
         self._close_if_unused(record)
 
@@ -386,8 +426,29 @@ class SecuredEntry:
             release()
 
 
+class SecuredShards:
+    """Every shard of a tensor-parallel donor held for a promise (:meth:`FileDonorStore.secure` of its
+    manifest): one :class:`SecuredEntry` per rank. The worker of rank 0, in the scheduler's process,
+    reads its shard through :meth:`shard`; another rank's worker, in its own process, opens its shard
+    by ref and checks it against the plan's checksum (a process cannot hand another its files)."""
+
+    __slots__ = ("ref", "checksum", "shards")
+
+    def __init__(self, ref: str, checksum: str, shards: list[SecuredEntry]) -> None:
+        self.ref, self.checksum, self.shards = ref, checksum, shards
+
+    def shard(self, rank: int) -> SecuredEntry:
+        """Rank ``rank``'s shard."""
+        return self.shards[rank]
+
+    def release(self) -> None:
+        """Give every shard back (idempotent)."""
+        for entry in self.shards:
+            entry.release()
+
+
 _VERIFIED: dict[str, _VerifiedFiles] = {}  # store directory -> its verified entries in this process
-_HANDED_OVER: dict[str, dict[str, SecuredEntry]] = {}  # store directory -> lease id -> entry for the worker
+_HANDED_OVER: dict[str, dict[str, SecuredEntry | SecuredShards]] = {}  # store directory -> lease id -> entry for the worker
 
 
 class FileDonorStore:
@@ -436,19 +497,50 @@ class FileDonorStore:
             StoreFull: no room even after evicting every unleased donor.
             OSError: the write failed (nothing was published).
         """
+        stored, entry = self._publish(f"{donor_id}{_SUFFIX}", donor_id, layers, header)
+        if entry.probe:
+            self._link_probe(entry.probe, donor_id)
+        if self.ledger is not None:
+            self.ledger.mark_donor_saved(donor_id, store_ref=stored.ref, checksum=stored.checksum,
+                                         size_bytes=stored.size_bytes)
+        return stored
+
+    def put_shard(self, donor_id: str, rank: int, num_shards: int, layers: Sequence[Any],
+                  header: dict[str, Any]) -> tuple[StoredEntry, StoredEntry | None]:
+        """Publish tensor-parallel rank ``rank``'s shard of donor ``donor_id`` (``layers`` and
+        ``header`` as for :meth:`put`, for this rank's pool); when every one of the ``num_shards``
+        shards is published, also the manifest and ``donor_saved`` (module docstring).
+
+        Returns:
+            ``(the shard, the manifest)``; the manifest is None while another rank's shard is
+            missing, or when another rank published it.
+
+        Raises:
+            ValueError: ``rank`` is not one of ``num_shards``, or the layers do not match the header.
+            StoreFull, OSError: as :meth:`put`.
+        """
+        if not 0 <= rank < num_shards:
+            raise ValueError(f"shard rank {rank} is not one of {num_shards}")
+        stored, _ = self._publish(shard_ref(donor_id, rank, num_shards), donor_id, layers,
+                                  {**header, "shard": (rank, num_shards)})
+        return stored, self._complete_shards(donor_id, num_shards)
+
+    def _publish(self, name: str, donor_id: str, layers: Sequence[Any],
+                 header: dict[str, Any]) -> tuple[StoredEntry, EntryHeader]:
+        """Write one entry file atomically (temp file, fsync, rename, directory fsync)."""
         views = [memoryview(layer).cast("B") for layer in layers]
         entry = EntryHeader(donor_id=donor_id, created_at=time.time(),
                             layer_checksums=tuple(xxhash.xxh3_128_hexdigest(v) for v in views), **header)
         if len(views) != entry.num_layers or any(len(v) != entry.layer_bytes for v in views):
             raise ValueError(f"donor {donor_id}: layers do not match the header layout {entry.layout()}")
-        raw = json.dumps(dataclasses.asdict(entry), separators=(",", ":")).encode()
+        raw = entry.raw()
         checksum = xxhash.xxh3_128_hexdigest(raw)
         prefix = MAGIC + struct.pack("<I", len(raw)) + raw
         data_offset = -(-len(prefix) // _ALIGN) * _ALIGN
         size = data_offset + entry.num_layers * entry.layer_bytes
         self._make_room(size)
-        final = self.root / f"{donor_id}{_SUFFIX}"
-        tmp = self.root / f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{_SUFFIX}"
+        final = self.root / name
+        tmp = self._temp_path()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, prefix + b"\0" * (data_offset - len(prefix)))
@@ -462,14 +554,63 @@ class FileDonorStore:
         os.close(fd)
         os.rename(tmp, final)
         _fsync_dir(self.root)
-        if entry.probe:
-            probe_dir = self.root / "probe" / entry.probe
-            probe_dir.mkdir(mode=0o700, exist_ok=True)
-            (probe_dir / donor_id).touch()
         stored = StoredEntry(ref=final.name, checksum=checksum, size_bytes=size)
         self._remember_verified(final, stored.checksum)
+        return stored, entry
+
+    def _temp_path(self) -> Path:
+        return self.root / f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}{_SUFFIX}"
+
+    def _link_probe(self, probe: str, donor_id: str) -> None:
+        probe_dir = self.root / "probe" / probe
+        probe_dir.mkdir(mode=0o700, exist_ok=True)
+        (probe_dir / donor_id).touch()
+
+    def _complete_shards(self, donor_id: str, num_shards: int) -> StoredEntry | None:
+        """The manifest of ``donor_id``, published here, when every shard is (None otherwise)."""
+        shards: list[tuple[str, str]] = []
+        first: EntryHeader | None = None
+        size = 0
+        for rank in range(num_shards):
+            ref = shard_ref(donor_id, rank, num_shards)
+            try:
+                header, checksum = self._with_fd(ref, lambda fd, r=ref: _read_header_and_checksum(fd, r))
+                size += self.size_of(ref)
+            except DonorStoreError:
+                return None  # not published yet (the rank that publishes it completes the donor), or gone
+            first = first or header
+            if header.shard != (rank, num_shards) or (header.donor_id, header.namespace, header.layout(),
+                                                      header.num_blocks) != (donor_id, first.namespace,
+                                                                             first.layout(), first.num_blocks):
+                log.error("semkv: shard %s does not match the other shards of donor %s: the donor stays incomplete",
+                          ref, donor_id)
+                return None
+            shards.append((ref, checksum))
+        assert first is not None
+        manifest = dataclasses.replace(first, layer_checksums=(), shard=None, shards=tuple(shards),
+                                       created_at=time.time())
+        raw = manifest.raw()
+        prefix = MAGIC + struct.pack("<I", len(raw)) + raw
+        final, tmp = self.root / f"{donor_id}{_SUFFIX}", self._temp_path()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            _write_all(fd, memoryview(prefix))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, final)  # exclusive publish: exactly one rank's manifest becomes the entry
+        except FileExistsError:
+            return None  # another rank completed the donor
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(self.root)
+        stored = StoredEntry(ref=final.name, checksum=xxhash.xxh3_128_hexdigest(raw), size_bytes=size + len(prefix))
+        if manifest.probe:
+            self._link_probe(manifest.probe, donor_id)
         if self.ledger is not None:
-            self.ledger.mark_donor_saved(donor_id, store_ref=stored.ref, checksum=checksum, size_bytes=size)
+            self.ledger.mark_donor_saved(donor_id, store_ref=stored.ref, checksum=stored.checksum,
+                                         size_bytes=stored.size_bytes)
         return stored
 
     # -- read ----------------------------------------------------------------------------------
@@ -514,7 +655,9 @@ class FileDonorStore:
         """
         reader = self.open(ref, checksum)
         try:
-            for layer in range(reader.header.num_layers):
+            for shard, shard_checksum in reader.header.shards:  # a manifest: every shard, in full
+                self.verify(shard, shard_checksum)
+            for layer in range(0 if reader.header.shards else reader.header.num_layers):
                 reader.read_layer(layer)
             # the file that was read (its open descriptor), not whatever the path names by now;
             # the record keeps that descriptor (secure() hands it to promises)
@@ -523,7 +666,7 @@ class FileDonorStore:
         except BaseException:
             reader.close()
             raise
-        self._verified.remember(reader.path.name, identity, checksum, reader.detach())
+        self._verified.remember(reader.path.name, identity, checksum, reader.detach(), reader.header.shards)
 
     def verified(self, ref: str, checksum: str) -> bool | None:
         """Cheap check (one ``stat``): True if this process verified exactly this file with this
@@ -532,7 +675,12 @@ class FileDonorStore:
             st = os.stat(self._path_str(ref))
         except FileNotFoundError as exc:
             raise EntryMissing(f"donor store entry {ref} not found") from exc
-        return True if self._verified.get(ref) == (_identity(st), checksum) else None
+        if self._verified.get(ref) != (_identity(st), checksum):
+            return None
+        for shard, shard_checksum in self._verified.shards_of(ref):
+            if not self.verified(shard, shard_checksum):
+                return None
+        return True
 
     def known_verified(self, ref: str, checksum: str) -> bool:
         """No I/O, no lock: did this process verify ``ref`` with ``checksum``, with no eviction here
@@ -541,19 +689,29 @@ class FileDonorStore:
         for it); trust it only with :meth:`recheck_verified` running periodically. Readers verify
         every layer regardless."""
         known = self._verified.get(ref)
-        return known is not None and known[1] == checksum
+        return known is not None and known[1] == checksum and all(
+            self.known_verified(shard, shard_checksum) for shard, shard_checksum in self._verified.shards_of(ref))
+
+    def shards_of(self, ref: str) -> tuple[tuple[str, str], ...]:
+        """The shards ``(ref, checksum)`` by rank of a manifest this process verified; ``()`` for a
+        whole donor's entry, or a manifest not verified here. No I/O."""
+        return self._verified.shards_of(ref)
 
     def forget_verified(self, ref: str) -> None:
         """Stop trusting ``ref`` without a full check (a load found it missing or corrupt)."""
         self._verified.forget(ref)
 
-    def secure(self, ref: str, checksum: str) -> SecuredEntry | None:
-        """Hold the file this process checksummed as ``ref`` with ``checksum`` for a promise.
+    def secure(self, ref: str, checksum: str) -> SecuredEntry | SecuredShards | None:
+        """Hold the file this process checksummed as ``ref`` with ``checksum`` for a promise (a
+        manifest: every shard, :class:`SecuredShards`).
 
         No system call while the file is among the :data:`MAX_OPEN_VERIFIED` this process keeps open
         (the lookup's path); otherwise one ``open`` and one ``fstat``, and the file must still be
         the one that was checksummed. None: not verified here, gone, or changed since.
         """
+        shards = self._verified.shards_of(ref)
+        if shards:
+            return self._secure_shards(ref, checksum, shards)
         record = self._verified.hold(ref, checksum)
         path = self._path_str(ref)  # a str: pathlib costs microseconds on the lookup's path
         if record is not None:
@@ -575,13 +733,28 @@ class FileDonorStore:
             return None
         return SecuredEntry(ref, checksum, path, fd, lambda: os.close(fd))
 
-    def hand_over(self, lease_id: str, entry: SecuredEntry) -> None:
+    def _secure_shards(self, ref: str, checksum: str, shards: tuple[tuple[str, str], ...]) -> SecuredShards | None:
+        """Every shard of a verified manifest, held; None (nothing held) if one cannot be."""
+        known = self._verified.get(ref)
+        if known is None or known[1] != checksum:
+            return None
+        held: list[SecuredEntry] = []
+        for shard, shard_checksum in shards:
+            entry = self.secure(shard, shard_checksum)
+            if entry is None:
+                for taken in held:
+                    taken.release()
+                return None
+            held.append(entry)
+        return SecuredShards(ref, checksum, held)
+
+    def hand_over(self, lease_id: str, entry: SecuredEntry | SecuredShards) -> None:
         """Leave ``entry`` for the worker of this process that will load the plan ``lease_id``
         (:meth:`claim`); the scheduler and the worker of one TensorRT-LLM engine share a process."""
         with _PINS_LOCK:
             _HANDED_OVER.setdefault(self._root_key, {})[lease_id] = entry
 
-    def claim(self, lease_id: str) -> SecuredEntry | None:
+    def claim(self, lease_id: str) -> SecuredEntry | SecuredShards | None:
         """The entry handed over for plan ``lease_id`` (now the caller's to release), or None."""
         with _PINS_LOCK:
             return _HANDED_OVER.get(self._root_key, {}).pop(lease_id, None)
@@ -616,11 +789,20 @@ class FileDonorStore:
         return forgotten
 
     def size_of(self, ref: str) -> int:
-        """Size of an entry file (bytes). Raises EntryMissing."""
+        """Size of an entry file (bytes); of a manifest, with every shard's. Raises EntryMissing."""
         try:
-            return os.stat(self._path(ref)).st_size
+            size = os.stat(self._path(ref)).st_size
         except FileNotFoundError as exc:
             raise EntryMissing(f"donor store entry {ref} not found") from exc
+        shards = self._verified.shards_of(ref)
+        # an entry with data is at least _ALIGN bytes; a manifest's header alone is far less (were one
+        # larger, a lookup would only checksum it inline instead of in the background)
+        if not shards and size < _ALIGN:  # a manifest this process has not verified yet
+            try:
+                shards = self.read_header(ref).shards
+            except ChecksumMismatch:
+                shards = ()
+        return size + sum(self.size_of(shard) for shard, _ in shards)
 
     def donors_with_probe(self, probe: str, limit: int = 8) -> list[str]:
         """Donor ids whose entries were saved with ``probe`` (telemetry only)."""
@@ -671,11 +853,15 @@ class FileDonorStore:
         if header is not None and header.probe:
             (self.root / "probe" / header.probe / donor_id).unlink(missing_ok=True)
         self._verified.forget(path.name)
+        for shard in self.root.glob(f"{donor_id}.tp*of*{_SUFFIX}"):  # a tensor-parallel donor's shards
+            shard.unlink(missing_ok=True)
+            self._verified.forget(shard.name)
         return True
 
     def entries(self) -> list[tuple[str, int, float]]:
-        """Published entries as ``(donor_id, size_bytes, mtime)``, oldest first."""
-        out = []
+        """Published donors as ``(donor_id, size_bytes, mtime)``, oldest first; a tensor-parallel
+        donor's shards and manifest count as one donor (their sizes summed, the oldest mtime)."""
+        donors: dict[str, tuple[int, float]] = {}
         with os.scandir(self.root) as it:
             for e in it:
                 if e.name.endswith(_SUFFIX) and not e.name.startswith(_TMP_PREFIX):
@@ -683,8 +869,10 @@ class FileDonorStore:
                         st = e.stat()
                     except FileNotFoundError:
                         continue
-                    out.append((e.name[: -len(_SUFFIX)], st.st_size, st.st_mtime))
-        return sorted(out, key=lambda item: item[2])
+                    donor_id = _SHARD_NAME.sub("", e.name[: -len(_SUFFIX)])
+                    size, mtime = donors.get(donor_id, (0, st.st_mtime))
+                    donors[donor_id] = (size + st.st_size, min(mtime, st.st_mtime))
+        return sorted(((d, size, mtime) for d, (size, mtime) in donors.items()), key=lambda item: item[2])
 
     def used_bytes(self) -> int:
         return sum(size for _, size, _ in self.entries())
@@ -771,10 +959,25 @@ def _read_header(fd: int, ref: str, checksum: str | None) -> tuple[EntryHeader, 
     try:
         fields = json.loads(raw)
         fields["layer_checksums"] = tuple(fields["layer_checksums"])
+        fields["shards"] = tuple((str(ref), str(sum_)) for ref, sum_ in fields.get("shards", ()))
+        if fields.get("shard") is not None:
+            fields["shard"] = tuple(int(v) for v in fields["shard"])
         header = EntryHeader(**fields)
     except (ValueError, TypeError, KeyError) as exc:
         raise ChecksumMismatch(f"{ref}: unreadable header: {exc}") from exc
     return header, -(-(12 + length) // _ALIGN) * _ALIGN
+
+
+def _read_header_and_checksum(fd: int, ref: str) -> tuple[EntryHeader, str]:
+    """The entry's header and its checksum (what the ledger, or a manifest, records for it)."""
+    header, _ = _read_header(fd, ref, None)
+    (length,) = struct.unpack("<I", os.pread(fd, 4, 8))
+    return header, xxhash.xxh3_128_hexdigest(os.pread(fd, length, 12))
+
+
+def shard_ref(donor_id: str, rank: int, num_shards: int) -> str:
+    """The store ref of tensor-parallel rank ``rank``'s shard of ``donor_id``."""
+    return f"{donor_id}.tp{rank}of{num_shards}{_SUFFIX}"
 
 
 def _write_all(fd: int, view: memoryview) -> None:

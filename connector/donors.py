@@ -145,7 +145,7 @@ class DonorRegistrar:
             request_id=request.request_id, donor_id=donor_id, block_ids=tuple(int(b) for b in block_ids[:n]),
             num_blocks=n, tokens_per_block=self.tokens_per_block, namespace=ns.digest,
             layout=self.namespace.layout.describe(), probe=probe_key(prompt), namespace_fields=dict(ns.fields),
-            on_finish=on_finish)
+            on_finish=on_finish, num_shards=self.namespace.tp_size)
 
     def register(self, request: Any, block_ids: list[int], *, namespace: Any = None, keys: list[bytes] | None = None,
                  block_hashes: list[int] | None = None, donor_id: str | None = None,

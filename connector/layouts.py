@@ -9,9 +9,18 @@ is the same table for operators.
 What TensorRT-LLM does per layout (NVIDIA/TensorRT-LLM, read through the project's source tools):
 
 * **Tensor parallelism** (``tensor_parallel_size > 1`` without attention DP): every rank holds a
-  shard of the KV heads (``block_elems`` per rank is ``num_kv_heads / tp`` heads); one scheduler
-  on rank 0 broadcasts to every rank's worker (``_run_on_leader``). A donor would be one shard per
-  rank, complete only when every shard is saved and verified: not built yet (issue 21). Refused.
+  contiguous shard of the KV heads (``block_elems`` per rank is ``num_kv_heads / tp`` heads:
+  ``tensorrt_llm/_torch/modules/attention.py`` splits heads with ``mapping.tp_size``); one
+  scheduler on rank 0 whose every answer is broadcast to every rank's worker (``_run_on_leader`` →
+  ``mpi_broadcast``), and ``get_finished`` acted on only when every rank returned an id
+  (``mpi_allgather``; ``connectors/kv_cache_connector.py`` @ 035ab91cad04). Supported: each rank's
+  worker saves and loads its own shard; a donor is complete (its ``donor_saved`` written, pointing
+  at a manifest of every rank's shard) only when every rank's shard is published, and offered only
+  once every shard is checksummed (:mod:`connector.donor_store`); a plan names every rank's shard
+  and fails as a whole. The namespace's ``parallel_layout`` carries the TP size and the
+  head-to-rank mapping (:func:`tensor_parallel_layout`), so shards of different layouts never mix.
+  KV heads fewer than (or not a multiple of) the ranks — TensorRT-LLM then replicates heads — are
+  refused.
 * **Pipeline parallelism** / **context parallelism**: a rank holds some of the layers / some of
   the sequence; no rank holds a whole block. Refused.
 * **Attention data parallelism** (``enable_attention_dp``; ``tensor_parallel_size`` is then the
@@ -29,9 +38,20 @@ What TensorRT-LLM does per layout (NVIDIA/TensorRT-LLM, read through the project
   API: blocks and donors are per rank, a donor is registered under the rank TensorRT-LLM reports,
   and its block liveness is read from that rank's blocks (docs/modes.md). TensorRT-LLM 1.x's
   connector API has no attention DP (one scheduler on rank 0, every call broadcast): refused there.
-* **Variable sliding windows** (``kv_cache_config.max_attention_window``): blocks a window passed
-  hold no KV (``BAD_PAGE_INDEX``), and several windows mean several layer groups; the
-  ``*_by_layer_group`` hooks are not implemented. Refused (the namespace checks it).
+* **Variable sliding windows** (``kv_cache_config.max_attention_window``, one window per layer,
+  the list repeated over the layers when shorter): TensorRT-LLM groups layers by window size, one
+  layer group per distinct window (``BaseKVCacheManager::groupLayersByWindowSize``, a map ordered
+  by window: ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp``, stored version, read_file id
+  126178160). :func:`layer_groups` judges each group: a FULL-attention group (window ≥
+  ``max_seq_len``) keeps every block's KV and could be reused by a byte copy of whole blocks, as
+  today; a SLIDING group keeps only the blocks of the last ``window`` tokens (the others are
+  ``BAD_PAGE_INDEX``, -1, in the page lists), so no prefix of whole blocks from position 0 can be
+  copied out of a donor for it. The deployment is refused as a whole while any group is sliding,
+  and with several groups in any case: TensorRT-LLM 1.x's KV cache manager refuses a connector
+  with several window sizes ("KV Cache Connector is not supported with multiple window sizes",
+  same file), and 2026 main's calls the ``*_by_layer_group`` hooks and ``register_kv_cache_layout``,
+  which the connector implements only to decline (so that the engine starts: TensorRT-LLM rejects a
+  flat-only scheduler at bring-up). One window ≥ ``max_seq_len`` is full attention: served.
 * **MLA** (``kv_lora_rank`` in the model config): one latent per token (``kv_factor`` 1), which
   the model config alone does not size; supported with an explicit ``[namespace] kv_layout`` (a
   byte copy of whole blocks needs only the pool's shape), refused without (the namespace checks it).
@@ -43,8 +63,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["LayoutSupport", "attention_dp_api", "attention_dp_layout", "mla_layout", "parallel_layouts", "refused",
-           "sliding_window_layout"]
+__all__ = ["LayerGroup", "LayoutSupport", "attention_dp_api", "attention_dp_layout", "mla_layout", "parallel_layouts",
+           "layer_groups", "model_kv_heads", "process_rank", "refused", "sliding_window_layout", "tensor_parallel_kv_heads", "tensor_parallel_layout",
+           "tensor_parallel_size"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,12 +155,71 @@ def attention_dp_layout(llm_args: Any) -> str | None:
     return ",".join(parts)
 
 
-def parallel_layouts(llm_args: Any, *, attention_dp_api: bool) -> list[LayoutSupport]:
+def tensor_parallel_size(llm_args: Any) -> int:
+    """Ranks the KV heads are split over: ``tensor_parallel_size`` without attention DP, else 1
+    (under attention DP every rank holds every head); 1 when unreadable (the layout is refused)."""
+    if _flag(llm_args, "enable_attention_dp") is not False:
+        return 1
+    return _size(llm_args, "tensor_parallel_size") or 1
+
+
+def tensor_parallel_kv_heads(num_kv_heads: int, tp_size: int) -> list[range] | None:
+    """The KV heads of each rank, contiguous (rank ``r`` holds ``[r * n / tp, (r + 1) * n / tp)``),
+    or None when ``num_kv_heads`` is not a positive multiple of ``tp_size`` (TensorRT-LLM then
+    replicates KV heads across ranks, which the connector refuses)."""
+    if num_kv_heads < tp_size or num_kv_heads % tp_size:
+        return None
+    per_rank = num_kv_heads // tp_size
+    return [range(r * per_rank, (r + 1) * per_rank) for r in range(tp_size)]
+
+
+def tensor_parallel_layout(tp_size: int, num_kv_heads: int | None) -> str:
+    """The namespace's ``parallel_layout`` under tensor parallelism: the TP size and which KV heads
+    each rank holds (``tp=2,kv_heads=0-1/2-3``); ``kv_heads=per_rank_kv_layout`` when the pool's
+    per-rank shape comes from ``[namespace] kv_layout`` and the heads are not known. A TP engine's
+    KV differs from a TP = 1 engine's (partial sums reduced across ranks), so the TP size alone
+    already keeps their donors apart; the mapping keeps apart engines that split heads differently.
+
+    Raises:
+        ValueError: ``num_kv_heads`` cannot be split over ``tp_size`` ranks.
+    """
+    if num_kv_heads is None:
+        return f"tp={tp_size},kv_heads=per_rank_kv_layout"
+    heads = tensor_parallel_kv_heads(num_kv_heads, tp_size)
+    if heads is None:
+        raise ValueError(f"{num_kv_heads} KV heads cannot be split over {tp_size} tensor-parallel ranks")
+    return f"tp={tp_size},kv_heads=" + "/".join(f"{h.start}-{h.stop - 1}" for h in heads)
+
+
+def process_rank() -> int:
+    """This process's MPI/torch rank from the usual environment variables (0 when none is set): the
+    tensor-parallel rank of a TensorRT-LLM worker (one MPI process per rank, no pipeline parallelism)."""
+    import os
+
+    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def model_kv_heads(model_config: Mapping[str, Any] | None) -> int | None:
+    """KV heads of a model's ``config.json`` (or its ``text_config``), or None when not given."""
+    if model_config is None:
+        return None
+    text_config = model_config.get("text_config")
+    config = text_config if isinstance(text_config, Mapping) else model_config
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    return heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else None
+
+
+def parallel_layouts(llm_args: Any, *, attention_dp_api: bool, num_kv_heads: int | None = None) -> list[LayoutSupport]:
     """TP, PP, CP and attention DP of ``llm_args`` (TensorRT-LLM's ``TorchLlmArgs``, the harness's,
     or any object with those attribute names; missing ones mean TensorRT-LLM's defaults).
 
     Args:
         attention_dp_api: whether the connector API has attention DP (:func:`attention_dp_api`).
+        num_kv_heads: the model's KV heads when known: tensor parallelism is refused when they
+            cannot be split evenly over the ranks.
     """
     names = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")
     tp, pp, cp = (_size(llm_args, name) for name in names)
@@ -155,13 +235,29 @@ def parallel_layouts(llm_args: Any, *, attention_dp_api: bool) -> list[LayoutSup
     if unreadable:
         return unreadable
     tp_in_use = tp > 1 and not adp
+    heads = tensor_parallel_kv_heads(num_kv_heads, tp) if tp_in_use and num_kv_heads is not None else None
+    engine_refuses = getattr(llm_args, "semkv_tensor_parallel_refused", None)  # an adapter without shards
+    if tp_in_use and isinstance(engine_refuses, str):
+        tp_row = LayoutSupport("tensor_parallel", "tensor parallelism (TP)", True, False,
+                               f"tensor_parallel_size={tp}", engine_refuses)
+    elif tp_in_use and num_kv_heads is not None and heads is None:
+        tp_row = LayoutSupport(
+            "tensor_parallel", "tensor parallelism (TP)", True, False,
+            f"tensor_parallel_size={tp}, {num_kv_heads} KV heads",
+            "the KV heads are not a multiple of the ranks: TensorRT-LLM replicates KV heads across ranks then, "
+            "which the connector does not serve")
+    else:
+        tp_row = LayoutSupport(
+            "tensor_parallel", "tensor parallelism (TP)", tp_in_use, True,
+            f"tensor_parallel_size={tp}" + (", the attention-DP ranks: attention not sharded" if adp else "")
+            + (f", KV heads by rank {tensor_parallel_layout(tp, num_kv_heads).split('=')[-1]}" if heads else ""),
+            "every rank holds a contiguous shard of the KV heads; each rank's worker saves and loads its own "
+            "shard, a donor is offered only once every rank's shard is saved and checksummed, a plan names every "
+            "rank's shard and fails as a whole, and the namespace's parallel_layout (TP size, KV heads per rank) "
+            "keeps shards of different layouts apart; KV heads not a multiple of the ranks are refused"
+            if tp_in_use else "not in use: each rank holds every KV head of its blocks")
     rows = [
-        LayoutSupport(
-            "tensor_parallel", "tensor parallelism (TP)", tp_in_use, not tp_in_use,
-            f"tensor_parallel_size={tp}" + (", the attention-DP ranks: attention not sharded" if adp else ""),
-            "every rank holds a shard of the KV heads; a donor would be one shard per rank, complete only when "
-            "every rank's shard is saved and verified, which the connector does not do yet (issue 21)"
-            if tp_in_use else "not in use: each rank holds every KV head of its blocks"),
+        tp_row,
         LayoutSupport(
             "pipeline_parallel", "pipeline parallelism (PP)", pp > 1, pp == 1, f"pipeline_parallel_size={pp}",
             "every rank holds only some of the layers: no rank holds a whole block, and some TensorRT-LLM "
@@ -189,15 +285,99 @@ def parallel_layouts(llm_args: Any, *, attention_dp_api: bool) -> list[LayoutSup
     return rows
 
 
-def sliding_window_layout(llm_args: Any) -> LayoutSupport:
-    """Variable / sliding attention windows (``kv_cache_config.max_attention_window``)."""
-    window = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None)
-    return LayoutSupport(
-        "sliding_window", "sliding / variable attention windows (VSWA layer groups)", bool(window), not window,
-        f"kv_cache_config.max_attention_window={window}",
-        "blocks a window has passed hold no KV (BAD_PAGE_INDEX) and several windows are several layer groups; "
-        "the per-layer-group hooks (update_state_after_alloc_by_layer_group, request_finished_by_layer_group, "
-        "register_kv_cache_layout) are not implemented" if window else "not in use: one full-attention pool")
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """One of TensorRT-LLM's KV layer groups (the layers sharing one attention window).
+
+    Attributes:
+        group: its index, groups ordered by window size (TensorRT-LLM's map from window to layers).
+        window: the attention window (tokens).
+        layers: the layers in it, e.g. ``1,3,5`` (or ``l % 2 == 1`` when the layer count is unknown).
+        full_attention: the window covers ``max_seq_len``: no block ever leaves it.
+        reusable: a byte copy of whole blocks from position 0 could serve this group.
+        reason: why (one sentence).
+    """
+
+    group: int
+    window: int
+    layers: str
+    full_attention: bool
+    reusable: bool
+    reason: str
+
+    def describe(self) -> str:
+        """``group 1 (window 512, layers 1,3): NOT reusable: ...`` for logs and connector-check."""
+        verdict = "reusable" if self.reusable else "NOT reusable"
+        return f"group {self.group} (window {self.window}, layers {self.layers}): {verdict}: {self.reason}"
+
+
+def _windows(value: Any) -> list[int] | None:
+    """``kv_cache_config.max_attention_window`` as a list of positive ints (an int is one window for
+    every layer); None when not set; [] when unreadable."""
+    if value is None:
+        return None
+    values = [value] if isinstance(value, (int, str)) else value
+    try:
+        windows = [int(v) for v in values]
+    except (TypeError, ValueError):
+        return []
+    return windows if windows and all(w > 0 for w in windows) else []
+
+
+def layer_groups(windows: list[int], num_layers: int | None, max_seq_len: int | None) -> list[LayerGroup]:
+    """TensorRT-LLM's layer groups for per-layer ``windows`` (repeated over the layers when shorter),
+    each judged for reuse (see the module docstring).
+
+    Args:
+        windows: ``kv_cache_config.max_attention_window`` (tokens, each > 0).
+        num_layers: the model's layers, when known.
+        max_seq_len: ``llm_args.max_seq_len``, when known: a window at least that long is full attention.
+    """
+    by_window: dict[int, list[int]] = {}
+    for position, window in enumerate(windows if num_layers is None else
+                                      [windows[l % len(windows)] for l in range(num_layers)]):
+        by_window.setdefault(window, []).append(position)
+    groups = []
+    for index, window in enumerate(sorted(by_window)):
+        positions = by_window[window]
+        if num_layers is not None:
+            layers = ",".join(map(str, positions))
+        else:  # the list repeats over the layers: name the positions it gives
+            layers = "all" if len(windows) == 1 else f"l % {len(windows)} in {{{','.join(map(str, positions))}}}"
+        full = max_seq_len is not None and window >= max_seq_len
+        groups.append(LayerGroup(
+            index, window, layers, full, full,
+            "full attention: every block keeps its KV, so whole blocks copied byte for byte would serve it"
+            if full else
+            f"sliding window: a block the window has passed holds no KV (BAD_PAGE_INDEX, -1), so a donor keeps only "
+            f"its last {window} tokens' blocks and no prefix of whole blocks from position 0 can be copied for it"
+            + ("" if max_seq_len is not None else " (max_seq_len unknown: taken as a sliding window)")))
+    return groups
+
+
+def sliding_window_layout(llm_args: Any, num_layers: int | None = None) -> LayoutSupport:
+    """Variable / sliding attention windows (``kv_cache_config.max_attention_window``), judged per
+    layer group (:func:`layer_groups`); ``num_layers`` names each group's layers when given."""
+    raw = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None)
+    windows, setting = _windows(raw), f"kv_cache_config.max_attention_window={raw}"
+    title = "sliding / variable attention windows (VSWA layer groups)"
+    if windows is None:
+        return LayoutSupport("sliding_window", title, False, True, setting, "not in use: one full-attention pool")
+    if not windows:
+        return LayoutSupport("sliding_window", title, True, False, setting,
+                             "max_attention_window is not a list of positive integers: the connector does not guess")
+    max_seq_len = _size(llm_args, "max_seq_len") if getattr(llm_args, "max_seq_len", None) is not None else None
+    groups = layer_groups(windows, num_layers, max_seq_len)
+    if len(groups) == 1 and groups[0].full_attention:
+        return LayoutSupport("sliding_window", title, False, True, setting,
+                             f"not in use: one window ({groups[0].window}) covering max_seq_len is full attention")
+    why = ("several layer groups: TensorRT-LLM 1.x refuses a connector with several window sizes, and 2026 main "
+           "calls the per-layer-group hooks (update_state_after_alloc_by_layer_group, "
+           "request_finished_by_layer_group, register_kv_cache_layout), which the connector implements only to "
+           "decline: the engine runs, nothing is reused"
+           if len(groups) > 1 else "its only layer group is a sliding window")
+    return LayoutSupport("sliding_window", title, True, False, setting,
+                         f"{why}; " + "; ".join(group.describe() for group in groups))
 
 
 def mla_layout(model_config: Mapping[str, Any] | None, kv_layout: str | None) -> LayoutSupport:

@@ -18,12 +18,16 @@ token ids. It has two parts:
 
 Any required field that cannot be determined gives :class:`NamespaceUnknown` instead of a
 namespace, naming the field: that request is never materialized (discovery may still run).
-Unsupported configurations (tensor, pipeline or context parallelism, attention DP on a connector
-API without it, sliding windows, p-tuning, MLA without an explicit layout:
-:mod:`connector.layouts`) are reported the same way with ``kind="unsupported"``. Under attention DP
-the namespace gains ``parallel_layout`` (the number of attention-DP ranks and the MoE split, never
-the rank): every rank of an engine computes the same bytes for the same tokens, so donors are
-shared between ranks, never with another parallel layout.
+Unsupported configurations (pipeline or context parallelism, attention DP on a connector API
+without it, KV heads that tensor parallelism cannot split evenly, sliding windows, p-tuning, MLA
+without an explicit layout: :mod:`connector.layouts`) are reported the same way with
+``kind="unsupported"``. Under attention DP the namespace gains ``parallel_layout`` (the number of
+attention-DP ranks and the MoE split, never the rank): every rank of an engine computes the same
+bytes for the same tokens, so donors are shared between ranks, never with another parallel layout.
+Under tensor parallelism ``parallel_layout`` is the TP size and the KV heads of each rank
+(``tp=2,kv_heads=0-1/2-3``), and :attr:`DeploymentNamespace.layout` is ONE rank's pool (its
+``num_kv_heads / tp`` heads): a donor saved at TP = 2 is never offered to a TP = 1 engine, nor to
+one that splits its heads otherwise.
 
 **Content keys** are prefix digests per whole block: ``key[i] = xxh3_128(ns || tokens[0 : (i+1)·tpb])``
 with the token ids as little-endian int64. ``key[i]`` therefore covers the namespace and every token
@@ -53,7 +57,8 @@ import xxhash
 from blake3 import blake3
 
 from connector.layouts import (attention_dp_api, attention_dp_layout, parallel_layouts, refused,
-                               sliding_window_layout)
+                               sliding_window_layout, tensor_parallel_kv_heads, tensor_parallel_layout,
+                               tensor_parallel_size)
 from connector.settings import NamespaceOverrides
 
 __all__ = ["CONNECTOR_VERSION", "PROBE_TOKENS", "DeploymentNamespace", "KvLayout", "Namespace", "NamespaceUnknown",
@@ -160,6 +165,8 @@ class DeploymentNamespace:
         unknown: why no request of this deployment can be materialized, or None.
         layout: the expected KV pool layout of this rank (None when unknown).
         tokens_per_block: KV block size (tokens), or 0 when unknown.
+        tp_size: tensor-parallel ranks the KV heads are split over (1 without tensor parallelism):
+            a donor is one shard per rank.
     """
 
     def __init__(self, llm_args: Any, overrides: NamespaceOverrides | None = None, engine_id: str | None = None,
@@ -169,6 +176,7 @@ class DeploymentNamespace:
         self._attention_dp_api = attention_dp_api
         self.layout: KvLayout | None = None
         self.tokens_per_block = 0
+        self.tp_size = tensor_parallel_size(llm_args)
         self._cache: dict[tuple, Namespace | NamespaceUnknown] = {}
         result = self._derive(llm_args)
         self.unknown = result if isinstance(result, NamespaceUnknown) else None
@@ -209,13 +217,14 @@ class DeploymentNamespace:
         dtype = _kv_dtype(llm_args, kvc, o)
         if dtype is None:
             return NamespaceUnknown("kv_dtype", "KV dtype is 'auto' in llm_args; set [namespace] kv_dtype")
-        window = sliding_window_layout(llm_args)
+        window = sliding_window_layout(llm_args, getattr(harness, "num_layers", None))
         if window.in_use:
             return NamespaceUnknown("attention_window", f"{window.setting} (sliding or variable windows) is not "
                                     f"supported: {window.reason}", "unsupported")
-        layout = _layout(llm_args, harness, tpb, dtype, o)
+        layout = _layout(llm_args, harness, tpb, dtype, o, self.tp_size)
         if isinstance(layout, NamespaceUnknown):
             return layout
+        layout, num_kv_heads = layout
         self.layout = layout
         quant = getattr(llm_args, "quant_config", None)
         fields = {
@@ -230,8 +239,9 @@ class DeploymentNamespace:
             "tokenizer": o.tokenizer or str(getattr(llm_args, "tokenizer", None) or model),
             "chat_template": o.chat_template or "",
         }
-        parallel = attention_dp_layout(llm_args)
-        if parallel is not None:  # only under attention DP: every other deployment's digest is unchanged
+        parallel = attention_dp_layout(llm_args) or (
+            tensor_parallel_layout(self.tp_size, num_kv_heads) if self.tp_size > 1 else None)
+        if parallel is not None:  # only under attention DP or TP: every other deployment's digest is unchanged
             fields["parallel_layout"] = parallel
         fields.update({f"extra.{k}": v for k, v in o.extra.items()})
         return fields
@@ -333,19 +343,22 @@ def _digest_repr(value: Any) -> str:
     return "none" if value is None else xxhash.xxh3_64_hexdigest(repr(value).encode())
 
 
-def _layout(llm_args: Any, harness: Any, tpb: int, dtype: str, o: NamespaceOverrides) -> KvLayout | NamespaceUnknown:
+def _layout(llm_args: Any, harness: Any, tpb: int, dtype: str, o: NamespaceOverrides,
+            tp_size: int = 1) -> tuple[KvLayout, int | None] | NamespaceUnknown:
+    """ONE rank's pool layout and the model's KV heads (None when an explicit ``kv_layout`` gives the
+    per-rank shape without them)."""
     if o.kv_layout:
         try:
             parts = dict(item.split("=", 1) for item in o.kv_layout.split(","))
-            return KvLayout(int(parts["num_layers"]), int(parts["kv_factor"]), int(parts["block_elems"]), dtype)
+            return KvLayout(int(parts["num_layers"]), int(parts["kv_factor"]), int(parts["block_elems"]), dtype), None
         except (KeyError, ValueError):
             return NamespaceUnknown("kv_layout", f"cannot parse [namespace] kv_layout={o.kv_layout!r}; expected "
                                     "'num_layers=N,kv_factor=2,block_elems=E'")
     if harness is not None:
-        return KvLayout(harness.num_layers, 2, harness.num_kv_heads * harness.head_dim * tpb, dtype)
+        return _rank_layout(harness.num_layers, harness.num_kv_heads, harness.head_dim, tpb, dtype, tp_size)
     adapted = getattr(llm_args, "semkv_kv_layout", None)  # another engine's adapter knows its pool exactly
     if isinstance(adapted, KvLayout):
-        return adapted
+        return adapted, None
     config_file = Path(str(getattr(llm_args, "model", ""))) / "config.json"
     try:
         config = json.loads(config_file.read_text())
@@ -361,9 +374,20 @@ def _layout(llm_args: Any, harness: Any, tpb: int, dtype: str, o: NamespaceOverr
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        return KvLayout(int(config["num_hidden_layers"]), 2, kv_heads * head_dim * tpb, dtype)
+        num_layers = int(config["num_hidden_layers"])
     except (KeyError, TypeError, ValueError):
         return NamespaceUnknown("kv_layout", "model config.json lacks head counts; set [namespace] kv_layout")
+    return _rank_layout(num_layers, kv_heads, head_dim, tpb, dtype, tp_size)
+
+
+def _rank_layout(num_layers: int, kv_heads: int, head_dim: int, tpb: int, dtype: str,
+                 tp_size: int) -> tuple[KvLayout, int] | NamespaceUnknown:
+    """The pool of one of ``tp_size`` ranks, each holding ``kv_heads / tp_size`` heads."""
+    if tensor_parallel_kv_heads(kv_heads, tp_size) is None:
+        return NamespaceUnknown("parallel_layout", f"{kv_heads} KV heads over tensor_parallel_size={tp_size}: "
+                                "TensorRT-LLM replicates KV heads across ranks then, which the connector does "
+                                "not serve", "unsupported")
+    return KvLayout(num_layers, 2, kv_heads // tp_size * head_dim * tpb, dtype), kv_heads
 
 
 class PrefixKeys(Sequence[bytes]):

@@ -32,6 +32,10 @@ class LoadPlan:
     process's worker under ``lease_id``; after the promise, what the ledger says is a freshness
     signal, counted, and only the bytes' own checks (header, per-layer checksums) can stop the load
     (connector/README.md, "What a promise means").
+    ``shards``: under tensor parallelism, every rank's shard of the donor as ``(store_ref,
+    checksum)`` by rank (from the donor's manifest, ``store_ref``): each rank's worker loads its
+    own, and the plan fails as a whole if one cannot (the scheduler offered the donor only with every
+    shard checksummed). Empty without tensor parallelism.
     """
 
     request_id: int
@@ -54,6 +58,7 @@ class LoadPlan:
     freshness_policy: str
     failed: str | None = None
     binding: bool = False
+    shards: tuple[tuple[str, str], ...] = ()
     predicted_saved_s: float | None = None
     """Prefill seconds the profitability gate predicted this load saves (None: not predicted;
     :mod:`connector.profit`); the worker compares it with the load's real time
@@ -76,6 +81,8 @@ class SaveInstruction:
     request among the finished ones whose ``request_finished`` returned True (TensorRT-LLM), in the
     same executor iteration, so an engine that then goes idle still saves it. Otherwise the save
     ships after ``request_finished`` and is gathered at the next forward's end (vLLM).
+    ``num_shards``: tensor-parallel ranks; every rank's worker saves its own shard of the donor
+    (:meth:`connector.donor_store.FileDonorStore.put_shard`), and the donor is complete when all are.
     """
 
     request_id: int
@@ -88,6 +95,7 @@ class SaveInstruction:
     probe: str | None = None
     namespace_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
     on_finish: bool = False
+    num_shards: int = 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,6 +116,6 @@ class ConnectorMetadata:
 
     def approx_size_bytes(self) -> int:
         """Rough pickled size (bytes), for the bound documented above."""
-        loads = sum(320 + 8 * len(p.target_block_ids) for p in self.loads)
+        loads = sum(320 + 8 * len(p.target_block_ids) + 96 * len(p.shards) for p in self.loads)
         saves = sum(400 + 8 * len(s.block_ids) + 64 * len(s.namespace_fields) for s in self.saves)
         return 64 + loads + saves + 16 * len(self.disarmed)

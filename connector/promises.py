@@ -42,7 +42,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from connector.donor_store import FileDonorStore, SecuredEntry
+from connector.donor_store import FileDonorStore, SecuredEntry, SecuredShards
 from connector.lookup import BackgroundRunner, DeadlineRunner, stale_reason_name
 from connector.metrics import ConnectorMetrics
 from connector.namespace import KvLayout, Namespace, NamespaceUnknown, PrefixKeys
@@ -85,8 +85,8 @@ class Promise:
     lease: Future[Lease | StaleReason] | None = None
     """The ledger lease: written in the lookup, or queued once the engine allocated the target
     blocks (None until then: a promise never allocated needs no ledger write)."""
-    secured: SecuredEntry | None = None
-    """The donor's checksummed file, held (binding promises) until handed to the worker."""
+    secured: SecuredEntry | SecuredShards | None = None
+    """The donor's checksummed file (every shard's, under tensor parallelism), held (binding promises) until handed to the worker."""
     shipped_at: float | None = None
     """``time.monotonic()`` when its plan shipped (None: not yet)."""
     forecast: Forecast | None = None
@@ -364,7 +364,15 @@ class PromiseBook:
             lease_id=p.lease_id, store_ref=p.span.store_ref or "", checksum=p.span.checksum or "",
             donor_engine_id=p.span.engine_id, donor_generation=p.span.generation, layout=self.layout,
             freshness_policy=str(self.policy), failed=failed, binding=self.protocol.binding,
+            shards=self._shards(p),
             predicted_saved_s=p.forecast.predicted_saving_s if p.forecast is not None else None)
+
+    def _shards(self, p: Promise) -> tuple[tuple[str, str], ...]:
+        """Every rank's shard of a tensor-parallel donor: those the promise secured, else those of the
+        manifest this process verified; ``()`` for a whole donor."""
+        if isinstance(p.secured, SecuredShards):
+            return tuple((entry.ref, entry.checksum) for entry in p.secured.shards)
+        return self.store.shards_of(p.span.store_ref) if p.span.store_ref else ()
 
     def _take_lease(self, request_id: Any, p: Promise) -> None:
         """Queue the promise's ledger lease on the ledger thread (FIFO with its release, so a release

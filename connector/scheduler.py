@@ -58,6 +58,7 @@ from connector.discovery.hook import SchedulerDiscovery
 from connector.donor_store import FileDonorStore
 from connector.donors import DonorRank, DonorRegistrar, prefill_completed
 from connector.engine_contract import TENSORRT_LLM, EngineContract
+from connector.layouts import process_rank
 from connector.lookup import BackgroundRunner
 from connector.metrics import ConnectorMetrics, process_metrics, serve_metrics
 from connector.namespace import (DeploymentNamespace, Namespace, NamespaceUnknown, PROBE_TOKENS, pool_key, pool_layout,
@@ -80,14 +81,6 @@ if TYPE_CHECKING:
 __all__ = ["SemKvScheduler", "process_rank"]
 
 log = logging.getLogger(__name__)
-
-
-def process_rank() -> int:
-    """This process's MPI/torch rank from the usual environment variables (0 when none is set)."""
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
 
 
 def _window_size(llm_args: Any, settings: ConnectorSettings) -> int:
@@ -345,6 +338,36 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         except Exception:  # boundary: never raise into the engine; a bound promise must still fail closed
             log.exception("semkv: update_state_after_alloc failed for request %s", request.request_id)
             self.promises.fail_bound(state, "internal error after the promise")
+
+    def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
+        """Per-layer-group form (TensorRT-LLM 2026 main, a cache of several layer groups: VSWA).
+        One group is the flat hook. Several are not served (docs/modes.md, "Variable sliding
+        windows"): the namespace refuses such a deployment and the worker registers no pool, so no
+        lookup promised anything; a promise made anyway (a namespace that did not see the windows)
+        fails closed. Implemented so that TensorRT-LLM starts the engine (it rejects, at bring-up,
+        a scheduler with only the flat forms under several groups: ``reject_flat_only_scheduler``,
+        ``connectors/kv_cache_connector.py`` @ 035ab91cad04). Never raises."""
+        if len(block_ids_by_layer_group) == 1:
+            self.update_state_after_alloc(request, block_ids_by_layer_group[0])
+            return
+        state = self.promises.get(request.request_id)
+        if state is not None and state.promise is not None:
+            log.error("semkv: request %s: a promise on a cache of %d layer groups, which the connector does not "
+                      "serve; its plan fails", request.request_id, len(block_ids_by_layer_group))
+            self.promises.fail_bound(state, f"{len(block_ids_by_layer_group)} KV layer groups are not served")
+
+    def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: list[list[int]]) -> bool:
+        """Per-layer-group form of ``request_finished``: one group is the flat hook; several register
+        no donor (see :meth:`update_state_after_alloc_by_layer_group`) and keep no block. Never raises."""
+        if len(cache_block_ids_by_layer_group) == 1:
+            return self.request_finished(request, cache_block_ids_by_layer_group[0])
+        try:
+            state = self.promises.pop(request.request_id)
+            self.promises.release(state, "finished")
+            self.saves.forget(state)
+        except Exception:  # boundary
+            log.exception("semkv: request_finished_by_layer_group failed for request %s", request.request_id)
+        return False
 
     def _know_prompt(self, request: Any, state: RequestState) -> None:
         """What the reuse guard needs of a request: its prompt length and its keys as TensorRT-LLM's

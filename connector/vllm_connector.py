@@ -143,6 +143,9 @@ class VllmDeployment:
     enable_attention_dp = False
     semkv_window_size = 0
     """vLLM's KV events carry no attention window; the consumer records 0 (``consumer/wire.py``)."""
+    semkv_tensor_parallel_refused = ("the vLLM adapter does not save or load per-rank shards: its workers' ranks "
+                                     "and per-rank failed-load reports are not built (TensorRT-LLM's are)")
+    """Tensor parallelism is served on TensorRT-LLM's connector API only (connector/layouts.py)."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
         model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config

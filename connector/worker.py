@@ -59,8 +59,9 @@ import torch
 
 from connector._trtllm import KvCacheConnectorWorker
 from connector.donor_store import (ChecksumMismatch, DonorReader, DonorStoreError, EntryMissing, FileDonorStore,
-                                   SecuredEntry)
+                                   SecuredEntry, SecuredShards)
 from connector.engine_contract import TENSORRT_LLM, EngineContract
+from connector.layouts import process_rank, tensor_parallel_size
 from connector.lookup import stale_reason_name
 from connector.metrics import ConnectorMetrics, process_metrics
 from connector.namespace import KvLayout, pool_key, register_pool_layout
@@ -98,10 +99,12 @@ class SemKvLoadError(RuntimeError):
 class _ActiveLoad:
     plan: LoadPlan
     started: float
-    secured: SecuredEntry | None = None
+    secured: SecuredEntry | SecuredShards | None = None
     """The scheduler's secured entry this load reads through (released when the load ends)."""
     reader: DonorReader | None = None
     """Set by ``_begin`` before the load becomes active."""
+    ref: str = ""
+    """The store entry read: the plan's, or this rank's shard of it (tensor parallelism)."""
     targets: torch.Tensor | None = None
     """The target block ids as a tensor on the pool's device; set with :attr:`reader`."""
     next_layer: int = 0
@@ -116,7 +119,11 @@ class _ActiveLoad:
 class SemKvWorker(KvCacheConnectorWorker):
     """The connector's worker (see the module docstring). One per rank; under attention DP it loads
     into and saves from its own rank's pool only, and reports only its own rank's requests in
-    ``get_finished`` (TensorRT-LLM completes them per owner).
+    ``get_finished`` (TensorRT-LLM completes them per owner). Under tensor parallelism (every rank's
+    worker bound to the metadata rank 0's scheduler built) it saves and loads only its rank's shard
+    of each donor: a save is published as shard :attr:`tp_rank`
+    (:meth:`~connector.donor_store.FileDonorStore.put_shard`: the donor completes when every rank's
+    shard is), a plan is read from ``plan.shards[tp_rank]`` and checked against that shard's checksum.
 
     Args:
         llm_args: TensorRT-LLM's ``TorchLlmArgs`` (or the harness's).
@@ -138,6 +145,13 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.metrics = metrics or process_metrics()
         self.ledger = ledger or LedgerClient(s.db, statement_timeout_s=s.ledger_statement_timeout_s)
         self.store = store or FileDonorStore(s.store_dir, s.store_capacity_bytes, ledger=self.ledger)
+        self.tp_size = tensor_parallel_size(llm_args)
+        """Tensor-parallel ranks: each rank's worker saves and loads its own shard of every donor."""
+        self.tp_rank = process_rank() if self.tp_size > 1 else 0
+        """This worker's rank (TensorRT-LLM's ``mpi_rank()``: one MPI process per rank)."""
+        if not 0 <= self.tp_rank < self.tp_size:  # e.g. pipeline ranks too: a layout the namespace refuses
+            log.error("semkv: process rank %d is not one of tensor_parallel_size=%d: this worker saves and loads no "
+                      "shard", self.tp_rank, self.tp_size)
         self.layers: list[torch.Tensor] = []  # per layer: [num_blocks, kv_factor, block_elems] (views)
         self.num_blocks = 0
         self.layout: KvLayout | None = None
@@ -179,6 +193,25 @@ class SemKvWorker(KvCacheConnectorWorker):
         _, layers, kv_factor, elems = kv_cache_tensor.shape
         self.register_layer_views([kv_cache_tensor[:, layer] for layer in range(layers)],
                                   KvLayout(layers, kv_factor, elems, str(kv_cache_tensor.dtype).removeprefix("torch.")))
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """TensorRT-LLM 2026 main's description of the cache (``KvCacheLayout``): a cache that is one
+        pool tensor is registered as :meth:`register_kv_caches`; one of several layer groups or
+        regions (VSWA) is not served (docs/modes.md, "Variable sliding windows"): nothing is loaded
+        or saved, and the pool registered under this engine's key names no namespace's layout, so
+        the scheduler's lookups miss and it registers no donor (``_pool_matches``). Overridden so
+        such an engine still starts (the default raises ``NotImplementedError``)."""
+        tensor = layout.as_single_pool_tensor()
+        if tensor is not None:
+            self.register_kv_caches(tensor)
+            return
+        groups = len(getattr(layout, "groups", ()) or ())
+        regions = sum(len(getattr(group, "regions", ()) or ()) for group in getattr(layout, "groups", ()) or ())
+        self.layers, self.num_blocks, self.layout = [], 0, None
+        register_pool_layout(pool_key(self.settings.engine_id, self.settings.store_dir),
+                             KvLayout(0, 0, 0, f"not-served:{groups}-layer-groups-{regions}-regions"))
+        log.warning("semkv: the KV cache has %d layer group(s) and %d region(s) (variable sliding windows): the "
+                    "connector loads and saves nothing on this engine", groups, regions)
 
     def register_layer_views(self, views: list[torch.Tensor], layout: KvLayout) -> None:
         """Learn the pool as one view per layer, each ``[num_blocks, kv_factor, block_elems]``.
@@ -238,17 +271,22 @@ class SemKvWorker(KvCacheConnectorWorker):
             raise SemKvLoadError(plan, "no_kv_cache", "register_kv_caches was not called")
         if plan.layout != self.layout.describe():
             raise SemKvLoadError(plan, "layout_mismatch", f"plan {plan.layout} vs pool {self.layout.describe()}")
+        if len(plan.shards) != (self.tp_size if self.tp_size > 1 else 0) or not 0 <= self.tp_rank < self.tp_size:
+            raise SemKvLoadError(plan, "layout_mismatch", f"plan names {len(plan.shards)} shards; this engine has "
+                                 f"tensor_parallel_size={self.tp_size} and this worker rank {self.tp_rank}")
         if len(plan.target_block_ids) != plan.num_blocks or (
                 plan.target_block_ids and max(plan.target_block_ids) >= self.num_blocks):
             raise SemKvLoadError(plan, "bad_targets", f"{len(plan.target_block_ids)} target blocks")
-        load = _ActiveLoad(plan, time.perf_counter(), self.store.claim(plan.lease_id) if plan.binding else None)
+        load = _ActiveLoad(plan, time.perf_counter(), self.store.claim(plan.lease_id) if plan.binding else None,
+                           ref=plan.shards[self.tp_rank][0] if plan.shards else plan.store_ref)
         self.store.lease(plan.donor_id)  # pinned here until _close
         try:
             self._revalidate(load, None, full=True)
             load.reader = reader = self._open(plan, load.secured)
             h = reader.header
+            shard = (self.tp_rank, self.tp_size) if plan.shards else None
             if (h.namespace != plan.namespace or h.layout() != plan.layout or h.num_blocks < plan.donor_block_end
-                    or h.donor_id != plan.donor_id):
+                    or h.donor_id != plan.donor_id or h.shard != shard or h.shards):
                 raise SemKvLoadError(plan, "header_mismatch",
                                      f"entry {h.donor_id} {h.layout()} {h.num_blocks} blocks")
         except BaseException:
@@ -257,16 +295,25 @@ class SemKvWorker(KvCacheConnectorWorker):
         load.targets = torch.tensor(plan.target_block_ids, dtype=torch.long, device=self.layers[0].device)
         return load
 
-    def _open(self, plan: LoadPlan, secured: SecuredEntry | None) -> DonorReader:
-        """A reader of the plan's bytes: the secured file (binding plans), else the entry by path."""
+    def _open(self, plan: LoadPlan, secured: SecuredEntry | SecuredShards | None) -> DonorReader:
+        """A reader of the plan's bytes (this rank's shard under tensor parallelism): the secured file
+        (binding plans, in the scheduler's process), else the entry by path."""
+        ref, checksum = plan.shards[self.tp_rank] if plan.shards else (plan.store_ref, plan.checksum)
+        if isinstance(secured, SecuredShards):
+            secured = secured.shard(self.tp_rank)
         try:
-            return secured.reader() if secured is not None else self.store.open(plan.store_ref, plan.checksum)
+            return secured.reader() if secured is not None else self.store.open(ref, checksum)
         except EntryMissing as exc:
-            self.store.forget_verified(plan.store_ref)  # lookups check it in full again
+            self._forget(plan, ref)  # lookups check it in full again
             raise SemKvLoadError(plan, "store_missing", str(exc)) from exc
         except ChecksumMismatch as exc:
-            self.store.forget_verified(plan.store_ref)
+            self._forget(plan, ref)
             raise SemKvLoadError(plan, "checksum_mismatch", str(exc)) from exc
+
+    def _forget(self, plan: LoadPlan, ref: str) -> None:
+        """A load found ``ref`` (the plan's entry, or this rank's shard of it) missing or corrupt."""
+        self.store.forget_verified(ref)
+        self.store.forget_verified(plan.store_ref)
 
     def _revalidate(self, load: _ActiveLoad, layer_idx: int | None, *, full: bool) -> None:
         """The ledger's ``donor_freshness``: ``full`` includes block liveness (policy ``engine``,
@@ -343,10 +390,10 @@ class SemKvWorker(KvCacheConnectorWorker):
         try:
             raw = load.reader.read_layer(layer_idx)
         except ChecksumMismatch as exc:
-            self.store.forget_verified(plan.store_ref)  # lookups check it in full again
+            self._forget(plan, load.ref)  # lookups check it in full again
             raise SemKvLoadError(plan, "checksum_mismatch", str(exc), layer_idx) from exc
         except DonorStoreError as exc:
-            self.store.forget_verified(plan.store_ref)
+            self._forget(plan, load.ref)
             raise SemKvLoadError(plan, "store_missing", str(exc), layer_idx) from exc
         src = torch.frombuffer(raw, dtype=kv.dtype).view(h.num_blocks, h.kv_factor, h.block_elems)
         src = src[plan.donor_block_start : plan.donor_block_end]
@@ -505,11 +552,18 @@ class SemKvWorker(KvCacheConnectorWorker):
     def _save(self, instruction: SaveInstruction, layers: list[Any]) -> None:
         layout = self.layout
         assert layout is not None and self.layers
-        self.store.put(instruction.donor_id, layers, {
+        header = {
             "namespace": instruction.namespace, "num_layers": layout.num_layers, "kv_factor": layout.kv_factor,
             "block_elems": layout.block_elems, "dtype": layout.dtype, "itemsize": self.layers[0].element_size(),
             "num_blocks": instruction.num_blocks, "tokens_per_block": instruction.tokens_per_block,
-            "probe": instruction.probe, "namespace_fields": dict(instruction.namespace_fields)})
+            "probe": instruction.probe, "namespace_fields": dict(instruction.namespace_fields)}
+        if instruction.num_shards != self.tp_size:
+            raise ValueError(f"save of donor {instruction.donor_id} names {instruction.num_shards} shards; this "
+                             f"engine has tensor_parallel_size={self.tp_size}")
+        if instruction.num_shards > 1:
+            self.store.put_shard(instruction.donor_id, self.tp_rank, instruction.num_shards, layers, header)
+        else:
+            self.store.put(instruction.donor_id, layers, header)
 
     # ============================================================ lifecycle
     def flush(self, timeout_s: float = 30.0) -> bool:

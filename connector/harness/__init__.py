@@ -14,7 +14,8 @@ Module map:
     retention           KvCacheRetentionConfig / TokenRangeRetentionConfig, per-block priorities
     events              KV-event dicts, bounded drop-oldest buffer, sync drain and async iterator
     kv_cache_manager    block pools, radix reuse, LRU-within-priority eviction, offload/onboard
-    model               ModelConfig, HarnessTransformer (dense, paged and batched paged forward)
+    model               ModelConfig, HarnessTransformer (dense, paged and batched paged forward),
+                        TensorParallel (heads and MLP split over torch.distributed ranks)
     request             LlmRequest (what a connector sees), LlmRequestState, GenerationResult
     llm_args            HarnessLlmArgs / KvCacheConfig (TorchLlmArgs attribute names)
     trtllm_versions     TrtllmVersion profiles: TRTLLM_1X, TRTLLM_MAIN_2026, TRTLLM_1X_TERMINATE
@@ -30,7 +31,7 @@ from .connector_driver import ExecutorStopped
 from .engine import HarnessLLM
 from .kv_cache_manager import KVCacheManager, KvCacheCapacityError
 from .llm_args import HarnessLlmArgs, KvCacheConfig, KvCacheConnectorConfig
-from .model import HarnessTransformer, ModelConfig
+from .model import HarnessTransformer, ModelConfig, TensorParallel
 from .request import GenerationResult, LlmRequest, LlmRequestState
 from .retention import KvCacheRetentionConfig, TokenRangeRetentionConfig
 from .trtllm_versions import TRTLLM_1X, TRTLLM_1X_TERMINATE, TRTLLM_MAIN_2026, TRTLLM_VERSIONS
@@ -57,6 +58,7 @@ __all__ = [
     "TRTLLM_1X_TERMINATE",
     "TRTLLM_MAIN_2026",
     "TRTLLM_VERSIONS",
+    "TensorParallel",
     "TokenRangeRetentionConfig",
     "TrtllmVersion",
     "block_hash_chain",

@@ -22,6 +22,14 @@ per simulated rank:
   worker returns that is not pending on that rank (never passed in, or already returned) raises
   ``KeyError`` (``AsyncRequests.extract_by_id``); the runtime acts on an id only when EVERY worker
   has returned it (the ``mpi_allgather`` intersection).
+- tensor parallelism (a driver with a :class:`~.model.TensorParallel` of size > 1): the driver is
+  ONE rank (one process) of the engine with its one worker; the scheduler exists on rank 0 only
+  and every scheduler call runs there and is broadcast to the other ranks
+  (``KvCacheConnectorManager._run_on_leader`` → ``mpi_broadcast``; here
+  ``torch.distributed.broadcast_object_list``), so every rank's worker binds the same metadata;
+  ``get_finished`` gathers every rank's locally finished ids (``mpi_allgather``; here
+  ``all_gather_object``) and acts on an id only when every rank returned it. An exception of the
+  leader's scheduler is broadcast too, so every rank stops its executor together.
 - attention DP (a driver with an ``attention_dp_rank``): the driver is ONE rank of the engine, with
   its own scheduler (the 2026 manager builds one on every attention-DP owner and calls it without
   broadcasting) and its own workers, whose ``get_finished`` completes that rank's requests alone (no
@@ -44,8 +52,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, TypeVar
 
+import torch
+import torch.distributed
+
 from .._trtllm import RequestData, SchedulerOutput
 from .kv_cache_manager import KVCacheManager, KVSequence
+from .model import TensorParallel
 from .request import LlmRequest, LlmRequestState
 from .trtllm_versions import TRTLLM_MAIN_2026, TrtllmVersion
 
@@ -99,6 +111,10 @@ class ExecutorStopped(RuntimeError):
         self.hook = hook
 
 
+class LeaderError(RuntimeError):
+    """The tensor-parallel leader's scheduler raised (received by the other ranks)."""
+
+
 class AttentionOrderError(AssertionError):
     """Attention read a layer's KV before ``wait_for_layer_load`` returned for it (harness bug)."""
 
@@ -147,18 +163,25 @@ class ConnectorDriver:
     """Runtime side of the connector API for one harness engine.
 
     Args:
-        scheduler: the connector's scheduler object.
-        workers: one worker per simulated rank (all see the same KV pool).
+        scheduler: the connector's scheduler object (None on a tensor-parallel rank other than 0).
+        workers: one worker per simulated rank (all see the same KV pool); under tensor parallelism
+            this process's rank's worker.
         manager: the engine's KV cache manager.
         attention_dp_rank: this driver is that attention-DP rank: set on every ``SchedulerOutput``
             (when the version has the field), and the connector classes must opt in (see above).
         version: the modelled TensorRT-LLM version.
+        tp: this process's tensor-parallel rank (``torch.distributed`` initialized when its size > 1).
     """
 
     def __init__(self, scheduler: Any, workers: list[Any], manager: KVCacheManager,
-                 attention_dp_rank: int | None = None, version: TrtllmVersion = TRTLLM_MAIN_2026) -> None:
+                 attention_dp_rank: int | None = None, version: TrtllmVersion = TRTLLM_MAIN_2026,
+                 tp: TensorParallel | None = None) -> None:
         if not workers:
             raise ValueError("at least one connector worker is required")
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if (scheduler is None) != (self.tp is not None and self.tp.rank != 0):
+            raise ValueError("a scheduler is required on tensor-parallel rank 0 (or without tensor parallelism) "
+                             "and only there (KvCacheConnectorManager)")
         if attention_dp_rank is not None and version.scheduler_output_has_attention_dp_rank:
             for cls in (type(scheduler), *(type(w) for w in workers)):
                 if getattr(cls, "supports_attention_dp", False) is not True:
@@ -199,7 +222,8 @@ class ConnectorDriver:
     def _checked_match(self, request: LlmRequest, num_computed_tokens: int) -> int:
         if request.is_generation_only_request:
             raise RuntimeError("Connector API is not supported for generation-only requests!")
-        num_tokens, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        num_tokens, load_async = self._on_leader(
+            lambda: self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens))
         num_tokens, tpb = int(num_tokens), self.manager.tokens_per_block
         if num_tokens == 0 and load_async:
             raise ConnectorContractError("load_kv_async must be False when num_tokens is 0!")
@@ -227,8 +251,8 @@ class ConnectorDriver:
         Raises:
             ExecutorStopped: the hook raised.
         """
-        self._stopping("update_state_after_alloc",
-                       lambda: self.scheduler.update_state_after_alloc(request, list(block_ids)))
+        self._stopping("update_state_after_alloc", lambda: self._on_leader(
+            lambda: self.scheduler.update_state_after_alloc(request, list(block_ids))))
 
     def is_loading_async(self, request_id: int) -> bool:
         """Whether the request's lookup this iteration answered an async load (to be parked)."""
@@ -282,8 +306,8 @@ class ConnectorDriver:
         """
         if scheduler_output is None and self.version.handle_metadata_needs_scheduler_output:
             return
-        metadata = self._stopping("build_connector_meta",
-                                  lambda: self.scheduler.build_connector_meta(scheduler_output))
+        metadata = self._stopping("build_connector_meta", lambda: self._on_leader(
+            lambda: self.scheduler.build_connector_meta(scheduler_output)))
         self._on_every_worker("bind_connector_meta", lambda w: w.bind_connector_meta(metadata))
 
     def request_finished(self, request: LlmRequest, block_ids: list[int]) -> bool:
@@ -292,8 +316,8 @@ class ConnectorDriver:
         Raises:
             ExecutorStopped: the hook raised.
         """
-        saving = bool(self._stopping("request_finished",
-                                     lambda: self.scheduler.request_finished(request, list(block_ids))))
+        saving = bool(self._stopping("request_finished", lambda: self._on_leader(
+            lambda: self.scheduler.request_finished(request, list(block_ids)))))
         if saving:
             self.new_saving[request.request_id] = request
             request.state = LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS
@@ -366,6 +390,10 @@ class ConnectorDriver:
 
     def _intersect(self, kind: str) -> list[int]:
         done = set.intersection(*(state.done[kind] for state in self._ranks))
+        if self.tp is not None:  # mpi_allgather: every rank's locally finished ids
+            gathered: list[Any] = [None] * self.tp.size
+            torch.distributed.all_gather_object(gathered, sorted(done))
+            done = set.intersection(*(set(ids) for ids in gathered))
         for state in self._ranks:
             state.done[kind].difference_update(done)
         return sorted(done)
@@ -377,6 +405,29 @@ class ConnectorDriver:
             for s in self._ranks))
 
     # ------------------------------------------------------------------ error boundaries
+    def _on_leader(self, call: Callable[[], T]) -> T:
+        """``call`` (a scheduler hook) on the tensor-parallel leader, its result broadcast to every
+        rank (``_run_on_leader``); without tensor parallelism just ``call()``.
+
+        Raises:
+            LeaderError: on a rank other than 0, the leader's call raised.
+        """
+        if self.tp is None:
+            return call()
+        box: list[Any] = [None]
+        if self.tp.rank == 0:
+            try:
+                box[0] = ("ok", call())
+            except Exception as exc:
+                torch.distributed.broadcast_object_list([("error", f"{type(exc).__name__}: {exc}")], src=0)
+                raise
+        torch.distributed.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if status == "error":
+            raise LeaderError(f"the scheduler on tensor-parallel rank 0 raised: {value}")
+        return value
+
+
     @staticmethod
     def _stopping(hook: str, call: Callable[[], T], rank: int | None = None) -> T:
         try:

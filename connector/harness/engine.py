@@ -45,7 +45,7 @@ from .events import EventShape, KvEventIterator
 from .executor import ExecutorLoop, ForwardObserver, LifecycleObserver
 from .kv_cache_manager import KVCacheManager
 from .llm_args import HarnessLlmArgs, KvCacheConfig, KvCacheConnectorConfig
-from .model import HarnessTransformer, ModelConfig
+from .model import HarnessTransformer, ModelConfig, TensorParallel
 from .request import GenerationResult, LlmRequest
 from .retention import KvCacheRetentionConfig
 from .trtllm_versions import TRTLLM_MAIN_2026, TrtllmVersion
@@ -77,6 +77,14 @@ class HarnessLLM:
         attention_dp_size: attention-DP ranks of that engine (``llm_args.tensor_parallel_size``, as
             in TensorRT-LLM, where the attention-DP ranks are the tensor-parallel ranks with
             attention not sharded); default ``attention_dp_rank + 1``. Ignored without a rank.
+        tensor_parallel: this engine is rank ``tensor_parallel.rank`` of a tensor-parallel engine of
+            ``tensor_parallel.size`` processes (``torch.distributed`` initialized, e.g. gloo on
+            127.0.0.1): the model's heads and MLP are split (:class:`~.model.TensorParallel`), the
+            pool holds this rank's KV heads, the connector's scheduler is built on rank 0 only and
+            its answers are broadcast (:mod:`.connector_driver`). TensorRT-LLM's rank 0 broadcasts
+            every new request to the other ranks; here the caller submits the same requests, in the
+            same order, on every rank (each rank then runs the same iterations in lockstep, its
+            collectives pairing with the others').
         event_shape: ``"newer"`` or ``"1.2"`` KV-event dicts.
         first_request_id: first request id of this engine.
         connector_timeout_s: longest a request may wait parked for an async load (seconds;
@@ -110,6 +118,7 @@ class HarnessLLM:
         model: HarnessTransformer | None = None,
         trtllm_version: TrtllmVersion = TRTLLM_MAIN_2026,
         max_batch_size: int = 8,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         cfg = model_config or ModelConfig()
         kvc = kv_cache_config or KvCacheConfig(tokens_per_block=cfg.tokens_per_block)
@@ -125,8 +134,15 @@ class HarnessLLM:
             dp_size = attention_dp_size if attention_dp_size is not None else attention_dp_rank + 1
             if not 0 <= attention_dp_rank < dp_size:
                 raise ValueError(f"attention_dp_rank={attention_dp_rank} is not one of {dp_size} attention-DP ranks")
+        tp = tensor_parallel or TensorParallel()
+        if tp.size > 1 and attention_dp_rank is not None:
+            raise ValueError("tensor_parallel and attention_dp_rank are exclusive (under attention DP the "
+                             "tensor-parallel ranks are the attention-DP ranks: give attention_dp_size)")
+        self.tensor_parallel = tp
         self.model_config = cfg
-        self.model = model if model is not None else HarnessTransformer(cfg)
+        self.model = model if model is not None else HarnessTransformer(cfg, tp=tp)
+        if self.model.tp != tp:
+            raise ValueError(f"the model is split for {self.model.tp}, the engine runs {tp}")
         self.max_num_tokens = max_num_tokens
         self.max_seq_len = max_seq_len or cfg.max_context
         self.trtllm_version = trtllm_version
@@ -134,7 +150,7 @@ class HarnessLLM:
         self.llm_args = HarnessLlmArgs(
             model=cfg.name, harness_model_config=cfg, kv_cache_config=kvc, max_seq_len=self.max_seq_len,
             max_num_tokens=max_num_tokens, enable_attention_dp=attention_dp_rank is not None,
-            tensor_parallel_size=dp_size,
+            tensor_parallel_size=dp_size if attention_dp_rank is not None else tp.size,
             kv_connector_config=kv_connector if isinstance(kv_connector, KvCacheConnectorConfig) else None,
         )
         self._lock = threading.RLock()
@@ -357,9 +373,9 @@ class HarnessLLM:
                                 event_shape: EventShape) -> KVCacheManager:
         tpb = cfg.tokens_per_block
         return KVCacheManager(
-            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            num_layers=cfg.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=cfg.head_dim,
             tokens_per_block=tpb, num_blocks=(kvc.max_tokens or max(4 * cfg.max_context, 1024)) // tpb,
-            host_num_blocks=(kvc.host_cache_size or 0) // (cfg.kv_bytes_per_token * tpb),
+            host_num_blocks=(kvc.host_cache_size or 0) * self.tensor_parallel.size // (cfg.kv_bytes_per_token * tpb),
             enable_block_reuse=kvc.enable_block_reuse, enable_partial_reuse=kvc.enable_partial_reuse,
             secondary_offload_min_priority=kvc.secondary_offload_min_priority
             if kvc.secondary_offload_min_priority is not None else 30,
@@ -375,7 +391,9 @@ class HarnessLLM:
             spec = (getattr(module, spec.connector_scheduler_class),
                     getattr(module, spec.connector_worker_class))
         scheduler, worker_spec = spec
-        if isinstance(scheduler, type):
+        if self.tensor_parallel.rank != 0:
+            scheduler = None  # KvCacheConnectorManager: the scheduler exists on rank 0 only
+        elif isinstance(scheduler, type):
             scheduler = scheduler(self.llm_args)
         workers = worker_spec if isinstance(worker_spec, list) else [worker_spec]
         workers = [w(self.llm_args) if isinstance(w, type) else w for w in workers]
@@ -384,4 +402,4 @@ class HarnessLLM:
         if hasattr(scheduler, "wait_for_initialization"):
             scheduler.wait_for_initialization()
         return ConnectorDriver(scheduler, workers, self.kv_cache_manager, attention_dp_rank,
-                               self.trtllm_version)
+                               self.trtllm_version, tp=self.tensor_parallel)

@@ -16,6 +16,16 @@ connector's layer hooks run once per layer for the whole batch); :meth:`HarnessT
 is a batch of one. :meth:`HarnessTransformer.forward_dense` is the single-pass reference the paged
 path is tested against.
 
+Tensor parallelism (:class:`TensorParallel`, Megatron-style as TensorRT-LLM's attention and MLP
+layers split a model): rank ``r`` of ``size`` holds query heads and KV heads
+``[r * n / size, (r + 1) * n / size)`` (contiguous, :meth:`TensorParallel.heads`), the matching
+columns of the output projection, and a slice of the MLP; the partial outputs of the output
+projection and of the MLP's down projection are summed across ranks with
+``torch.distributed.all_reduce`` (gloo on the CPU). Each rank's KV pool holds only its KV heads:
+``block_elems = num_kv_heads / size * head_dim * tokens_per_block``. Every rank builds the full
+seeded weights and keeps its slices, so a TP engine computes the same bits on every run (the sum
+of two partials is deterministic), but not the same bits as a TP = 1 engine.
+
 Bit-identity: the same chunk (same tokens, same ``start``, same length) over the same KV values
 produces the same bits whatever block ids hold the KV, so reuse can be checked bit for bit.
 """
@@ -32,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HarnessTransformer", "LayerHooks", "ModelConfig", "PagedChunk"]
+__all__ = ["HarnessTransformer", "LayerHooks", "ModelConfig", "PagedChunk", "TensorParallel"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,40 @@ class ModelConfig:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group (``torch.distributed``'s default group).
+
+    Attributes:
+        rank: this rank, ``0 <= rank < size``.
+        size: ranks in the group (``llm_args.tensor_parallel_size``).
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is not one of {self.size} ranks")
+
+    def heads(self, num_heads: int) -> range:
+        """The heads (query or KV) this rank holds: a contiguous ``num_heads / size`` of them.
+
+        Raises:
+            ValueError: ``num_heads`` is not a multiple of ``size``.
+        """
+        if num_heads % self.size:
+            raise ValueError(f"{num_heads} heads cannot be split over {self.size} tensor-parallel ranks")
+        per_rank = num_heads // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum ``partial`` over the group in place (no-op at size 1); returns it."""
+        if self.size > 1:
+            torch.distributed.all_reduce(partial)
+        return partial
+
+
 class LayerHooks(Protocol):
     """Callbacks around each decoder layer of a paged forward (the connector's layer hooks)."""
 
@@ -115,6 +159,8 @@ class _DecoderLayer(nn.Module):
         super().__init__()
         hidden, kv_width = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
         self.cfg = cfg
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.tp = TensorParallel()
         self.attn_norm = _RMSNorm(hidden, cfg.rms_norm_eps)
         self.q_proj = nn.Linear(hidden, hidden, bias=False)
         self.k_proj = nn.Linear(hidden, kv_width, bias=False)
@@ -128,20 +174,36 @@ class _DecoderLayer(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Project ``x [T, hidden]`` to q ``[T, Hq, D]`` and k, v ``[T, Hkv, D]``; RoPE on q and k."""
         cfg, h = self.cfg, self.attn_norm(x)
-        q = self.q_proj(h).view(-1, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(h).view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(h).view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q = self.q_proj(h).view(-1, self.num_heads, cfg.head_dim)
+        k = self.k_proj(h).view(-1, self.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(h).view(-1, self.num_kv_heads, cfg.head_dim)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, MLP, residual."""
-        x = x + self.o_proj(attn.reshape(x.shape[0], -1))
+        """Output projection, residual, MLP, residual (partial sums reduced across TP ranks)."""
+        x = x + self.tp.all_reduce(self.o_proj(attn.reshape(x.shape[0], -1)))
         h = self.mlp_norm(x)
         if self.cfg.mlp == "swiglu":
             act = F.silu(self.gate_proj(h)) * self.up_proj(h)
         else:
             act = F.gelu(self.up_proj(h))
-        return x + self.down_proj(act)
+        return x + self.tp.all_reduce(self.down_proj(act))
+
+    def shard(self, tp: TensorParallel) -> None:
+        """Keep this rank's slices of the weights (see the module docstring)."""
+        d, inter = self.cfg.head_dim, self.cfg.intermediate_size
+        if inter % tp.size:
+            raise ValueError(f"intermediate_size {inter} cannot be split over {tp.size} tensor-parallel ranks")
+        q_heads, kv_heads = tp.heads(self.num_heads), tp.heads(self.num_kv_heads)
+        q_cols = slice(q_heads.start * d, q_heads.stop * d)
+        kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
+        mlp = slice(tp.rank * inter // tp.size, (tp.rank + 1) * inter // tp.size)
+        for proj, rows in ((self.q_proj, q_cols), (self.k_proj, kv_rows), (self.v_proj, kv_rows),
+                           (self.up_proj, mlp), (self.gate_proj, mlp)):
+            proj.weight = nn.Parameter(proj.weight[rows].clone(), requires_grad=False)
+        for proj, cols in ((self.o_proj, q_cols), (self.down_proj, mlp)):
+            proj.weight = nn.Parameter(proj.weight[:, cols].clone(), requires_grad=False)
+        self.num_heads, self.num_kv_heads, self.tp = len(q_heads), len(kv_heads), tp
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -230,9 +292,14 @@ class HarnessTransformer(nn.Module):
             because on small shared CPUs the thread pool's synchronisation costs more than it gains
             at these sizes (a 2K prefill: ~0.35 s on 1 thread vs ~1.7 s on 2 contended threads).
             None keeps the process setting.
+        tp: this process's tensor-parallel rank (default: no tensor parallelism); ``torch.distributed``
+            must be initialized when ``tp.size > 1``.
+
+    Raises:
+        ValueError: heads or MLP width not divisible by ``tp.size``.
     """
 
-    def __init__(self, cfg: ModelConfig, num_threads: int | None = 1) -> None:
+    def __init__(self, cfg: ModelConfig, num_threads: int | None = 1, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.num_threads = num_threads
@@ -241,6 +308,12 @@ class HarnessTransformer(nn.Module):
         self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._init_weights()
+        self.tp = tp or TensorParallel()
+        if self.tp.size > 1:
+            for layer in self.layers:
+                layer.shard(self.tp)
+        self.num_kv_heads = cfg.num_kv_heads // self.tp.size
+        """KV heads this rank's pool holds."""
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
         angles = torch.outer(torch.arange(cfg.max_context).float(), inv_freq)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
@@ -340,7 +413,8 @@ class HarnessTransformer(nn.Module):
 
     def _forward_paged_batch(self, items, kv_cache, hooks) -> list[torch.Tensor]:
         cfg, tpb = self.cfg, self.cfg.tokens_per_block
-        pool = kv_cache.view(kv_cache.shape[0], cfg.num_layers, 2, tpb, cfg.num_kv_heads, cfg.head_dim)
+        kv_heads = self.num_kv_heads
+        pool = kv_cache.view(kv_cache.shape[0], cfg.num_layers, 2, tpb, kv_heads, cfg.head_dim)
         plans = [self._plan_chunk(item) for item in items]
         xs = [self.embed(plan.ids) for plan in plans]
         for layer_idx, layer in enumerate(self.layers):
@@ -355,8 +429,8 @@ class HarnessTransformer(nn.Module):
             if hooks is not None:
                 hooks.before_attention_read(layer_idx)
             for i, (plan, q) in enumerate(zip(plans, queries)):
-                keys = pool[plan.read_blocks, layer_idx, 0].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:plan.end]
-                values = pool[plan.read_blocks, layer_idx, 1].reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:plan.end]
+                keys = pool[plan.read_blocks, layer_idx, 0].reshape(-1, kv_heads, cfg.head_dim)[:plan.end]
+                values = pool[plan.read_blocks, layer_idx, 1].reshape(-1, kv_heads, cfg.head_dim)[:plan.end]
                 xs[i] = layer.finish(xs[i], _attend(q, keys, values, plan.start))
             if hooks is not None:
                 hooks.after_layer(layer_idx)

@@ -10,10 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
-import typer
-from typer.testing import CliRunner
 
-from connector.cli import register
 from connector.donors import DonorRank
 from connector.harness import HarnessLlmArgs, KvCacheConfig, LlmRequest, ModelConfig
 from connector.layouts import parallel_layouts, refused
@@ -52,11 +49,11 @@ def test_attention_dp_is_refused_on_a_connector_api_without_it() -> None:
 
 
 @pytest.mark.parametrize(("change", "layout"), [
-    ({"tensor_parallel_size": 2}, "tensor_parallel"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel"),
+    ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "pipeline_parallel"),
     ({"pipeline_parallel_size": 2, "enable_attention_dp": True}, "pipeline_parallel"),
 ])
-def test_tp_pp_cp_stay_refused_with_their_reason(change: dict, layout: str) -> None:
+def test_pp_and_cp_stay_refused_with_their_reason(change: dict, layout: str) -> None:
     args = dataclasses.replace(ARGS, **change)
     ns = namespace(args)
     assert isinstance(ns, NamespaceUnknown) and ns.kind == "unsupported"
@@ -122,27 +119,7 @@ def test_a_configured_rank_that_agrees_is_accepted() -> None:
     assert rank.for_donor() == 2
 
 
-# ----------------------------------------------------------------------------------- connector-check
-@pytest.fixture
-def check(tmp_path: Path, sqlite_db: str):  # noqa: ANN201
-    app = typer.Typer()
-    register(app)
-    app.command("noop")(lambda: None)  # a second command keeps typer in multi-command mode
-    config = tmp_path / "connector.toml"
-    config.write_text(f'mode = "exact_equivalent"\nengine_id = "e"\ndb = "{sqlite_db}"\n'
-                      f'store_dir = "{tmp_path / "store"}"\n')
-
-    def run(options: str | None, *extra: str):  # noqa: ANN202
-        args = ["connector-check", "--config", str(config)]
-        if options is not None:
-            path = tmp_path / "llm.yaml"
-            path.write_text(options)
-            args += ["--llm-args", str(path)]
-        return CliRunner().invoke(app, [*args, *extra])
-
-    return run
-
-
+# ----------------------------------------------------------------------------------- connector-check (fixture `check`: conftest.py)
 def test_connector_check_reports_attention_dp_supported(check) -> None:
     result = check("tensor_parallel_size: 4\nenable_attention_dp: true\nkv_cache_config:\n  tokens_per_block: 32\n")
     assert result.exit_code == 0, result.output
@@ -152,8 +129,6 @@ def test_connector_check_reports_attention_dp_supported(check) -> None:
 
 
 @pytest.mark.parametrize(("options", "line"), [
-    ("tensor_parallel_size: 2\n",
-     "tensor parallelism (TP): REFUSED (tensor_parallel_size=2): every rank holds a shard"),
     ("pipeline_parallel_size: 2\n", "pipeline parallelism (PP): REFUSED"),
     ("context_parallel_size: 2\n", "context parallelism (CP): REFUSED"),
     (json.dumps({"kv_cache_config": {"max_attention_window": [512, 4096]}}),
@@ -184,9 +159,9 @@ def test_connector_check_names_a_bad_llm_args_file(check) -> None:
 
 @pytest.mark.parametrize(("options", "line", "code"), [
     # read as TensorRT-LLM's pydantic arguments would read them, never as a default
-    ('tensor_parallel_size: "2"\n', "tensor parallelism (TP): REFUSED (tensor_parallel_size=2)", 1),
-    ("tensor_parallel_size: 2.0\n", "tensor parallelism (TP): REFUSED (tensor_parallel_size=2)", 1),
-    ('enable_attention_dp: "false"\ntensor_parallel_size: 2\n', "tensor parallelism (TP): REFUSED", 1),
+    ('tensor_parallel_size: "2"\n', "tensor parallelism (TP): supported (tensor_parallel_size=2)", 0),
+    ("tensor_parallel_size: 2.0\n", "tensor parallelism (TP): supported (tensor_parallel_size=2)", 0),
+    ('enable_attention_dp: "false"\ntensor_parallel_size: 2\n', "tensor parallelism (TP): supported", 0),
     ('enable_attention_dp: "true"\ntensor_parallel_size: "2"\n', "attention data parallelism: supported", 0),
     # unreadable: refused, naming the value
     ("tensor_parallel_size: 0\n", "tensor parallelism (TP): REFUSED (tensor_parallel_size=0)", 1),

@@ -100,8 +100,8 @@ def test_unknown_or_unsupported_fields_give_no_namespace() -> None:
     # TensorRT-LLM's short name, as the torch dtype its pool tensor carries (what the worker registers)
     assert ns_of(LlmRequest(1, [1], 1), args=auto, kv_dtype="fp8").fields["kv_dtype"] == "float8_e4m3fn"
     assert ns_of(LlmRequest(1, [1], 1), args=dataclasses.replace(ARGS, dtype="bf16")).fields["kv_dtype"] == "bfloat16"
-    tp = dataclasses.replace(ARGS, tensor_parallel_size=2)
-    assert ns_of(LlmRequest(1, [1], 1), args=tp).kind == "unsupported"
+    pp = dataclasses.replace(ARGS, pipeline_parallel_size=2)
+    assert ns_of(LlmRequest(1, [1], 1), args=pp).kind == "unsupported"
 
     class Bare:  # a request object that does not say whether it has a tenant salt
         lora_task_id = None
