@@ -24,8 +24,10 @@ Counters are distinct, never collapsed into one "hit" (DESIGN §8):
   holds: a store pin from the answer, plus on TensorRT-LLM the donor's secured file and on vLLM a
   ledger lease once the blocks are allocated).
 
-Histograms (seconds): lookup, metadata build, load by cache level (the donor store is host memory
-or disk: level 1), revalidation (ledger re-checks in the worker), donor save.
+Histograms (seconds): lookup, metadata build, load by ``source`` — where the bytes came from:
+``host_ram`` (a Redis entry staged in this process before the promise), ``local_file`` (the file
+store: page cache, /dev/shm or disk), ``redis`` (fetched from the server at load time) —,
+revalidation (ledger re-checks in the worker), donor save.
 """
 
 from __future__ import annotations
@@ -127,8 +129,10 @@ class ConnectorMetrics:
                                        registry=r)
         self.metadata_build_seconds = Histogram("semkv_metadata_build_seconds", "build_connector_meta duration",
                                                 buckets=_FAST, registry=r)
-        self.load_seconds = Histogram("semkv_load_seconds", "Plan load duration (start to last layer)",
-                                      ("cache_level",), buckets=_SLOW, registry=r)
+        self.load_seconds = Histogram("semkv_load_seconds",
+                                      "Plan load duration (start to last layer), by where the bytes came from: "
+                                      "host_ram (staged in this process), local_file (file store), redis",
+                                      ("source",), buckets=_SLOW, registry=r)
         self.revalidation_seconds = Histogram("semkv_revalidation_seconds", "Worker ledger revalidation, per check",
                                               buckets=_FAST, registry=r)
         self.donors_registered = Counter("semkv_donors_registered_total", "Donors registered in the ledger",

@@ -58,8 +58,8 @@ from typing import Any
 import torch
 
 from connector._trtllm import KvCacheConnectorWorker
-from connector.donor_store import (ChecksumMismatch, DonorReader, DonorStoreError, EntryMissing, FileDonorStore,
-                                   SecuredEntry)
+from connector.donor_store import (ChecksumMismatch, DonorReader, DonorStore, DonorStoreError, EntryMissing,
+                                   SecuredEntry, StoreUnavailable, open_donor_store)
 from connector.engine_contract import TENSORRT_LLM, EngineContract
 from connector.lookup import stale_reason_name
 from connector.metrics import ConnectorMetrics, process_metrics
@@ -72,7 +72,6 @@ from ledger.types import FreshnessPolicy
 __all__ = ["SemKvLoadError", "SemKvWorker"]
 
 log = logging.getLogger(__name__)
-_STORE_CACHE_LEVEL = "1"  # host memory / local disk
 _SAVE_REPORT_TIMEOUT_S = 120.0
 _FAILED_PLANS_KEPT = 4096  # TensorRT-LLM never drains them (the hook raises instead)
 _ARMED_KEPT = 65_536
@@ -129,14 +128,14 @@ class SemKvWorker(KvCacheConnectorWorker):
     and the donor store it reads and writes is shared by content, never by rank (docs/modes.md)."""
 
     def __init__(self, llm_args: Any, *, settings: ConnectorSettings | None = None, ledger: LedgerClient | None = None,
-                 store: FileDonorStore | None = None, metrics: ConnectorMetrics | None = None,
+                 store: DonorStore | None = None, metrics: ConnectorMetrics | None = None,
                  engine: EngineContract = TENSORRT_LLM) -> None:
         super().__init__(llm_args)
         self.settings = s = settings or load_connector_settings()
         self.engine = engine
         self.metrics = metrics or process_metrics()
         self.ledger = ledger or LedgerClient(s.db, statement_timeout_s=s.ledger_statement_timeout_s)
-        self.store = store or FileDonorStore(s.store_dir, s.store_capacity_bytes, ledger=self.ledger)
+        self.store = store or open_donor_store(s, self.ledger)
         self.layers: list[torch.Tensor] = []  # per layer: [num_blocks, kv_factor, block_elems] (views)
         self.num_blocks = 0
         self.layout: KvLayout | None = None
@@ -258,6 +257,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         except ChecksumMismatch as exc:
             self.store.forget_verified(plan.store_ref)
             raise SemKvLoadError(plan, "checksum_mismatch", str(exc)) from exc
+        except StoreUnavailable as exc:  # a networked store down: nothing was read
+            raise SemKvLoadError(plan, "store_unavailable", str(exc)) from exc
 
     def _revalidate(self, load: _ActiveLoad, layer_idx: int | None, *, full: bool) -> None:
         """The ledger's ``donor_freshness``: ``full`` includes block liveness (policy ``engine``,
@@ -336,6 +337,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         except ChecksumMismatch as exc:
             self.store.forget_verified(plan.store_ref)  # lookups check it in full again
             raise SemKvLoadError(plan, "checksum_mismatch", str(exc), layer_idx) from exc
+        except StoreUnavailable as exc:
+            raise SemKvLoadError(plan, "store_unavailable", str(exc), layer_idx) from exc
         except DonorStoreError as exc:
             self.store.forget_verified(plan.store_ref)
             raise SemKvLoadError(plan, "store_missing", str(exc), layer_idx) from exc
@@ -349,7 +352,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.metrics.materialized.inc()
         self.metrics.materialized_tokens.inc(load.plan.token_count)
         self.metrics.materialized_tokens_hist.observe(load.plan.token_count)
-        self.metrics.load_seconds.labels(cache_level=_STORE_CACHE_LEVEL).observe(time.perf_counter() - load.started)
+        source = load.reader.source if load.reader is not None else "unknown"  # host_ram, local_file, redis
+        self.metrics.load_seconds.labels(source=source).observe(time.perf_counter() - load.started)
 
     def _close(self, load: _ActiveLoad) -> None:
         """The load is over: its reader, its pin here and the secured entry it read through go."""
@@ -473,6 +477,8 @@ class SemKvWorker(KvCacheConnectorWorker):
                 self._save(instruction, layers)
                 self.metrics.donor_saves.labels(outcome="saved").inc()
                 self.metrics.save_seconds.observe(time.perf_counter() - started)
+            except StoreUnavailable:  # a networked store down: the store logged it once per outage
+                self.metrics.donor_saves.labels(outcome="store_unavailable").inc()
             except Exception as exc:  # boundary: a failed save leaves the donor unsaved (never fresh)
                 log.error("semkv: saving donor %s failed: %r", instruction.donor_id, exc)
                 self.metrics.donor_saves.labels(outcome="failed").inc()
@@ -501,4 +507,5 @@ class SemKvWorker(KvCacheConnectorWorker):
         self._queue.put(None)
         self._saver.join(10)
         self._abandon_active()
+        self.store.close()
         self.ledger.close()
