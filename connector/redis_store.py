@@ -402,6 +402,10 @@ class RedisDonorStore:
         staged = self._shared.staged.get(ref)
         return staged is not None and staged.checksum == checksum
 
+    def staged_entries(self) -> int:
+        """Entries staged in this process's memory for this store (tests, benchmarks)."""
+        return len(self._shared.staged)
+
     def forget_verified(self, ref: str) -> None:
         """Drop the staged copy of ``ref`` (held copies stay with their holders until released)."""
         with self._shared.lock:
