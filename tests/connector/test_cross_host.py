@@ -21,9 +21,8 @@ import pytest
 import torch
 
 from tests.conftest import require_redis
-from tools.harness.fleet import MODEL, Fleet, doc_tokens
+from tools.harness.fleet import MODEL, Fleet, doc_tokens, native_engine
 from tools.harness.redis_server import SHARED_REDIS_URL, RedisServer
-from tests.connector.test_two_engines import native_engine
 
 TPB = MODEL.tokens_per_block
 
@@ -158,3 +157,73 @@ def a_namespace(fleet: Fleet, donor_id: str) -> str:
     t = DonorRow.__table__
     with fleet._reader.connect() as conn:
         return conn.execute(select(t.c.namespace).where(t.c.donor_id == donor_id)).scalar_one()
+
+
+# -- vLLM: a promise may fail after the answer (vLLM recomputes), so its worker reads Redis at load time --
+
+def vllm_recipient(fleet: Fleet, root: Path, url: str, prefix: str, **store_kw):
+    """B's connector as the vLLM adapter builds it; its worker is another process in vLLM, modelled by a
+    store of its own (another store_dir: nothing staged by the scheduler is shared with it)."""
+    from connector.redis_store import RedisDonorStore
+    from tests.connector.test_vllm_per_layer_liveness import VllmOrderWith
+
+    order = VllmOrderWith(fleet, donor_store="redis", redis_url=url, redis_key_prefix=prefix,
+                          store_dir=root / "host-b", redis_timeout_s=0.5)
+    order.worker.store.close()
+    order.worker.store = RedisDonorStore(url, root / "host-b-worker", key_prefix=prefix, timeout_s=0.5,
+                                         ledger=order.worker.ledger, **store_kw)
+    return order
+
+
+def test_vllm_worker_loads_from_redis_at_load_time(pg_fleet: Fleet, tmp_path: Path, redis_prefix: str) -> None:
+    from tests.connector.test_failure_injection import DOC
+
+    pg_fleet.engine("A", store_dir=tmp_path / "host-a", donor_store="redis", redis_url=SHARED_REDIS_URL,
+                    redis_key_prefix=redis_prefix).generate(DOC)
+    pg_fleet.sync()
+    order = vllm_recipient(pg_fleet, tmp_path, SHARED_REDIS_URL, redis_prefix)
+    try:
+        order.scheduler.flush()
+        assert order.run() == list(range(MODEL.num_layers))
+        m = order.worker.metrics
+        assert m.value("semkv_exact_materialized_total") == 1
+        assert m.value("semkv_load_seconds_count", source="redis") == 1
+        assert m.value("semkv_load_seconds_count", source="host_ram") == 0
+    finally:
+        order.close()
+
+
+def test_vllm_load_with_redis_killed_mid_load_fails_the_plan_and_vllm_recomputes(
+        pg_fleet: Fleet, tmp_path: Path, caplog) -> None:
+    from connector.worker import SemKvLoadError
+    from tests.connector.test_failure_injection import DOC
+
+    require_redis()
+    caplog.set_level(logging.INFO, logger="connector.redis_store")
+    with RedisServer() as server:
+        pg_fleet.engine("A", store_dir=tmp_path / "host-a", donor_store="redis", redis_url=server.url,
+                        redis_key_prefix="semkv").generate(DOC)
+        pg_fleet.sync()
+        order = vllm_recipient(pg_fleet, tmp_path, server.url, "semkv",
+                               fetch_chunk_bytes=2 * MODEL.num_layers * store_block_bytes())
+        try:
+            order.scheduler.flush()
+            rounds: list[int] = []
+            fetch = order.worker.store._fetch_blocks
+
+            def killed_after_the_first_round(keys):
+                values = fetch(keys)
+                rounds.append(len(values))
+                if len(rounds) == 1:
+                    server.stop()
+                return values
+
+            order.worker.store._fetch_blocks = killed_after_the_first_round
+            with pytest.raises(SemKvLoadError, match="store_unavailable"):
+                order.run()
+            assert rounds == [2]  # 2 of the donor's 10 blocks read when the server died; none copied
+            order.assert_failed("store_unavailable")
+        finally:
+            order.close()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name == "connector.redis_store"]
+    assert len(errors) == 1
