@@ -586,18 +586,25 @@ class RedisDonorStore:
         an entry bigger than the whole budget is not kept."""
         shared, size = self._shared, entry.data.nbytes
         with shared.lock:
-            self._unstage(ref)
-            if size > shared.stage_bytes:
+            old = shared.staged.get(ref)
+            if old is not None and old.checksum == entry.checksum:  # staged already (a concurrent verify)
+                shared.staged.move_to_end(ref)
                 return
+            # ``ref`` stays readable until replaced: lookups read ``staged`` without the lock
+            room = shared.stage_bytes + (old.data.nbytes if old is not None else 0)
             for other in list(shared.staged):
-                if shared.staged_bytes + size <= shared.stage_bytes:
+                if shared.staged_bytes + size <= room:
                     break
                 victim = shared.staged[other]
-                if victim.holders == 0 and not shared.pins.get(self._donor_of(other)):
+                if other != ref and victim.holders == 0 and not shared.pins.get(self._donor_of(other)):
                     self._unstage(other)
-            if shared.staged_bytes + size > shared.stage_bytes:
+            if size > shared.stage_bytes or shared.staged_bytes + size > room:
                 return
+            if old is not None:
+                old.forgotten = True
+                shared.staged_bytes -= old.data.nbytes
             shared.staged[ref] = entry
+            shared.staged.move_to_end(ref)
             shared.staged_bytes += size
 
     def _unstage(self, ref: str) -> None:
