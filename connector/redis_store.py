@@ -252,25 +252,32 @@ class RedisDonorStore:
                 _OUTAGES.setdefault(self.url, time.monotonic())
             if first:
                 log.error("semkv: the Redis donor store %s is unavailable (%s: %s); donors not staged on this host "
-                          "miss and loads that need it fail closed until it answers again", self._safe_url(), what, exc)
-            raise StoreUnavailable(f"Redis donor store {self._safe_url()}: {what}: {exc}") from exc
+                          "miss and loads that need it fail closed until it answers again", self.where(), what, exc)
+            raise StoreUnavailable(f"Redis donor store {self.where()}: {what}: {exc}") from exc
         if self.url not in _OUTAGES:  # the usual case: one dict read, no lock
             return
         with _SHARED_LOCK:
             down = _OUTAGES.pop(self.url, None)
         if down is not None:
-            log.info("semkv: the Redis donor store %s answers again (after %.1f s)", self._safe_url(),
+            log.info("semkv: the Redis donor store %s answers again (after %.1f s)", self.where(),
                      time.monotonic() - down)
 
-    def _safe_url(self) -> str:
+    def where(self) -> str:
+        """``redis HOST:PORT/DB`` (or the socket path), without credentials, for messages."""
         kwargs = self.redis.connection_pool.connection_kwargs
         where = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
         return f"redis {where}/{kwargs.get('db', 0)}"
 
     def ping(self) -> None:
-        """One round trip (connector-check). Raises StoreUnavailable."""
-        with self._call("ping"):
+        """One round trip (connector-check: its one error line is the report, nothing is logged).
+
+        Raises:
+            StoreUnavailable: no answer within ``timeout_s``, or an error reply.
+        """
+        try:
             self.redis.ping()
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"Redis donor store {self.where()}: ping: {exc}") from exc
 
     # -- write ---------------------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ def pg_fleet(tmp_path: Path, postgres_db: str) -> Iterator[Fleet]:
 
 def redis_engines(fleet: Fleet, root: Path, url: str, prefix: str, **overrides):
     """A and B on ``url``, each with a store directory of its own (two hosts)."""
-    common = {"donor_store": "redis", "redis_url": url, "redis_key_prefix": prefix, **overrides}
+    common = {"donor_store": "redis", "redis_url": url, "redis_key_prefix": prefix, "redis_timeout_s": 10.0,
+              **overrides}
     return (fleet.engine("A", store_dir=root / "host-a", **common),
             fleet.engine("B", store_dir=root / "host-b", **common))
 
@@ -82,7 +83,7 @@ def test_redis_killed_while_b_reads_the_donor_fails_closed_and_b_keeps_serving(
     require_redis()
     caplog.set_level(logging.INFO, logger="connector.redis_store")
     with RedisServer() as server:
-        a, b = redis_engines(pg_fleet, tmp_path, server.url, "semkv", redis_timeout_s=0.5)
+        a, b = redis_engines(pg_fleet, tmp_path, server.url, "semkv")
         doc, question = doc_tokens(15 * TPB, seed=21), doc_tokens(40, seed=22)
         a.generate(doc)
         rounds: list[int] = []
@@ -168,9 +169,9 @@ def vllm_recipient(fleet: Fleet, root: Path, url: str, prefix: str, **store_kw):
     from tests.connector.test_vllm_per_layer_liveness import VllmOrderWith
 
     order = VllmOrderWith(fleet, donor_store="redis", redis_url=url, redis_key_prefix=prefix,
-                          store_dir=root / "host-b", redis_timeout_s=0.5)
+                          store_dir=root / "host-b", redis_timeout_s=10.0)
     order.worker.store.close()
-    order.worker.store = RedisDonorStore(url, root / "host-b-worker", key_prefix=prefix, timeout_s=0.5,
+    order.worker.store = RedisDonorStore(url, root / "host-b-worker", key_prefix=prefix, timeout_s=10.0,
                                          ledger=order.worker.ledger, **store_kw)
     return order
 
@@ -202,7 +203,7 @@ def test_vllm_load_with_redis_killed_mid_load_fails_the_plan_and_vllm_recomputes
     caplog.set_level(logging.INFO, logger="connector.redis_store")
     with RedisServer() as server:
         pg_fleet.engine("A", store_dir=tmp_path / "host-a", donor_store="redis", redis_url=server.url,
-                        redis_key_prefix="semkv").generate(DOC)
+                        redis_key_prefix="semkv", redis_timeout_s=10.0).generate(DOC)
         pg_fleet.sync()
         order = vllm_recipient(pg_fleet, tmp_path, server.url, "semkv",
                                fetch_chunk_bytes=2 * MODEL.num_layers * store_block_bytes())

@@ -48,7 +48,7 @@ def test_b_in_its_own_network_namespace_materializes_a_donor_through_redis(tmp_p
         fleet = Fleet(tmp_path / "host-a-side", ("A",), db=postgres_db).start()
         try:
             a = fleet.engine("A", store_dir=tmp_path / "host-a", donor_store="redis", redis_url=server.url,
-                             redis_key_prefix="semkv")
+                             redis_key_prefix="semkv", redis_timeout_s=10.0)
             a.generate(doc_tokens(doc_blocks * MODEL.tokens_per_block, seed=doc_seed))
             fleet.sync()
             assert a.metrics.value("semkv_donor_saves_total", outcome="saved") == 1

@@ -24,6 +24,8 @@ from tests.conftest import require_redis
 from tools.harness.redis_server import SHARED_REDIS_URL, RedisServer
 
 LAYERS, BLOCKS, ELEMS = 3, 4, 16
+BUSY_TIMEOUT_S = 10.0
+"""Redis timeout of the stores that must not fail: a CI machine shared with other work can answer late."""
 
 
 def layers(seed: int, blocks: int = BLOCKS) -> list[np.ndarray]:
@@ -56,8 +58,10 @@ def keys(prefix: str) -> list[bytes]:
 
 
 def test_round_trip_two_hosts_and_identical_blocks_stored_once(tmp_path: Path, redis_prefix: str) -> None:
-    saver = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "host-a", key_prefix=redis_prefix, ttl_s=120)
-    reader_host = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "host-b", key_prefix=redis_prefix, ttl_s=120)
+    saver = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "host-a", key_prefix=redis_prefix, ttl_s=120,
+                            timeout_s=BUSY_TIMEOUT_S)
+    reader_host = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "host-b", key_prefix=redis_prefix, ttl_s=120,
+                            timeout_s=BUSY_TIMEOUT_S)
     first = layers(1)
     entry = saver.put("d1", first, header(probe="p1"))
     assert entry.ref == "d1.redis" and saver.blocks_written == BLOCKS
@@ -94,7 +98,7 @@ def test_round_trip_two_hosts_and_identical_blocks_stored_once(tmp_path: Path, r
 
 
 def test_a_corrupt_block_is_caught_before_any_byte_is_handed_out(tmp_path: Path, redis_prefix: str) -> None:
-    store = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "a", key_prefix=redis_prefix)
+    store = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "a", key_prefix=redis_prefix, timeout_s=BUSY_TIMEOUT_S)
     entry = store.put("d1", layers(3), header())
     victim = next(k for k in keys(redis_prefix) if b":b:" in k)
     client = redis.Redis.from_url(SHARED_REDIS_URL)
@@ -104,7 +108,7 @@ def test_a_corrupt_block_is_caught_before_any_byte_is_handed_out(tmp_path: Path,
         client.set(victim, bytes(value), keepttl=True)
     finally:
         client.close()
-    other_host = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "b", key_prefix=redis_prefix)
+    other_host = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "b", key_prefix=redis_prefix, timeout_s=BUSY_TIMEOUT_S)
     with pytest.raises(ChecksumMismatch, match="block"):
         other_host.open(entry.ref, entry.checksum)
     with pytest.raises(ChecksumMismatch):
@@ -119,17 +123,20 @@ def test_an_expired_donor_is_recorded_as_evicted_and_its_load_fails_closed(
     ledger = LedgerClient(sqlite_db)
     register(ledger, "short")
     register(ledger, "long")
-    saver = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "a", key_prefix=redis_prefix, ttl_s=0.3, ledger=ledger)
+    saver = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "a", key_prefix=redis_prefix, ttl_s=0.3, ledger=ledger,
+                            timeout_s=BUSY_TIMEOUT_S)
     short = saver.put("short", layers(4), header())
     assert ledger.donor_freshness("short", namespace="ns", policy="store") is None  # donor_saved recorded
-    recipient = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "b", key_prefix=redis_prefix, ledger=ledger)
+    recipient = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "b", key_prefix=redis_prefix, ledger=ledger,
+                                timeout_s=BUSY_TIMEOUT_S)
     time.sleep(0.5)  # Redis expires the keys (real TTL, no clock tricks)
     with pytest.raises(EntryMissing, match="expired or evicted"):
         recipient.open(short.ref, short.checksum)
     recipient.close()  # waits for the report
     assert ledger.donor_freshness("short", namespace="ns", policy="store") == "evicted"
     # the saver's own staged copy is found gone by its periodic recheck, reported once
-    long_store = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "c", key_prefix=redis_prefix, ttl_s=120, ledger=ledger)
+    long_store = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "c", key_prefix=redis_prefix, ttl_s=120, ledger=ledger,
+                                 timeout_s=BUSY_TIMEOUT_S)
     long = long_store.put("long", layers(5), header())
     client = redis.Redis.from_url(SHARED_REDIS_URL)
     try:  # evicted by the server (as maxmemory would): one block key only
@@ -149,9 +156,9 @@ def test_redis_stopped_mid_read_fails_closed_with_one_error(tmp_path: Path, capl
     require_redis()
     with RedisServer() as server:
         blocks = 64
-        saver = RedisDonorStore(server.url, tmp_path / "a", key_prefix="semkv", timeout_s=0.5)
+        saver = RedisDonorStore(server.url, tmp_path / "a", key_prefix="semkv", timeout_s=BUSY_TIMEOUT_S)
         entry = saver.put("big", layers(6, blocks), header(blocks))
-        reader = RedisDonorStore(server.url, tmp_path / "b", key_prefix="semkv", timeout_s=0.5,
+        reader = RedisDonorStore(server.url, tmp_path / "b", key_prefix="semkv", timeout_s=BUSY_TIMEOUT_S,
                                  fetch_chunk_bytes=8 * LAYERS * 2 * ELEMS * 4)  # 8 blocks per round trip
         rounds = []
         fetch = reader._fetch_blocks
@@ -177,3 +184,25 @@ def test_redis_stopped_mid_read_fails_closed_with_one_error(tmp_path: Path, capl
         assert len(errors) == 1 and "unavailable" in errors[0].getMessage()
         reader.close()
         saver.close()
+
+
+def test_connector_check_pings_the_redis_store_and_names_the_setting(tmp_path: Path, sqlite_db: str) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from connector.cli import register
+
+    require_redis()
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)  # a second command keeps typer in multi-command mode
+    with RedisServer() as server:
+        config = tmp_path / "redis.toml"
+        config.write_text(f'db = "{sqlite_db}"\ndonor_store = "redis"\nredis_url = "{server.url}"\n')
+        result = CliRunner().invoke(app, ["connector-check", "--config", str(config)])
+        assert result.exit_code == 0, result.output
+        assert f"store=redis redis 127.0.0.1:{server.port}/0" in result.output
+    result = CliRunner().invoke(app, ["connector-check", "--config", str(config)])  # the server is gone
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: donor store (redis_url)") and "redis.toml" in lines[0]

@@ -38,7 +38,7 @@ def main() -> None:
     fleet = Fleet(args.root, ("B",), db=args.db).start()
     try:
         b = fleet.engine("B", store_dir=args.root / "host-b", donor_store="redis", redis_url=args.redis_url,
-                         redis_key_prefix=args.prefix)
+                         redis_key_prefix=args.prefix, redis_timeout_s=10.0)
         deadline = time.monotonic() + 30
         while not _staged(b) and time.monotonic() < deadline:  # the view loads A's donor; B stages it from Redis
             fleet.sync()
