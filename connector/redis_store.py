@@ -80,6 +80,9 @@ ledger shared by hosts with either store never sends one a ref of the other."""
 _FETCH_CHUNK_BYTES = 32 * 2**20
 """Bytes of block values one pipelined round trip asks for (bounds the client's buffers)."""
 _EVICTION_REASON = "store_missing"
+_RECHECK_KEYS = 8192
+"""Keys one bounded :meth:`RedisDonorStore.recheck_verified` run asks ``EXISTS`` about (the scheduler
+runs it every ``store_recheck_s``): a 32K-token donor of 32-token blocks is 1,025 keys."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -420,14 +423,20 @@ class RedisDonorStore:
 
     def recheck_verified(self, limit: int | None = None) -> int:
         """Are the staged entries still in Redis (manifest and every block)? One pipelined ``EXISTS``
-        per entry, up to ``limit`` entries round robin (None: all); an entry gone is unstaged and
+        per entry, up to ``limit`` entries round robin (None: all; with a limit also at most
+        :data:`_RECHECK_KEYS` keys, but always one entry); an entry gone is unstaged and
         reported to the ledger as ``donor_evicted``. Returns how many were. Redis unreachable: 0
         (staged bytes are verified; they stay usable)."""
         with self._shared.lock:
             refs = list(self._shared.staged.items())
             if limit is not None and refs:
                 start = self._shared.recheck_cursor % len(refs)
-                refs = (refs[start:] + refs[:start])[:limit]
+                refs, keys = (refs[start:] + refs[:start])[:limit], 0
+                for count, (_, staged) in enumerate(refs):  # and at most _RECHECK_KEYS keys per run
+                    keys += 1 + len(staged.manifest.blocks)
+                    if keys > _RECHECK_KEYS and count:
+                        refs = refs[:count]
+                        break
                 self._shared.recheck_cursor = start + len(refs)
         if not refs:
             return 0

@@ -206,3 +206,21 @@ def test_connector_check_pings_the_redis_store_and_names_the_setting(tmp_path: P
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: donor store (redis_url)") and "redis.toml" in lines[0]
+
+
+def test_a_bounded_recheck_goes_round_robin_within_its_key_budget(tmp_path: Path, redis_prefix: str,
+                                                                  monkeypatch) -> None:
+    from connector import redis_store
+
+    monkeypatch.setattr(redis_store, "_RECHECK_KEYS", 2 * (1 + BLOCKS))  # two donors per run
+    store = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "a", key_prefix=redis_prefix, timeout_s=BUSY_TIMEOUT_S)
+    entries = [store.put(f"d{i}", layers(10 + i), header()) for i in range(5)]
+    client = redis.Redis.from_url(SHARED_REDIS_URL)
+    try:
+        for entry in entries:  # every manifest gone: each run finds exactly the donors it checked
+            client.delete(f"{redis_prefix}:m:{entry.ref.removesuffix('.redis')}")
+    finally:
+        client.close()
+    assert [store.recheck_verified(256) for _ in range(3)] == [2, 2, 1]
+    assert store.staged_entries() == 0
+    store.close()
