@@ -303,12 +303,19 @@ def write_table(stores: list[dict], loads: dict, args, started: str, ended: str)
         stage = f" (staging from Redis beforehand, off the engine's path: {med(r['stage']):.3f} s)" if source == "host_ram" else ""
         lines.append(f"| materialized, bytes from {source}{stage} | {med(r['prefill']):.3f} s | "
                      f"{med(r['load']):.3f} s | {med(r['prefill']) / native:.2f}x |")
+    raw = "; ".join(f"{source} " + ", ".join(f"{p:.3f}/{l:.3f}" for p, l in zip(r["prefill"], r["load"], strict=True))
+                    for source, r in loads["sources"].items())
+    lines += ["", f"Every run, prefill/load in seconds: {raw}; native reuse "
+              + ", ".join(f"{v:.3f}" for v in loads["native"]) + "; cold " + ", ".join(f"{v:.3f}" for v in loads["cold"])
+              + ". Staging from Redis: " + ", ".join(f"{v:.3f}" for r in loads["sources"].values() for v in r["stage"]) + " s."]
     lines += ["", f"{len(loads['native'])} native runs, {len(next(iter(loads['sources'].values()))['prefill'])} "
               "materialized runs per source (a fresh engine B each), logits bit-identical to the native reuse "
               "in every run; load = `semkv_load_seconds` of the run. host_ram: the Redis entry staged by B's "
               "scheduler (what a TensorRT-LLM promise holds); redis: B's worker fetches at load time (vLLM's "
               "worker process); local_file: the file store's entry (page cache warm).", ""]
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"donor-store-{started[:10]}.md"
+    if out.exists() and not args.out:  # a second run of the day keeps the first
+        out = out.with_name(f"donor-store-{started[:10]}-{started[11:].replace(':', '')}.md")
     out.write_text("\n".join(lines))
     print("\n".join(lines))
     return out
