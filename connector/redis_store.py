@@ -77,8 +77,9 @@ log = logging.getLogger(__name__)
 REF_SUFFIX = ".redis"
 """A Redis store's ``store_ref`` is ``<donor_id>.redis`` (a file store's is ``<donor_id>.kv``): a
 ledger shared by hosts with either store never sends one a ref of the other."""
-_FETCH_CHUNK_BYTES = 32 * 2**20
-"""Bytes of block values one pipelined round trip asks for (bounds the client's buffers)."""
+_FETCH_CHUNK_BYTES = 8 * 2**20
+"""Bytes of block values one pipelined round trip writes or asks for: bounds the client's buffers and
+what one reply may take against ``redis_timeout_s`` (8 MiB at 0.1 GB/s, a busy loopback here: 80 ms)."""
 _EVICTION_REASON = "store_missing"
 _RECHECK_KEYS = 8192
 """Keys one bounded :meth:`RedisDonorStore.recheck_verified` run asks ``EXISTS`` about (the scheduler

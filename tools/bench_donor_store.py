@@ -63,6 +63,7 @@ from tools.harness.redis_server import SHARED_REDIS_URL, delete_prefix, scratch_
 GB = 1e9
 LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 32, 8, 128, 2  # bfloat16
 BLOCK_ELEMS = KV_HEADS * HEAD_DIM * TPB
+TIMEOUT_S = 30.0  # Redis timeout: a benchmark on a busy machine measures, it does not fail over
 
 
 def pct(values: list[float], q: float) -> float:
@@ -98,8 +99,8 @@ def bench_stores(blocks: int, reps: int, samples: int, store_dir: Path, redis_ur
     rows = []
     try:
         file_store = FileDonorStore(store_dir, 64 * 2**30)
-        saver = RedisDonorStore(redis_url, store_dir / "bench-host-a", key_prefix=prefix, ttl_s=600)
-        remote = RedisDonorStore(redis_url, store_dir / "bench-host-b", key_prefix=prefix, ttl_s=600)
+        saver = RedisDonorStore(redis_url, store_dir / "bench-host-a", key_prefix=prefix, ttl_s=600, timeout_s=TIMEOUT_S)
+        remote = RedisDonorStore(redis_url, store_dir / "bench-host-b", key_prefix=prefix, ttl_s=600, timeout_s=TIMEOUT_S)
         saves = {"local_file": [], "redis": []}
         for rep in range(reps):
             started = time.perf_counter()
@@ -193,7 +194,7 @@ def bench_loads(tokens: int, reps: int, store_dir: Path, redis_url: str) -> dict
     doc = torch.randint(1, cfg.vocab_size, (tokens,), generator=gen).tolist()
     questions = [torch.randint(1, cfg.vocab_size, (64,), generator=gen).tolist() for _ in range(reps + 2)]
     stores = {"file": {"store_dir": store_dir / "bench-loads-file"},
-              "redis": {"donor_store": "redis", "redis_url": redis_url, "redis_key_prefix": prefix,
+              "redis": {"donor_store": "redis", "redis_url": redis_url, "redis_key_prefix": prefix, "redis_timeout_s": TIMEOUT_S,
                         "store_dir": store_dir / "bench-loads-redis-a"}}
     engines: list[HarnessLLM] = []
 
@@ -236,7 +237,8 @@ def bench_loads(tokens: int, reps: int, store_dir: Path, redis_url: str) -> dict
                     for _, ref, checksum in redis_donors:  # staged from Redis, off the engine's path
                         b.connector.scheduler.store.verify(ref, checksum)
                     # what that staging costs (B's view started it at construction already): a store of its own
-                    stager = RedisDonorStore(redis_url, store_dir / f"bench-loads-stage-{source}-{rep}", key_prefix=prefix)
+                    stager = RedisDonorStore(redis_url, store_dir / f"bench-loads-stage-{source}-{rep}", key_prefix=prefix,
+                                             timeout_s=TIMEOUT_S)
                     started = time.perf_counter()
                     stager.verify(redis_donors[0][1], redis_donors[0][2])
                     stages.append(time.perf_counter() - started)
@@ -245,7 +247,7 @@ def bench_loads(tokens: int, reps: int, store_dir: Path, redis_url: str) -> dict
                         worker = b.connector.workers[0]
                         worker.store.close()
                         worker.store = RedisDonorStore(redis_url, store_dir / f"bench-loads-w-{rep}", key_prefix=prefix,
-                                                       ledger=worker.ledger)
+                                                       ledger=worker.ledger, timeout_s=TIMEOUT_S)
                 b.connector.scheduler.flush()  # nothing of B's background work runs during the measured request
                 got = b.generate(doc + q, 1)
                 assert got.num_connector_tokens == tokens, (source, got.num_connector_tokens, b.semkv_metrics.misses_by_reason())
