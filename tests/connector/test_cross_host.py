@@ -85,7 +85,6 @@ def test_redis_killed_while_b_reads_the_donor_fails_closed_and_b_keeps_serving(
     with RedisServer() as server:
         a, b = redis_engines(pg_fleet, tmp_path, server.url, "semkv")
         doc, question = doc_tokens(15 * TPB, seed=21), doc_tokens(40, seed=22)
-        a.generate(doc)
         rounds: list[int] = []
         store = b.scheduler.store
         store.fetch_chunk_bytes = 4 * MODEL.num_layers * store_block_bytes()  # 4 blocks per round trip
@@ -98,7 +97,8 @@ def test_redis_killed_while_b_reads_the_donor_fails_closed_and_b_keeps_serving(
                 server.stop()
             return values
 
-        store._fetch_blocks = killed_after_the_first_round
+        store._fetch_blocks = killed_after_the_first_round  # before A saves: B's view may see it within 5 ms
+        a.generate(doc)
         pg_fleet.sync()
         b.scheduler.flush()
         assert rounds == [4]  # the server died 4 blocks into the 15-block donor
