@@ -18,6 +18,7 @@ with ``TRTLLM_SEMKV_CONFIG=/etc/semkv/connector.toml`` in the environment (see
     layouts       parallel layouts (TP, PP, CP, attention DP, sliding windows, MLA): served or refused
     plan          LoadPlan, SaveInstruction, ConnectorMetadata (picklable, bounded)
     donor_store   FileDonorStore: host-local, checksummed, atomically published donor bytes
+    redis_store   RedisDonorStore: donor bytes on Redis for every host (content-addressed blocks, TTLs)
     lookup        deadline runner, background runner, miss diagnosis
     engine_contract  what the hosting engine does with a promise and a finished request
     spans         SpanFinder: the longest fresh donor span whose checksummed bytes this host holds

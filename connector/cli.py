@@ -104,6 +104,9 @@ def connector_check(
         if not (isinstance(exc, LedgerError) or is_database_error(exc)):
             raise
         _fail(f"{database_error_line(exc, settings.db, setting='db')} ({origin('db')})")
+    if settings.donor_store == "redis":
+        _check_redis(settings, origin)
+        return _check_layouts(llm_args, options, model_config, settings)
     try:
         store = FileDonorStore(settings.store_dir, settings.store_capacity_bytes)
         probe = store.root / f".tmp-{os.getpid()}-check.kv"
@@ -117,6 +120,34 @@ def connector_check(
     typer.echo(f"connector ready: mode={settings.mode} engine_id={settings.engine_id} "
                f"ledger={url_for_humans(settings.db)} store={store.root} "
                f"({store.used_bytes():,} of {settings.store_capacity_bytes:,} bytes used)")
+    _check_layouts(llm_args, options, model_config, settings)
+
+
+def _check_redis(settings: Any, origin: Any) -> None:
+    """``donor_store = "redis"``: one round trip to ``redis_url`` (exit 2 naming the setting)."""
+    from connector.donor_store import StoreUnavailable
+    from connector.redis_store import RedisDonorStore
+
+    store = RedisDonorStore(settings.redis_url, settings.store_dir, key_prefix=settings.redis_key_prefix,
+                            timeout_s=settings.redis_timeout_s)
+    try:
+        store.ping()
+    except StoreUnavailable as exc:
+        _fail(f"donor store (redis_url): {exc} ({origin('redis_url')})")
+    finally:
+        store.close()
+    typer.echo(f"connector ready: mode={settings.mode} engine_id={settings.engine_id} ledger={_ledger_url(settings)} "
+               f"store=redis {store.where()} prefix={settings.redis_key_prefix} ttl={settings.redis_ttl_s:g} s")
+
+
+def _ledger_url(settings: Any) -> str:
+    from ledger.errors import url_for_humans
+
+    return url_for_humans(settings.db)
+
+
+def _check_layouts(llm_args: Path | None, options: Any, model_config: dict[str, Any] | None, settings: Any) -> None:
+    """With --llm-args: print the parallel layouts' verdicts; exit 1 if one in use is refused."""
     if options is None:
         return
     refused = _report_layouts(llm_args, options, model_config, settings.namespace.kv_layout)

@@ -65,7 +65,7 @@ from ledger.errors import EventRejected
 
 __all__ = ["MAX_OPEN_VERIFIED", "ChecksumMismatch", "DonorReader", "DonorStore", "DonorStoreError", "EntryHeader",
            "EntryMissing", "FileDonorStore", "SecuredEntry", "SecuredShards", "StoreDirUnusable", "StoreFull",
-           "StoredEntry", "shard_ref"]
+           "StoreUnavailable", "StoredEntry", "open_donor_store", "shard_ref"]
 
 log = logging.getLogger(__name__)
 MAGIC = b"SEMKVDS1"
@@ -99,6 +99,11 @@ class EntryMissing(DonorStoreError):
 
 class ChecksumMismatch(DonorStoreError):
     """The entry's header or a layer does not match its checksum: the bytes are not the donor's."""
+
+
+class StoreUnavailable(DonorStoreError):
+    """A networked store could not be reached or answered with an error (connection refused or reset,
+    timeout, out of memory): nothing is known about the entry, and nothing was read or written."""
 
 
 class StoreFull(DonorStoreError):
@@ -162,7 +167,27 @@ class EntryHeader:
 
 
 class DonorStore(Protocol):
-    """The donor store interface the connector uses (implement it for LMCache, Mooncake, ...)."""
+    """The donor store interface the connector uses: :class:`FileDonorStore` (host-local) and
+    :class:`connector.redis_store.RedisDonorStore` (networked) implement it."""
+
+    local: bool
+    """True: on this host (a lookup may checksum a small entry inline); False: never read on the engine's thread."""
+
+    def ref_of(self, donor_id: str) -> str: ...
+
+    def close(self) -> None: ...
+
+    def secure(self, ref: str, checksum: str) -> Any: ...
+
+    def hand_over(self, lease_id: str, entry: Any) -> None: ...
+
+    def claim(self, lease_id: str) -> Any: ...
+
+    def drop_unclaimed(self, lease_id: str) -> bool: ...
+
+    def read_header(self, ref: str) -> EntryHeader: ...
+
+    def donors_with_probe(self, probe: str, limit: int = 8) -> list[str]: ...
 
     def put(self, donor_id: str, layers: Sequence[Any], header: dict[str, Any]) -> StoredEntry: ...
 
@@ -171,7 +196,7 @@ class DonorStore(Protocol):
 
     def shards_of(self, ref: str) -> tuple[tuple[str, str], ...]: ...
 
-    def open(self, ref: str, checksum: str) -> DonorReader: ...
+    def open(self, ref: str, checksum: str) -> Any: ...
 
     def get(self, ref: str, checksum: str) -> bytes: ...
 
@@ -191,16 +216,20 @@ class DonorStore(Protocol):
 
     def release(self, donor_id: str) -> None: ...
 
-    def evict(self, donor_id: str, reason: str) -> bool: ...
+    def evict(self, donor_id: str, reason: str, *, force: bool = False) -> bool: ...
 
 
 class DonorReader:
     """An open entry whose header matched its checksum; reads verified layers.
 
+    ``source`` (``local_file``) labels ``semkv_load_seconds``: where a load's bytes came from.
+
     Raises (from :meth:`read_layer`):
         ChecksumMismatch: the layer's bytes do not match the header.
         EntryMissing: the file became unreadable.
     """
+
+    source = "local_file"
 
     def __init__(self, path: Path, header: EntryHeader, data_offset: int, fd: int, *, owns_fd: bool = True) -> None:
         self.path, self.header, self._offset, self._fd = path, header, data_offset, fd
@@ -464,6 +493,9 @@ class FileDonorStore:
         StoreDirUnusable: ``root`` cannot be created (an ``OSError`` naming ``store_dir``).
     """
 
+    local = True
+    """On this host: a lookup may read and checksum a small entry inline (``store_inline_verify_max_bytes``)."""
+
     def __init__(self, root: str | Path, capacity_bytes: int, ledger: Any = None) -> None:
         self.root = Path(root)
         self._root_str = str(self.root)
@@ -482,6 +514,13 @@ class FileDonorStore:
             self._verified = _VERIFIED.setdefault(self._root_key, _VerifiedFiles())
         self._lock = _PINS_LOCK
         self.sweep_temp()
+
+    def ref_of(self, donor_id: str) -> str:
+        """The ``store_ref`` of ``donor_id``'s entry here."""
+        return f"{donor_id}{_SUFFIX}"
+
+    def close(self) -> None:
+        """Nothing to close (the verified files stay open for the other stores of this directory)."""
 
     # -- write ---------------------------------------------------------------------------------
 
@@ -944,6 +983,23 @@ class FileDonorStore:
             os.close(fd)
             return
         self._verified.remember(path.name, identity, checksum, fd)
+
+
+def open_donor_store(settings: Any, ledger: Any = None) -> Any:
+    """The donor store the connector settings choose (``donor_store``): the host-local
+    :class:`FileDonorStore` (default) or :class:`connector.redis_store.RedisDonorStore`.
+
+    Raises:
+        StoreDirUnusable: the file store's directory cannot be created.
+        ValueError: ``redis_url`` is not a Redis URL.
+    """
+    if settings.donor_store == "redis":
+        from connector.redis_store import RedisDonorStore
+
+        return RedisDonorStore(settings.redis_url, settings.store_dir, key_prefix=settings.redis_key_prefix,
+                               ttl_s=settings.redis_ttl_s, timeout_s=settings.redis_timeout_s,
+                               stage_bytes=settings.redis_stage_bytes, ledger=ledger)
+    return FileDonorStore(settings.store_dir, settings.store_capacity_bytes, ledger=ledger)
 
 
 def _read_header(fd: int, ref: str, checksum: str | None) -> tuple[EntryHeader, int]:

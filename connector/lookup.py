@@ -283,7 +283,7 @@ class MissDiagnosis:
         if probe is not None:
             for donor_id in self.store.donors_with_probe(probe):
                 try:
-                    header = self.store.read_header(f"{donor_id}.kv")
+                    header = self.store.read_header(self.store.ref_of(donor_id))
                 except Exception:  # noqa: BLE001 - a vanished or unreadable entry explains nothing
                     continue
                 if header.namespace != namespace.digest:

@@ -24,12 +24,14 @@ Counters are distinct, never collapsed into one "hit" (DESIGN §8):
   holds: a store pin from the answer, plus on TensorRT-LLM the donor's secured file and on vLLM a
   ledger lease once the blocks are allocated).
 
-Histograms (seconds): lookup, metadata build, load by cache level (the donor store is host memory
-or disk: level 1), revalidation (ledger re-checks in the worker), donor save, and
-``semkv_ttft_delta_seconds``: per accepted materialization, the prefill time the profitability gate
-predicted it saves minus its measured load time (:mod:`connector.profit`; an estimate of cold
-TTFT minus warm TTFT, since a request is never run both ways). A load the gate declines is a miss
-``unprofitable`` (also ``semkv_backend_declined_total{reason="unprofitable"}``).
+Histograms (seconds): lookup, metadata build, load by ``source`` — where the bytes came from:
+``host_ram`` (a Redis entry staged in this process before the promise), ``local_file`` (the file
+store: page cache, /dev/shm or disk), ``redis`` (fetched from the server at load time) —,
+revalidation (ledger re-checks in the worker), donor save, and ``semkv_ttft_delta_seconds``: per
+accepted materialization, the prefill time the profitability gate predicted it saves minus its
+measured load time (:mod:`connector.profit`; an estimate of cold TTFT minus warm TTFT, since a
+request is never run both ways). A load the gate declines is a miss ``unprofitable`` (also
+``semkv_backend_declined_total{reason="unprofitable"}``).
 """
 
 from __future__ import annotations
@@ -132,8 +134,10 @@ class ConnectorMetrics:
                                        registry=r)
         self.metadata_build_seconds = Histogram("semkv_metadata_build_seconds", "build_connector_meta duration",
                                                 buckets=_FAST, registry=r)
-        self.load_seconds = Histogram("semkv_load_seconds", "Plan load duration (start to last layer)",
-                                      ("cache_level",), buckets=_SLOW, registry=r)
+        self.load_seconds = Histogram("semkv_load_seconds",
+                                      "Plan load duration (start to last layer), by where the bytes came from: "
+                                      "host_ram (staged in this process), local_file (file store), redis",
+                                      ("source",), buckets=_SLOW, registry=r)
         self.ttft_delta_seconds = Histogram(
             "semkv_ttft_delta_seconds",
             "Accepted materializations: the prefill time the load was predicted to save minus the load's "

@@ -210,10 +210,15 @@ def cost_model_for(pool_key: str, **settings: float | int) -> ReuseCostModel:
         return model
 
 
-def memory_level_of(store: object) -> str:
-    """Where a donor store's bytes are, as the cost model and ``semkv_load_seconds`` name it: the
-    store's own ``memory_level`` when it says, else ``local_file`` (the host-local file store)."""
-    return str(getattr(store, "memory_level", "local_file"))
+def memory_level_of(store: object, *, binding: bool) -> str:
+    """Where a load's bytes will come from, as ``semkv_load_seconds{source}`` and the cost model name
+    it: ``local_file`` for a host-local store; for a networked one (``store.local`` False),
+    ``host_ram`` under binding promises (TensorRT-LLM: the scheduler stages the entry in this
+    process before it promises) and ``redis`` otherwise (the worker fetches at load time;
+    :mod:`connector.redis_store`, the one networked store)."""
+    if getattr(store, "local", True):
+        return "local_file"
+    return "host_ram" if binding else "redis"
 
 
 def forget_cost_models() -> None:

@@ -42,7 +42,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from connector.donor_store import FileDonorStore, SecuredEntry, SecuredShards
+from connector.donor_store import DonorStore, SecuredEntry, SecuredShards
 from connector.lookup import BackgroundRunner, DeadlineRunner, stale_reason_name
 from connector.metrics import ConnectorMetrics
 from connector.namespace import KvLayout, Namespace, NamespaceUnknown, PrefixKeys
@@ -158,7 +158,7 @@ class RetractablePromises:
     takes_lease = True
     """The lease, written once the blocks are allocated, is what the worker's revalidation asks for."""
 
-    def secure(self, store: FileDonorStore, span: DonorSpan) -> SecuredEntry | LookupMiss | None:
+    def secure(self, store: DonorStore, span: DonorSpan) -> SecuredEntry | LookupMiss | None:
         """Nothing to secure: a failed load is recomputed."""
         return None
 
@@ -180,7 +180,7 @@ class BindingPromises:
     takes_lease = False
     """The secured file keeps the bytes; a ledger lease would only add ledger writes (module docstring)."""
 
-    def secure(self, store: FileDonorStore, span: DonorSpan) -> SecuredEntry | LookupMiss | None:
+    def secure(self, store: DonorStore, span: DonorSpan) -> SecuredEntry | LookupMiss | None:
         """The donor's checksummed file, held; a miss (``store_unsecured``) when this process has
         not checksummed it, or it is gone or changed since."""
         assert span.store_ref is not None and span.checksum is not None
@@ -210,7 +210,7 @@ class PromiseBook:
         memory_level: where this store's bytes are (``host_ram``, ``local_file``, ...), for the model.
     """
 
-    def __init__(self, settings: ConnectorSettings, ledger: LedgerClient, store: FileDonorStore,
+    def __init__(self, settings: ConnectorSettings, ledger: LedgerClient, store: DonorStore,
                  metrics: ConnectorMetrics, finder: SpanFinder, ledger_jobs: BackgroundRunner,
                  backoff: LedgerBackoff, *, binding: bool, holder: str, tokens_per_block: int,
                  layout: KvLayout | None, cost_model: ReuseCostModel | None = None,

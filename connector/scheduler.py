@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector._trtllm import KvCacheConnectorScheduler
 from connector.discovery.hook import SchedulerDiscovery
-from connector.donor_store import FileDonorStore
+from connector.donor_store import DonorStore, open_donor_store
 from connector.donors import DonorRank, DonorRegistrar, prefill_completed
 from connector.engine_contract import TENSORRT_LLM, EngineContract
 from connector.layouts import process_rank
@@ -157,7 +157,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
     own requests and blocks; the donor store and the ledger are shared, keyed by namespace and rank."""
 
     def __init__(self, llm_args: Any, *, settings: ConnectorSettings | None = None, ledger: LedgerClient | None = None,
-                 store: FileDonorStore | None = None, metrics: ConnectorMetrics | None = None,
+                 store: DonorStore | None = None, metrics: ConnectorMetrics | None = None,
                  discovery: DiscoveryService | None = None, text_of: Callable[[Any], str | None] | None = None,
                  engine: EngineContract = TENSORRT_LLM) -> None:
         super().__init__(llm_args)
@@ -177,7 +177,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.tokens_per_block = self.namespace.tokens_per_block or llm_args.kv_cache_config.tokens_per_block
         self.policy = FreshnessPolicy(s.freshness_policy)
         self.ledger = ledger or LedgerClient(s.db, statement_timeout_s=s.ledger_statement_timeout_s)
-        self.store = store or FileDonorStore(s.store_dir, s.store_capacity_bytes, ledger=self.ledger)
+        self.store = store or open_donor_store(s, self.ledger)
         self._discovery = SchedulerDiscovery.start(
             s.discovery, discovery, db=s.db, registry=self.metrics.registry, ledger=self.ledger, metrics=self.metrics,
             engine_id=s.engine_id or "", model_id=self.model_id, tokens_per_block=self.tokens_per_block,
@@ -196,7 +196,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             binding=not engine.recomputes_failed_loads, holder=s.engine_id or f"{socket.gethostname()}:{os.getpid()}",
             tokens_per_block=self.tokens_per_block, layout=self.namespace.layout,
             cost_model=cost_model_for(pool_key(s.engine_id, s.store_dir), **s.profit.model_dump(exclude={"enabled"})),
-            memory_level=memory_level_of(self.store))
+            memory_level=memory_level_of(self.store, binding=not engine.recomputes_failed_loads))
         registrar_ledger = self._discovery.registrar_ledger if self._discovery is not None else self.ledger
         attention_dp = bool(getattr(llm_args, "enable_attention_dp", False))
         self.donor_rank = DonorRank(s, attention_dp=attention_dp,
@@ -519,6 +519,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self._ledger_jobs.close()
         self._background.close()
         self.spans.close()
+        self.store.close()
         self.ledger.close()
         if self._discovery is not None:
             self._discovery.close()

@@ -16,6 +16,7 @@ prefixed ``TRTLLM``/``TLLM`` to them (reference/TRTLLM_CONNECTOR.md), so the con
        lease_ttl_s = 60
        store_dir = "/dev/shm/semkv-donors"
        store_capacity_bytes = 34359738368
+       donor_store = "file"               # file | redis (redis_url = "redis://donors:6379/0")
        metrics_port = 9410
        [namespace]
        kv_dtype = "bfloat16"              # needed when llm_args says "auto"
@@ -190,10 +191,34 @@ class ConnectorSettings(BaseSettings):
     """Register a finished request as a donor only if it has this many whole prompt blocks."""
     max_plans_per_iteration: int = Field(256, ge=1, le=65_536)
     """Bounds ``ConnectorMetadata``; a lookup beyond it is a miss (``plan_limit``)."""
+    donor_store: Literal["file", "redis"] = "file"
+    """Where donor KV bytes live. ``file`` (default, embedded): one file per donor in ``store_dir``, reachable
+    only from this host. ``redis``: a Redis/Valkey server at ``redis_url`` that every host of the fleet reaches
+    (connector/redis_store.py): blocks content-addressed by namespace and checksum (identical KV stored once),
+    every key expiring ``redis_ttl_s`` after its last save, a donor found expired or evicted recorded in the
+    ledger as ``donor_evicted``; verified entries are staged in this process's memory (``redis_stage_bytes``)
+    before a lookup promises them. docs/operations.md, "A donor store every host reaches"."""
     store_dir: Path = Field(default_factory=lambda: Path(tempfile.gettempdir()) / "semkv-donors")
-    """Host-local donor store directory (shared by every engine on the host; /dev/shm is a good choice)."""
+    """Host-local donor store directory (shared by every engine on the host; /dev/shm is a good choice). With
+    ``donor_store = "redis"`` it only scopes what the engine's scheduler and worker share in one process."""
     store_capacity_bytes: int = Field(8 * GIB, ge=1)
-    """Donor store capacity; unleased donors are evicted oldest first to make room."""
+    """Donor store capacity (``file``); unleased donors are evicted oldest first to make room. A Redis server
+    bounds its own memory (``maxmemory``; the keys carry TTLs, so ``volatile-lru`` or ``allkeys-lru`` both work)."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """``donor_store = "redis"``: the server, as redis-py reads it (``redis://[user:password@]host:port/db``,
+    ``rediss://`` for TLS, ``unix:///path?db=0``)."""
+    redis_key_prefix: str = Field("semkv", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """First part of every Redis key of this fleet (fleets that share a server use different ones)."""
+    redis_ttl_s: float = Field(3600.0, gt=0, le=30 * 86_400)
+    """Seconds a donor's blocks and manifest live in Redis after the last save that wrote or shared them
+    (keep it at least ``donor_ttl_s``: a donor whose bytes expired first is a miss, recorded as evicted)."""
+    redis_timeout_s: float = Field(1.0, gt=0, le=60)
+    """Connect and socket timeout of each Redis call (seconds); past it the call fails closed (a miss, a failed
+    load on vLLM, a dropped save), logged once per outage."""
+    redis_stage_bytes: int = Field(4 * GIB, ge=0)
+    """Verified Redis entries this process keeps in memory (bytes), least recently used dropped first. On
+    TensorRT-LLM a lookup promises only staged entries (a promise cannot be retracted, so its bytes must
+    not depend on the network at load time)."""
     store_inline_verify_max_bytes: int = Field(4 * 2**20, ge=0)
     """A donor entry not yet verified by this process is checksummed inside the lookup when it is at
     most this big; bigger ones are verified in the background (and missed until then)."""
@@ -247,6 +272,13 @@ class ConnectorSettings(BaseSettings):
             raise ValueError("mode 'experimental' (Mode 4: approximate donor KV) is refused: the connector never "
                              "commits approximate KV as reusable cache state (docs/safety.md rule 5); use "
                              "discovery_only, exact_equivalent or placement")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{value!r} is not a Redis URL (redis://host:port/db, rediss://..., unix:///path)")
         return value
 
     @field_validator("db")

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 
-from connector.donor_store import ChecksumMismatch, DonorStoreError, EntryMissing, FileDonorStore
+from connector.donor_store import ChecksumMismatch, DonorStore, DonorStoreError, EntryMissing
 from connector.lookup import BackgroundRunner, DeadlineRunner, MissDiagnosis
 from connector.metrics import ConnectorMetrics
 from connector.namespace import Namespace, content_keys, probe_key
@@ -71,7 +71,7 @@ class SpanFinder:
         tokens_per_block: the engine's block size (tokens).
     """
 
-    def __init__(self, settings: ConnectorSettings, ledger: LedgerClient, store: FileDonorStore,
+    def __init__(self, settings: ConnectorSettings, ledger: LedgerClient, store: DonorStore,
                  metrics: ConnectorMetrics, background: BackgroundRunner, tokens_per_block: int) -> None:
         self.settings, self.ledger, self.store, self.metrics = settings, ledger, store, metrics
         self.policy = FreshnessPolicy(settings.freshness_policy)
@@ -170,6 +170,11 @@ class SpanFinder:
         ref, checksum = span.store_ref, span.checksum
         assert ref is not None and checksum is not None
         try:
+            if not self.store.local:  # a networked store: never a round trip on the engine's thread
+                if self.store.known_verified(ref, checksum):
+                    return None
+                self._verify_once(span.donor_id, ref, checksum)
+                return LookupMiss("store_unverified")
             if self.store.verified(ref, checksum):
                 return None
             if self.store.size_of(ref) > self.settings.store_inline_verify_max_bytes:

@@ -58,15 +58,15 @@ from typing import Any
 import torch
 
 from connector._trtllm import KvCacheConnectorWorker
-from connector.donor_store import (ChecksumMismatch, DonorReader, DonorStoreError, EntryMissing, FileDonorStore,
-                                   SecuredEntry, SecuredShards)
+from connector.donor_store import (ChecksumMismatch, DonorReader, DonorStore, DonorStoreError, EntryMissing,
+                                   SecuredEntry, SecuredShards, StoreUnavailable, open_donor_store)
 from connector.engine_contract import TENSORRT_LLM, EngineContract
 from connector.layouts import process_rank, tensor_parallel_size
 from connector.lookup import stale_reason_name
 from connector.metrics import ConnectorMetrics, process_metrics
 from connector.namespace import KvLayout, pool_key, register_pool_layout
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
-from connector.profit import cost_model_for, memory_level_of
+from connector.profit import cost_model_for
 from connector.settings import ConnectorSettings, load_connector_settings
 from ledger.client import LedgerClient
 from ledger.types import FreshnessPolicy
@@ -74,7 +74,6 @@ from ledger.types import FreshnessPolicy
 __all__ = ["SemKvLoadError", "SemKvWorker"]
 
 log = logging.getLogger(__name__)
-_STORE_CACHE_LEVEL = "1"  # host memory / local disk
 _SAVE_REPORT_TIMEOUT_S = 120.0
 _FAILED_PLANS_KEPT = 4096  # TensorRT-LLM never drains them (the hook raises instead)
 _ARMED_KEPT = 65_536
@@ -137,14 +136,14 @@ class SemKvWorker(KvCacheConnectorWorker):
     and the donor store it reads and writes is shared by content, never by rank (docs/modes.md)."""
 
     def __init__(self, llm_args: Any, *, settings: ConnectorSettings | None = None, ledger: LedgerClient | None = None,
-                 store: FileDonorStore | None = None, metrics: ConnectorMetrics | None = None,
+                 store: DonorStore | None = None, metrics: ConnectorMetrics | None = None,
                  engine: EngineContract = TENSORRT_LLM) -> None:
         super().__init__(llm_args)
         self.settings = s = settings or load_connector_settings()
         self.engine = engine
         self.metrics = metrics or process_metrics()
         self.ledger = ledger or LedgerClient(s.db, statement_timeout_s=s.ledger_statement_timeout_s)
-        self.store = store or FileDonorStore(s.store_dir, s.store_capacity_bytes, ledger=self.ledger)
+        self.store = store or open_donor_store(s, self.ledger)
         self.tp_size = tensor_parallel_size(llm_args)
         """Tensor-parallel ranks: each rank's worker saves and loads its own shard of every donor."""
         self.tp_rank = process_rank() if self.tp_size > 1 else 0
@@ -173,7 +172,6 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.copy_seconds = 0.0
         self.cost_model = cost_model_for(pool_key(s.engine_id, s.store_dir), **s.profit.model_dump(exclude={"enabled"}))
         """Taught here, read by this engine's scheduler when it shares the process (:mod:`connector.profit`)."""
-        self.memory_level = memory_level_of(self.store)
         self._forward: tuple[ConnectorMetadata, float] | None = None
         """A forward that loads nothing and computes prompt tokens: its metadata and when it began."""
         self.load_before_forward = bool(s.load_before_forward) or not engine.recomputes_failed_loads
@@ -309,6 +307,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         except ChecksumMismatch as exc:
             self._forget(plan, ref)
             raise SemKvLoadError(plan, "checksum_mismatch", str(exc)) from exc
+        except StoreUnavailable as exc:  # a networked store down: nothing was read
+            raise SemKvLoadError(plan, "store_unavailable", str(exc)) from exc
 
     def _forget(self, plan: LoadPlan, ref: str) -> None:
         """A load found ``ref`` (the plan's entry, or this rank's shard of it) missing or corrupt."""
@@ -392,6 +392,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         except ChecksumMismatch as exc:
             self._forget(plan, load.ref)  # lookups check it in full again
             raise SemKvLoadError(plan, "checksum_mismatch", str(exc), layer_idx) from exc
+        except StoreUnavailable as exc:
+            raise SemKvLoadError(plan, "store_unavailable", str(exc), layer_idx) from exc
         except DonorStoreError as exc:
             self._forget(plan, load.ref)
             raise SemKvLoadError(plan, "store_missing", str(exc), layer_idx) from exc
@@ -406,8 +408,9 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.metrics.materialized.inc()
         self.metrics.materialized_tokens.inc(plan.token_count)
         self.metrics.materialized_tokens_hist.observe(plan.token_count)
-        self.metrics.load_seconds.labels(cache_level=_STORE_CACHE_LEVEL).observe(seconds)
-        self.cost_model.observe_load(self.memory_level, plan.token_count, seconds)
+        source = load.reader.source if load.reader is not None else "unknown"  # host_ram, local_file, redis
+        self.metrics.load_seconds.labels(source=source).observe(seconds)
+        self.cost_model.observe_load(source, plan.token_count, seconds)
         if plan.predicted_saved_s is not None:
             self.metrics.ttft_delta_seconds.observe(plan.predicted_saved_s - seconds)
 
@@ -541,6 +544,8 @@ class SemKvWorker(KvCacheConnectorWorker):
                 self._save(instruction, layers)
                 self.metrics.donor_saves.labels(outcome="saved").inc()
                 self.metrics.save_seconds.observe(time.perf_counter() - started)
+            except StoreUnavailable:  # a networked store down: the store logged it once per outage
+                self.metrics.donor_saves.labels(outcome="store_unavailable").inc()
             except Exception as exc:  # boundary: a failed save leaves the donor unsaved (never fresh)
                 log.error("semkv: saving donor %s failed: %r", instruction.donor_id, exc)
                 self.metrics.donor_saves.labels(outcome="failed").inc()
@@ -576,4 +581,5 @@ class SemKvWorker(KvCacheConnectorWorker):
         self._queue.put(None)
         self._saver.join(10)
         self._abandon_active()
+        self.store.close()
         self.ledger.close()

@@ -72,6 +72,35 @@ def scratch_pg_ledger() -> Iterator[str]:
         drop_pg_database(url)
 
 
+def require_redis() -> None:
+    """Fail in CI, skip elsewhere, when no Redis server answers at ``SHARED_REDIS_URL`` or there is
+    no ``redis-server`` executable (the donor store tests start their own for a stop mid-load)."""
+    from tools.harness.redis_server import SHARED_REDIS_URL, redis_answers, redis_server_binary
+
+    problem = None
+    if redis_server_binary() is None:
+        problem = "redis-server is not installed"
+    elif not redis_answers(SHARED_REDIS_URL):
+        problem = f"no Redis server answers at {SHARED_REDIS_URL}"
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"Redis is required in CI: {problem} (.ci/run starts one)")
+        pytest.skip(problem)
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    """A key prefix of this test's own on the shared Redis server, its keys deleted afterwards."""
+    from tools.harness.redis_server import SHARED_REDIS_URL, delete_prefix, scratch_prefix
+
+    require_redis()
+    prefix = scratch_prefix()
+    try:
+        yield prefix
+    finally:
+        delete_prefix(SHARED_REDIS_URL, prefix)
+
+
 @pytest.fixture
 def postgres_db() -> Iterator[str]:
     """A migrated ledger in a scratch PostgreSQL database (dropped afterwards)."""

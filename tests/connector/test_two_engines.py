@@ -9,15 +9,9 @@ from __future__ import annotations
 import torch
 
 from connector.harness import HarnessLLM, KvCacheConfig
-from tools.harness.fleet import MODEL, Fleet, shared_model, doc_tokens
+from tools.harness.fleet import MODEL, Fleet, doc_tokens, native_engine, shared_model
 
 TPB = MODEL.tokens_per_block
-
-
-def native_engine() -> HarnessLLM:
-    """B's native-reuse path: the same engine configuration, no connector."""
-    kvc = KvCacheConfig(tokens_per_block=TPB, event_buffer_max_size=0, max_tokens=4 * MODEL.max_context)
-    return HarnessLLM(MODEL, kv_cache_config=kvc, max_num_tokens=256, model=shared_model(MODEL))
 
 
 def test_rule_3_b_materializes_a_donor_bit_identical_to_native_reuse(fleet: Fleet, record_property) -> None:

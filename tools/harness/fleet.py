@@ -264,6 +264,13 @@ class Fleet:
         self._reader.dispose()
 
 
+def native_engine(model: ModelConfig = MODEL) -> HarnessLLM:
+    """A recipient's native-reuse path: the fleet's engine configuration, no connector."""
+    kvc = KvCacheConfig(tokens_per_block=model.tokens_per_block, event_buffer_max_size=0,
+                        max_tokens=4 * model.max_context)
+    return HarnessLLM(model, kv_cache_config=kvc, max_num_tokens=256, model=shared_model(model))
+
+
 def close_connector(scheduler: SemKvScheduler, worker: SemKvWorker) -> None:
     scheduler.close()
     worker.close()
