@@ -1,4 +1,5 @@
-"""``semkv-ledger serve``: the placement-advice HTTP service (Mode 3), registered by ``connector.cli``.
+"""``semkv-ledger serve``: the placement-advice HTTP service (Mode 3), registered by ``connector.cli``;
+and ``semkv-ledger route-report FILE``: totals of a route join (:mod:`connector.placement.route_join`).
 
     semkv-ledger serve --db postgresql://semkv@ledger-host/semkv --host 0.0.0.0 --port 9420 \\
         --provider chunks --provider minhash [--provider embedding --allow-prompt-text]
@@ -15,22 +16,57 @@ ledger or the port are not usable, or the ``[discovery]`` extra (uvicorn, FastAP
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
 
-__all__ = ["register", "serve"]
+__all__ = ["register", "route_report", "serve"]
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``serve`` to the ``semkv-ledger`` app."""
+    """Add ``serve`` and ``route-report`` to the ``semkv-ledger`` app."""
     from ledger.cli import HelpCommand  # --help off a terminal: nothing cut
 
     app.command("serve", cls=HelpCommand)(serve)
+    app.command("route-report", cls=HelpCommand)(route_report)
+
+
+def route_report(
+    records: Annotated[Path, typer.Argument(help="JSONL file of route records (connector.placement.route_join).",
+                                            dir_okay=False)],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+) -> None:
+    """Available vs routed vs delivered reuse: per request, the ledger's best live overlap before it
+    was sent, its overlap on the engine the router chose, and the cached tokens the engine
+    reported, summed over a file of route records (tokens; requests for the counts).
+
+    Exit codes: 0 printed; 2 the file cannot be read or a line is not a route record (one
+    ``error:`` line naming the line)."""
+    from connector.placement.route_join import read_records, route_totals
+
+    try:
+        totals = route_totals(read_records(records))
+    except (OSError, ValueError) as exc:
+        _fail(f"route-report: {exc}")
+    if json_out:
+        typer.echo(json.dumps(totals.to_dict()))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("requests", "same events", "prompt tokens", "available", "routed", "delivered",
+                  "routed to top set", "delivered = ledger", title=f"route join: {records}")
+    t = totals
+    table.add_row(*map(str, (t.requests, t.same_events, t.prompt_tokens, t.available_tokens, t.routed_tokens,
+                             t.delivered_tokens)), f"{t.routed_to_top}/{t.requests}",
+                  f"{t.delivered_as_advised}/{t.requests - t.routed_unknown}")
+    Console().print(table)
 
 
 def serve(

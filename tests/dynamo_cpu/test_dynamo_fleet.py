@@ -7,6 +7,10 @@ Every test ends with the same check, :func:`assert_ledgers_equal_subscriber`: pe
 ledger's messages and events equal the subscriber's, its live blocks equal the subscriber's live
 set of the worker's current run, and nothing was dead-lettered — on both ledgers.
 
+The consumers' sources say ``block_key_scheme = "dynamo"``, so placement advice hashes requests
+Dynamo's way: :func:`test_advice_agrees_with_dynamo_routing` checks the advice against Dynamo's
+router request by request and joins advice, route and delivery (:mod:`connector.placement.route_join`).
+
 The tests run in file order on one fleet. NUM_WORKERS = 4: enough for the router to spread a
 workload and for one worker to restart while others serve; each worker is a process (~1 core-second
 to start) on 2 shared cores, so more would add start-up time without adding a check.
@@ -25,13 +29,15 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
+from connector.placement.advice import Advice, PlacementAdvisor
+from connector.placement.route_join import RouteJoinLog, RouteRecord, read_records, route_totals
 from ledger.db import sync_engine
 from ledger.schema import BlockRow, DeadLetterRow, EngineRow, LogRow
 from ledger.types import join_hash
 from tests.conftest import scratch_pg_ledger
 from tests.dynamo_cpu.subscriber import IndependentSubscriber
 from tools.harness.consume_process import Consumer, consumer_toml, free_port, metric_sum, scrape, wait_for
-from tools.harness.dynamo_fleet import DynamoFleet, Traffic, TrafficReport, Worker, drive, seeded_prompts
+from tools.harness.dynamo_fleet import BLOCK_SIZE, DynamoFleet, Traffic, TrafficReport, Worker, drive, seeded_prompts
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -40,6 +46,10 @@ INGEST_REQUESTS = 480
 OUTAGE_REQUESTS = 120
 SYNC_TIMEOUT_S = 90.0
 IDLE_RESTART_DEADLINE_S = 2.0  # issue 22: a restart bumps the generation within 2 s, default settings
+ADVICE_REQUESTS = 800  # issue 22 asks 1,000: 103 s here (one at a time, ~40 ms a request + ~60 ms until the
+# ledger holds its events, on 2 busy cores); 800 keeps the test within the group's 90 s budget for it
+SAME_EVENTS_TIMEOUT_S = 2.0
+TOP_SET_AGREEMENT = 0.95  # issue 22: the advice's top set holds Dynamo's choice on >= 95 % of same-events requests
 
 
 class Ledger:
@@ -85,6 +95,14 @@ class Ledger:
                                                                      blocks.state == "live")))
                 out[engine_id] = (messages, events, live)
         return out
+
+    def last_zmq_seq(self, engine_id: str) -> int:
+        """The ZMQ seq of the newest message of ``engine_id`` the ledger holds (-1: none)."""
+        log = LogRow.__table__.c
+        with self.engine.connect() as conn:  # type: ignore[union-attr]
+            seq = conn.execute(select(log.zmq_seq).where(log.engine_id == engine_id, log.kind == "batch_received")
+                               .order_by(log.seq.desc()).limit(1)).scalar()
+        return -1 if seq is None else seq
 
     def dead_letters(self) -> int:
         with self.engine.connect() as conn:  # type: ignore[union-attr]
@@ -171,7 +189,7 @@ def group(dynamo_env, tmp_path_factory) -> Iterator[Group]:
             fleet.start()
             print(f"\nDynamo fleet of {NUM_WORKERS} workers up in {time.monotonic() - started:.1f} s")
             subscriber = IndependentSubscriber({w.engine_id: (w.endpoint, w.replay_endpoint) for w in fleet.workers})
-            config = consumer_toml(root / "consume.toml", fleet.consumer_sources())
+            config = consumer_toml(root / "consume.toml", fleet.consumer_sources(), block_key_scheme="dynamo")
             ledgers.append(Ledger("sqlite", f"sqlite:///{root / 'ledger.db'}", root, config))
             ledgers.append(Ledger("postgresql", pg_url, root, config))
             for ledger in ledgers:
@@ -203,6 +221,119 @@ def test_ledgers_equal_an_independent_subscriber_on_every_worker(group: Group) -
     for ledger in group.ledgers:
         replay = ledger.replay_equal()
         assert replay["equal"] is True, (ledger.name, replay.get("diffs"))
+
+
+def _ledger_holds_what_was_heard(group: Group, ledger: Ledger) -> bool:
+    """Every worker's newest message the independent subscriber heard is in ``ledger``."""
+    with group.subscriber.lock:
+        heard = {e: r.current.last_seq for e, r in group.subscriber.records.items()}
+    return all(ledger.last_zmq_seq(e) == seq for e, seq in heard.items())
+
+
+def _same_events(group: Group, ledger: Ledger, advisor: PlacementAdvisor,
+                 previous: tuple[list[int], str] | None) -> bool:
+    """Wait (up to SAME_EVENTS_TIMEOUT_S) until the ledger and Dynamo's router have seen the same
+    events, as far as this test can tell; False when that did not happen in time. Requests go one
+    at a time, so the only events in flight are the previous request's: the condition is (1) the
+    previous request's full prompt blocks are live in the ledger on the engine Dynamo routed it to
+    (its worker published them and the consumer committed them) and (2) for every worker, the
+    ledger holds the newest message the independent subscriber heard (nothing else on the way)."""
+    deadline = time.monotonic() + SAME_EVENTS_TIMEOUT_S
+    if previous is not None:
+        tokens, engine_id = previous
+        full = len(tokens) // BLOCK_SIZE
+        while _live_blocks(advisor.advise(tokens), engine_id) != full:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+    while not _ledger_holds_what_was_heard(group, ledger):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def _live_blocks(advice: Advice, engine_id: str) -> int | None:
+    return next((a.live_blocks for a in advice.engines if a.engine_id == engine_id), None)
+
+
+def test_advice_agrees_with_dynamo_routing(group: Group, tmp_path: Path) -> None:
+    """ADVICE_REQUESTS seeded prompts through the frontend, one at a time. Before each, the SQLite
+    ledger's advice (:meth:`PlacementAdvisor.advise` from the prompt's token ids; the consumer's
+    ``block_key_scheme = "dynamo"`` makes it hash Dynamo's way); then the request (its token ids as
+    the prompt), Dynamo's choice (``nvext.worker_id.decode_worker_id``, mapped to the ledger's
+    engine_id through file discovery) and its ``cached_tokens``. On the requests where both saw the
+    same events (:func:`_same_events`), the advice's top set holds Dynamo's choice on at least 95 %,
+    and the ledger's overlap on the chosen worker times the block size is Dynamo's cached_tokens.
+    Each request is a route record (:mod:`connector.placement.route_join`); ``semkv-ledger
+    route-report`` on them gives the totals of the ledger's advice and Dynamo's responses."""
+    sqlite, fleet = group.ledgers[0], group.fleet
+    engine_of = {w.instance_id: w.engine_id for w in fleet.workers}
+    token_ids = fleet.tokenize(list(group.prompts(ADVICE_REQUESTS)))
+    advisor = PlacementAdvisor(sqlite.db, tokens_per_block=BLOCK_SIZE)
+    join = RouteJoinLog(tmp_path / "routes.jsonl")
+    delivered, available, waited, advising, serving = [], [], 0.0, 0.0, 0.0
+    previous = None
+    started = time.monotonic()
+    try:
+        for i, tokens in enumerate(token_ids):
+            t0 = time.monotonic()
+            same = _same_events(group, sqlite, advisor, previous)
+            t1 = time.monotonic()
+            advice = advisor.advise(tokens)
+            t2 = time.monotonic()
+            response = fleet.complete(tokens, max_tokens=1)
+            serving += time.monotonic() - t2
+            waited, advising = waited + t1 - t0, advising + t2 - t1
+            worker = response["nvext"]["worker_id"]["decode_worker_id"]
+            assert worker in engine_of, f"Dynamo routed to worker {worker}, not one of the fleet's {engine_of}"
+            usage = response["usage"]
+            assert usage["prompt_tokens"] == len(tokens)
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            for a in advice.engines:  # the scheme is logged with an engine's first message: none yet, unknown
+                assert (a.overlap, a.block_key_scheme) == ("known", "dynamo") or not group.subscriber.records[
+                    a.engine_id].messages(), a
+            join.record(RouteRecord.from_advice(f"advice-{i}", advice, routed_engine=engine_of[worker],
+                                                router_worker=str(worker), delivered_tokens=cached,
+                                                prompt_tokens=len(tokens), same_events=same))
+            delivered.append(cached)
+            available.append(max((a.live_tokens or 0 for a in advice.engines), default=0))
+            previous = (tokens, engine_of[worker])
+    finally:
+        join.close()
+        advisor.close()
+    elapsed = time.monotonic() - started
+    records = read_records(join.path)
+    same = [r for r in records if r.same_events]
+    informed = [r for r in same if r.available_tokens > 0]
+    to_top = sum(r.to_top for r in same)
+    exact = sum(r.delivered_tokens == r.routed_tokens for r in same)
+    print(f"\nadvice vs Dynamo: {len(records)} requests in {elapsed:.1f} s (per request: waiting for the same events "
+          f"{1000 * waited / len(records):.1f} ms, advice {1000 * advising / len(records):.2f} ms, the request "
+          f"{1000 * serving / len(records):.1f} ms); same events on {len(same)}; Dynamo's choice in the advice's top set "
+          f"on {to_top}/{len(same)} ({100 * to_top / max(1, len(same)):.1f} %), on those where the ledger saw any "
+          f"overlap {sum(r.to_top for r in informed)}/{len(informed)}; overlap x {BLOCK_SIZE} == cached_tokens on "
+          f"{exact}/{len(same)}; on the others {sum(r.to_top for r in records if not r.same_events)} in the top set")
+    assert len(same) >= 0.9 * len(records), f"the same-events condition held on only {len(same)} of {len(records)}"
+    assert to_top >= TOP_SET_AGREEMENT * len(same)
+    assert exact >= TOP_SET_AGREEMENT * len(same)
+
+    # The route join: `semkv-ledger route-report` and the join's metrics agree with the test's own
+    # sums of Dynamo's responses (delivered) and the ledger's advice (available, routed).
+    done = subprocess.run([sys.executable, "-m", "ledger", "route-report", str(join.path), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    totals = json.loads(done.stdout)
+    print(f"route-report: {totals}")
+    assert totals == route_totals(records).to_dict()
+    assert (totals["requests"], totals["delivered_tokens"], totals["available_tokens"]) == \
+        (len(token_ids), sum(delivered), sum(available))
+    assert totals["routed_tokens"] == sum(r.routed_tokens or 0 for r in records)
+    sample = join.registry.get_sample_value
+    assert [sample("semkv_route_tokens_total", {"kind": k}) for k in ("available", "routed", "delivered")] == \
+        [totals["available_tokens"], totals["routed_tokens"], totals["delivered_tokens"]]
+    assert sample("semkv_route_requests_total", {"to_top": "yes"}) == totals["routed_to_top"]
+    assert_ledgers_equal_subscriber(group)
 
 
 def test_consumer_outage_is_recovered_by_replay(group: Group) -> None:

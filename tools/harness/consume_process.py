@@ -75,13 +75,17 @@ class Consumer:
         return self.proc.returncode
 
 
-def consumer_toml(path: Path, sources: list[tuple[str, str, str | None, bool]]) -> Path:
-    """``sources``: (engine_id, endpoint, replay_endpoint or None, bind the SUB socket)."""
+def consumer_toml(path: Path, sources: list[tuple[str, str, str | None, bool]], *,
+                  block_key_scheme: str | None = None) -> Path:
+    """``sources``: (engine_id, endpoint, replay_endpoint or None, bind the SUB socket);
+    ``block_key_scheme``: every source's (``consumer.settings.SourceSettings.block_key_scheme``,
+    e.g. ``dynamo``), None: not set."""
     parts = []
     for engine_id, endpoint, replay, bind in sources:
         parts.append(f'[[sources]]\nengine_id = "{engine_id}"\nendpoint = "{endpoint}"\n'
                      f'bind = {"true" if bind else "false"}\n'
-                     + (f'replay_endpoint = "{replay}"\n' if replay else ""))
+                     + (f'replay_endpoint = "{replay}"\n' if replay else "")
+                     + (f'block_key_scheme = "{block_key_scheme}"\n' if block_key_scheme else ""))
     path.write_text("\n".join(parts))
     return path
 

@@ -20,6 +20,7 @@ after a grace period, each process in its own process group so that nothing it s
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 import signal
@@ -236,9 +237,21 @@ class DynamoFleet:
             return False
         return any(m.get("id") == MODEL_NAME for m in models)
 
-    def complete(self, prompt: str, max_tokens: int = 4) -> dict:
-        """POST /v1/completions through the frontend's router; the JSON response, with
-        ``nvext.worker_id.decode_worker_id`` (the router's choice) and ``nvext.timing``.
+    def tokenize(self, prompts: list[str]) -> list[list[int]]:
+        """The token ids of ``prompts`` by the fleet's tokenizer (``tokenizer.json`` of the model
+        directory, read by Hugging Face ``tokenizers`` in the Dynamo venv, one process for all),
+        without special tokens: what the frontend makes of a text prompt (``usage.prompt_tokens``
+        is their count), and what a token-id prompt (:meth:`complete` with a list) is served as."""
+        script = ("import json, sys; from tokenizers import Tokenizer; t = Tokenizer.from_file(sys.argv[1]); "
+                  "print(json.dumps([e.ids for e in t.encode_batch(json.load(sys.stdin), add_special_tokens=False)]))")
+        done = subprocess.run([self.python, "-c", script, str(self.model / "tokenizer.json")], input=json.dumps(prompts),
+                              capture_output=True, text=True, env=self.env, timeout=120, check=True)
+        return json.loads(done.stdout)
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 4) -> dict:
+        """POST /v1/completions through the frontend's router (``prompt``: text, or token ids as the
+        OpenAI API allows); the JSON response, with ``nvext.worker_id.decode_worker_id`` (the
+        router's choice), ``nvext.timing`` and ``usage.prompt_tokens_details.cached_tokens``.
 
         Raises:
             httpx.HTTPStatusError: the frontend answered with an error status (e.g. 503 while a
