@@ -277,8 +277,26 @@ class ConnectorSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _check_redis_url(cls, value: str) -> str:
+        """Parsed by redis-py's own parser (``redis.connection.parse_url``), which the store's client
+        uses, plus what it lets through: a host, and a path that is a database number."""
+        from urllib.parse import urlparse
+
+        from redis.connection import parse_url
+
+        form = "redis://host:port/db, rediss://..., unix:///path"
         if not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"{value!r} is not a Redis URL (redis://host:port/db, rediss://..., unix:///path)")
+            raise ValueError(f"{value!r} is not a Redis URL ({form})")
+        try:
+            parsed = parse_url(value)
+        except ValueError as exc:
+            raise ValueError(f"{value!r} is not a Redis URL ({form}): {exc}") from None
+        if value.startswith("unix://"):
+            if not parsed.get("path"):
+                raise ValueError(f"{value!r} names no socket path ({form})")
+            return value
+        path = urlparse(value).path.strip("/")
+        if not parsed.get("host") or (path and not path.isdigit()):
+            raise ValueError(f"{value!r} needs a host and, if any, a database number as its path ({form})")
         return value
 
     @field_validator("db")

@@ -167,7 +167,8 @@ class PlacementAdvisor:
         every engine instead of computing them; None: computed per engine's scheme.
 
         Raises:
-            ValueError: a negative token id, ``tokens_per_block`` < 1, or a malformed block hash.
+            ValueError: a negative token id, ``tokens_per_block`` < 1, a malformed block hash, or more
+                block hashes than ``token_ids`` has whole blocks.
         """
         started = time.perf_counter()
         tpb = tokens_per_block or self.tokens_per_block
@@ -175,6 +176,9 @@ class PlacementAdvisor:
         if tpb < 1 or (tokens and min(tokens) < 0):
             raise ValueError("token ids must be >= 0 and tokens_per_block >= 1")
         given = None if block_hashes is None else canonical_hashes(block_hashes)
+        if given is not None and len(given) > len(tokens) // tpb:  # an overlap longer than the prompt
+            raise ValueError(f"block_hashes: {len(given)} hashes for {len(tokens) // tpb} whole blocks of "
+                             f"{tpb} tokens in token_ids ({len(tokens)} tokens)")
         keys = content_keys(Namespace(namespace, {}), tokens, tpb) if namespace else []
 
         def hashes_for(scheme: str | None) -> list[BlockHash] | None:

@@ -89,8 +89,8 @@ def serve(
     Logs are JSON lines on stderr, uvicorn's server and access logs included (``serve.started``
     gives the address). API docs: ``/docs``, a page this process serves (no CDN: it works on an
     offline host), and the schema at ``/openapi.json``. Exit codes: 0 stopped by SIGINT/SIGTERM;
-    2 a setting, a provider, the ledger or the port is not usable, or the ``[discovery]`` extra
-    (uvicorn, FastAPI) is not installed (one ``error:`` line, before anything listens).
+    2 a setting, a provider, the ledger or the port is not usable, or the optional "discovery"
+    extra (uvicorn, FastAPI) is not installed (one ``error:`` line, before anything listens).
     """
     if not 0 <= port <= 65535:  # here, not click's min/max: one error line, not a usage box
         _fail(f"--port {port}: not a TCP port: give 0 to 65535 (0: any free port)")

@@ -41,6 +41,15 @@ def test_safe_defaults() -> None:
     ({"db": "mysql://x/y"}, "db"),
     ({"mode": "experimental"}, "mode"),
     ({"unknown_knob": 1}, "unknown_knob"),
+    # Redis URLs redis-py would refuse (a traceback in connector-check before) or read as something else
+    ({"redis_url": "127.0.0.1:6379"}, "redis_url"),
+    ({"redis_url": "redis://127.0.0.1:notaport/0"}, "redis_url"),
+    ({"redis_url": "redis://127.0.0.1:99999/0"}, "redis_url"),
+    ({"redis_url": "redis://[::1"}, "redis_url"),
+    ({"redis_url": "redis://127.0.0.1:6379/abc"}, "redis_url"),
+    ({"redis_url": "redis://"}, "redis_url"),
+    ({"redis_url": "unix://"}, "redis_url"),
+    ({"profit": {"margin": 0.5}}, "profit.margin"),
 ])
 def test_invalid_settings_fail_at_start_up_naming_the_setting(values, named) -> None:
     with pytest.raises(ConnectorConfigError, match=f"setting '{named}'"):

@@ -106,6 +106,9 @@ def test_http_takes_block_hashes_and_refuses_malformed_ones(fleet: str) -> None:
             for bad in (["zz"], [2**64], [-(2**63) - 1], "x"):
                 response = client.post("/v1/placement", content=json.dumps({"token_ids": [1], "block_hashes": bad}))
                 assert response.status_code == 422, bad
+            # more hashes than the prompt has whole blocks: an overlap longer than the request
+            response = client.post("/v1/placement", json={"token_ids": PROMPT[:TPB - 1], "block_hashes": VLLM_HASHES})
+            assert response.status_code == 422 and "whole blocks" in response.json()["detail"]
     finally:
         advisor.close()
 
