@@ -42,9 +42,10 @@ def route_report(
                                             dir_okay=False)],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
-    """Available vs routed vs delivered reuse: per request, the ledger's best live overlap before it
-    was sent, its overlap on the engine the router chose, and the cached tokens the engine
-    reported, summed over a file of route records (tokens; requests for the counts).
+    """Available vs routed vs delivered reuse tokens, summed over a file of route records.
+
+    Per request: the ledger's best live overlap before it was sent, its overlap on the engine the
+    router chose, and the cached tokens the engine reported (tokens; requests for the counts).
 
     Exit codes: 0 printed; 2 the file cannot be read or a line is not a route record (one
     ``error:`` line naming the line)."""

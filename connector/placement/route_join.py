@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter
 if TYPE_CHECKING:
     from connector.placement.advice import Advice
 
-__all__ = ["RouteJoinLog", "RouteRecord", "RouteTotals", "read_records", "route_totals"]
+__all__ = ["RouteJoinLog", "RouteMetrics", "RouteRecord", "RouteTotals", "read_records", "route_totals"]
 
 
 class RouteRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -130,9 +130,8 @@ def read_records(path: Path) -> list[RouteRecord]:
     return out
 
 
-class RouteJoinLog:
-    """Appends :class:`RouteRecord` lines to ``path`` (flushed per record) and counts them in
-    ``registry`` (a private one by default):
+class RouteMetrics:
+    """The route join's Prometheus counters, in ``registry`` (a private one by default):
 
     * ``semkv_route_requests_total{to_top="yes"|"no"}``: requests routed to an engine of the
       advice's top set, or not;
@@ -140,25 +139,38 @@ class RouteJoinLog:
       (``routed`` only where the ledger knew the routed engine's overlap).
     """
 
-    def __init__(self, path: Path, *, registry: CollectorRegistry | None = None) -> None:
-        self.path = path
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter("semkv_route_requests_total", "Requests joined with their route, by whether the "
                                 "router chose an engine of the advice's top set", ["to_top"], registry=self.registry)
         self.tokens = Counter("semkv_route_tokens_total", "Tokens of reuse per request: available (best live "
                               "overlap in the ledger), routed (the ledger's overlap on the chosen engine), "
                               "delivered (the engine's cached tokens)", ["kind"], registry=self.registry)
+
+
+class RouteJoinLog:
+    """Appends :class:`RouteRecord` lines to ``path`` (flushed per record) and counts them in
+    :class:`RouteMetrics` on ``registry`` (a private one by default).
+
+    Raises:
+        OSError: ``path`` cannot be opened for appending.
+    """
+
+    def __init__(self, path: Path, *, registry: CollectorRegistry | None = None) -> None:
+        self.path = path
+        self.metrics = RouteMetrics(registry)
+        self.registry = self.metrics.registry
         self._file = open(path, "ab")  # noqa: SIM115 - closed by close()
         self._encoder = msgspec.json.Encoder()
 
     def record(self, record: RouteRecord) -> None:
         self._file.write(self._encoder.encode(record) + b"\n")
         self._file.flush()
-        self.requests.labels("yes" if record.to_top else "no").inc()
-        self.tokens.labels("available").inc(record.available_tokens)
+        self.metrics.requests.labels("yes" if record.to_top else "no").inc()
+        self.metrics.tokens.labels("available").inc(record.available_tokens)
         if record.routed_tokens is not None:
-            self.tokens.labels("routed").inc(record.routed_tokens)
-        self.tokens.labels("delivered").inc(record.delivered_tokens)
+            self.metrics.tokens.labels("routed").inc(record.routed_tokens)
+        self.metrics.tokens.labels("delivered").inc(record.delivered_tokens)
 
     def close(self) -> None:
         self._file.close()

@@ -1,7 +1,8 @@
 """deploy/grafana/semkv-dashboard.json and deploy/prometheus/semkv-alerts.yml name only metrics the code
-exports: the names are collected from the real registries (``ConsumerMetrics``, ``ConnectorMetrics``)
-with the suffixes Prometheus exposes (``_total`` for counters; ``_bucket``/``_count``/``_sum`` for
-histograms), and the labels used in selectors exist on those metrics."""
+exports: the names are collected from the real registries (``ConsumerMetrics``, ``ConnectorMetrics``,
+``RouteMetrics``) with the suffixes Prometheus exposes (``_total`` for counters;
+``_bucket``/``_count``/``_sum`` for histograms), and the labels used in selectors exist on those
+metrics."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
 from connector.metrics import ConnectorMetrics
+from connector.placement.route_join import RouteMetrics
 from consumer.metrics import ConsumerMetrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,9 +29,9 @@ _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
 
 
 def exported() -> dict[str, set[str]]:
-    """{exposed sample name: label names} of every metric the consumer and the connector register."""
+    """{exposed sample name: label names} of every metric the consumer, the connector and the route join register."""
     names: dict[str, set[str]] = {}
-    for metrics in (ConsumerMetrics(), ConnectorMetrics()):
+    for metrics in (ConsumerMetrics(), ConnectorMetrics(), RouteMetrics()):
         for metric in vars(metrics).values():
             if not isinstance(metric, MetricWrapperBase):
                 continue
@@ -39,7 +41,7 @@ def exported() -> dict[str, set[str]]:
             for suffix in _SUFFIXES[metric._type]:  # noqa: SLF001
                 names[metric._name + suffix] = labels  # noqa: SLF001
     # the real registries agree (a metric not held in an attribute would be missed above)
-    for metrics in (ConsumerMetrics(), ConnectorMetrics()):
+    for metrics in (ConsumerMetrics(), ConnectorMetrics(), RouteMetrics()):
         for family in metrics.registry.collect():
             assert any(n == family.name or n.startswith(family.name + "_") for n in names), family.name
     return names
