@@ -337,14 +337,16 @@ class RedisDonorStore:
             extended = pipe.execute()
             # PEXPIRE ... GT is 0 for a missing key and for one expiring later already (then SET NX is a no-op)
             missing = [address for address, ok in zip(first, extended, strict=True) if not ok]
-            per_round = max(1, self.fetch_chunk_bytes // max(1, blocks[0].nbytes))
+            per_round, newly_written = max(1, self.fetch_chunk_bytes // max(1, blocks[0].nbytes)), 0
             for start in range(0, len(missing), per_round):
                 pipe = self.redis.pipeline(transaction=False)
                 for address in missing[start : start + per_round]:
                     pipe.set(keys[address], blocks[first[address]].tobytes(), px=self.ttl_ms, nx=True)
-                written = pipe.execute()
-                self.blocks_written += sum(1 for ok in written if ok)
-        self.blocks_shared += len(addresses) - sum(1 for _ in missing)
+                newly_written += sum(1 for ok in pipe.execute() if ok)
+            self.blocks_written += newly_written
+        # every block this put did not write was there already (a key extended within the same
+        # millisecond it was written reads as "missing" to PEXPIRE GT, and its SET NX is a no-op)
+        self.blocks_shared += len(addresses) - newly_written
 
     # -- read ----------------------------------------------------------------------------------
 
@@ -363,6 +365,14 @@ class RedisDonorStore:
     def shards_of(self, ref: str) -> tuple[tuple[str, str], ...]:
         """A Redis entry is a whole donor: no shards."""
         return ()
+
+    def open_handle(self, handle: tuple[str, int, int], ref: str, checksum: str) -> StagedReader:
+        """No plan names a secured shard handle of this store (it keeps no shards).
+
+        Raises:
+            EntryMissing: always; the caller opens ``ref`` instead.
+        """
+        raise EntryMissing(f"{ref}: the redis donor store holds no secured shard handles")
 
     def open(self, ref: str, checksum: str) -> StagedReader:
         """A reader of the entry: its staged copy (``source="host_ram"``), else the entry fetched
