@@ -113,6 +113,8 @@ def _fault_after_promise(b: HarnessLLM, root: str, fault: str) -> None:
 
 def _b_loads_a_donor(tp: TensorParallel, root: str, fault: str | None) -> dict:
     _donor_saved_by_a(tp, root)
+    if fault == "launcher_env_all_rank0":  # a launcher's variable says rank 0 in every process of B
+        os.environ["OMPI_COMM_WORLD_RANK"], fault = "0", None
     b, metrics = _engine(tp, root, "B")
     if fault is not None and fault.endswith("_after_promise"):
         if tp.rank == 1:
@@ -185,6 +187,15 @@ def test_one_ranks_shard_missing_or_corrupt_fails_the_whole_donor_closed(root: s
         assert rank["connector_tokens"] == 0 and rank["load_failures"] == 0 and rank["materialized"] == 0
         assert torch.equal(rank["logits"], rank["cold"])  # prefilled like any cold request
         assert rank["stopped"] is None and rank["after"]  # every rank's executor keeps serving
+
+
+def test_a_launcher_environment_that_names_the_wrong_rank_does_not_decide_which_shard_loads(root: str) -> None:
+    # before: both of B's workers took rank 0 from OMPI_COMM_WORLD_RANK, rank 1 loaded rank 0's shard
+    # (same shape, a valid shard: no check fails) and its logits were wrong; the process group decides now
+    r0, r1 = run_tensor_parallel(_b_loads_a_donor, 2, (root, "launcher_env_all_rank0"))
+    assert (r0["tp_rank"], r1["tp_rank"]) == (0, 1)
+    for rank in (r0, r1):
+        assert rank["connector_tokens"] == len(DOC) and torch.equal(rank["logits"], rank["native"])
 
 
 @pytest.mark.parametrize("fault", ["rank1_evicted_after_promise", "rank1_replaced_after_promise"])
