@@ -129,16 +129,19 @@ def _check_redis(settings: Any, origin: Any) -> str:
     """``donor_store = "redis"``: one round trip to ``redis_url`` (exit 2 naming the setting); the
     "connector ready" line to print once every other check has passed."""
     from connector.donor_store import StoreUnavailable
-    from connector.redis_store import RedisDonorStore
+    from connector.redis_store import RedisDonorStore, operator_warnings
 
     store = RedisDonorStore(settings.redis_url, settings.store_dir, key_prefix=settings.redis_key_prefix,
                             timeout_s=settings.redis_timeout_s)
     try:
         store.ping()
+        warnings = operator_warnings(store, redis_ttl_s=settings.redis_ttl_s, donor_ttl_s=settings.donor_ttl_s)
     except StoreUnavailable as exc:
         _fail(f"donor store (redis_url): {exc} ({origin('redis_url')})")
     finally:
         store.close()
+    for warning in warnings:
+        typer.echo(f"warning: {warning}", err=True)
     return (f"connector ready: mode={settings.mode} engine_id={settings.engine_id} ledger={_ledger_url(settings)} "
             f"store=redis {store.where()} prefix={settings.redis_key_prefix} ttl={settings.redis_ttl_s:g} s")
 

@@ -1046,11 +1046,14 @@ def open_donor_store(settings: Any, ledger: Any = None) -> Any:
         ValueError: ``redis_url`` is not a Redis URL.
     """
     if settings.donor_store == "redis":
-        from connector.redis_store import RedisDonorStore
+        from connector.redis_store import RedisDonorStore, operator_warnings
 
-        return RedisDonorStore(settings.redis_url, settings.store_dir, key_prefix=settings.redis_key_prefix,
-                               ttl_s=settings.redis_ttl_s, timeout_s=settings.redis_timeout_s,
-                               stage_bytes=settings.redis_stage_bytes, ledger=ledger)
+        store = RedisDonorStore(settings.redis_url, settings.store_dir, key_prefix=settings.redis_key_prefix,
+                                ttl_s=settings.redis_ttl_s, timeout_s=settings.redis_timeout_s,
+                                stage_bytes=settings.redis_stage_bytes, ledger=ledger)
+        for warning in operator_warnings(store, redis_ttl_s=settings.redis_ttl_s, donor_ttl_s=settings.donor_ttl_s):
+            log.warning("semkv: %s", warning)
+        return store
     return FileDonorStore(settings.store_dir, settings.store_capacity_bytes, ledger=ledger)
 
 
