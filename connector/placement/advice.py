@@ -187,17 +187,17 @@ class PlacementAdvisor:
             return request_hashes(scheme, tokens, tpb, cache_salt=cache_salt, lora_task_id=lora_task_id)
 
         seq, engines = self._overlaps(hashes_for, namespace, keys, given_keys)
-        out = [EngineAdvice(e.engine_id, e.generation, e.status, e.fresh and e.live_blocks is not None,
-                            e.live_blocks, None if e.live_blocks is None else e.live_blocks * tpb,
-                            e.donor_id, e.donor_blocks, e.donor_blocks * tpb, block_key_scheme=e.block_key_scheme,
-                            overlap="unknown" if e.live_blocks is None else "known") for e in engines]
         generations = {e.engine_id: e.generation for e in engines}
         semantic = self._semantic(tokens, text, model_id, namespace, tpb, generations,
                                   self.max_semantic if max_semantic is None else max_semantic)
         by_engine: dict[str, int] = {}
         for s in semantic:
             by_engine[s.engine_id] = max(by_engine.get(s.engine_id, 0), s.reusable_token_count)
-        ranked = sorted((dataclasses.replace(a, semantic_tokens=by_engine.get(a.engine_id, 0)) for a in out),
+        ranked = sorted((EngineAdvice(e.engine_id, e.generation, e.status, e.fresh and e.live_blocks is not None,
+                                      e.live_blocks, None if e.live_blocks is None else e.live_blocks * tpb,
+                                      e.donor_id, e.donor_blocks, e.donor_blocks * tpb,
+                                      by_engine.get(e.engine_id, 0), e.block_key_scheme,
+                                      "unknown" if e.live_blocks is None else "known") for e in engines),
                         key=lambda a: (*a.score(), a.engine_id))
         informed = any(a.score()[1:] != (0, 0, 0) for a in ranked)
         return Advice(tuple(ranked), tuple(semantic), seq, tpb, len(tokens), time.perf_counter() - started,
