@@ -158,7 +158,7 @@ def _check_layouts(llm_args: Path | None, options: Any, model_config: dict[str, 
         return
     refused = _report_layouts(llm_args, options, model_config, settings.namespace.kv_layout)
     if refused is not None:
-        typer.echo(f"not ready for {llm_args}: {refused.title} is refused ({refused.setting}): {refused.reason}; "
+        typer.echo(f"not ready for {llm_args}: {refused.title} is refused ({refused.setting}; the reason above): "
                    "the connector would materialize nothing and register no donor", err=True)
         raise typer.Exit(1)
 

@@ -188,7 +188,8 @@ def tensor_parallel_layout(tp_size: int, num_kv_heads: int | None) -> str:
         return f"tp={tp_size},kv_heads=per_rank_kv_layout"
     heads = tensor_parallel_kv_heads(num_kv_heads, tp_size)
     if heads is None:
-        raise ValueError(f"{num_kv_heads} KV heads cannot be split over {tp_size} tensor-parallel ranks")
+        raise ValueError(f"{num_kv_heads} KV head{'s' if num_kv_heads != 1 else ''} cannot be split over "
+                         f"{tp_size} tensor-parallel ranks")
     return f"tp={tp_size},kv_heads=" + "/".join(f"{h.start}-{h.stop - 1}" for h in heads)
 
 
@@ -285,7 +286,7 @@ def parallel_layouts(llm_args: Any, *, attention_dp_api: bool, num_kv_heads: int
     elif tp_in_use and num_kv_heads is not None and heads is None:
         tp_row = LayoutSupport(
             "tensor_parallel", "tensor parallelism (TP)", True, False,
-            f"tensor_parallel_size={tp}, {num_kv_heads} KV heads",
+            f"tensor_parallel_size={tp}, {num_kv_heads} KV head{'s' if num_kv_heads != 1 else ''}",
             "the KV heads are not a multiple of the ranks: TensorRT-LLM replicates KV heads across ranks then, "
             "which the connector does not serve")
     else:
