@@ -93,6 +93,11 @@ class LiveIndex:
         """The ledger was read and holds nothing past :attr:`cursor`."""
         self._caught_up_at = time.monotonic()
 
+    def engines(self) -> int:
+        """Engines the ledger knows (any status)."""
+        with self._lock:
+            return len(self._engines)
+
     def blocks(self) -> int:
         """Live blocks held, over every engine and stream."""
         with self._lock:

@@ -135,6 +135,10 @@ def serve(
     bound_host, bound_port = sock.getsockname()[:2]
     log.info("serve.started", url=f"http://{host}:{bound_port}", address=bound_host, port=bound_port,
              ledger=url_for_humans(db), providers=[p.name for p in discovery.providers] if discovery else [])
+    if advisor.index is not None and advisor.index.engines() == 0:
+        log.warning("serve.no_engines", ledger=url_for_humans(db),
+                    detail="the ledger knows no engine yet: every answer is uninformed (engine_id order, no "
+                           "overlap) until a consumer writes the engines' KV events (semkv-ledger consume)")
     server = uvicorn.Server(uvicorn.Config(create_app(advisor, discovery=discovery), log_config=None,
                                           log_level=log_level.lower()))
     try:

@@ -379,6 +379,9 @@ def test_serve_logs_json_serves_docs_offline_and_exits_0_on_sigterm(scene: Scene
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
         started = json.loads(_wait_for_line(proc.stderr, lambda line: '"serve.started"' in line, "serve.started"))
+        # an empty ledger: said at start, since every answer will be uninformed
+        empty = json.loads(_wait_for_line(proc.stderr, lambda line: '"serve.no_engines"' in line, "serve.no_engines"))
+        assert empty["level"] == "warning" and "semkv-ledger consume" in empty["detail"]
         base = f"http://127.0.0.1:{started['port']}"
         docs = httpx.get(f"{base}/docs", timeout=30)
         assert docs.status_code == 200 and "text/html" in docs.headers["content-type"]
