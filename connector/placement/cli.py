@@ -38,8 +38,7 @@ def register(app: typer.Typer) -> None:
 
 
 def route_report(
-    records: Annotated[Path, typer.Argument(help="JSONL file of route records (connector.placement.route_join).",
-                                            dir_okay=False)],
+    records: Annotated[Path, typer.Argument(help="JSONL file of route records (connector.placement.route_join).")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
     """Available vs routed vs delivered reuse tokens, summed over a file of route records.
@@ -53,7 +52,9 @@ def route_report(
 
     try:
         totals = route_totals(read_records(records))
-    except (OSError, ValueError) as exc:
+    except OSError as exc:  # one line naming the file, as every command's errors do
+        _fail(f"route-report: cannot read {records}: {exc.strerror or exc}")
+    except ValueError as exc:
         _fail(f"route-report: {exc}")
     if json_out:
         typer.echo(json.dumps(totals.to_dict()))

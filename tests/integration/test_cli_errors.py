@@ -203,6 +203,12 @@ OTHER_ROWS: dict[str, Row] = {
     "connector-check-bad_toml_value": Row(
         lambda s: ["connector-check", "--config", str(s.toml(f'db = "{s.migrated}"\nlookup_timeout_s = -1\n'))],
         lambda s: ["lookup_timeout_s", f"from {s.tmp / 'connector.toml'}"]),
+    "route-report-file_missing": Row(
+        lambda s: ["route-report", str(s.tmp / "nope.jsonl")], lambda s: ["route-report", "nope.jsonl", "No such file"],
+        forbids=("Errno",)),
+    "route-report-file_is_a_directory": Row(  # one line, not click's usage box
+        lambda s: ["route-report", str(s.tmp)], lambda s: ["route-report", str(s.tmp), "Is a directory"],
+        forbids=("Usage:",)),
     "serve-port_in_use": Row(
         lambda s: ["serve", "--db", s.migrated, "--port", str(s.busy_port), "--no-discovery"],
         lambda s: [f"--port {s.busy_port}", "Address already in use"], forbids=("serve.started",)),
@@ -296,7 +302,8 @@ def test_every_error_is_one_line_and_exit_2(row_id: str, scene: Scene) -> None:
     row = ROWS[row_id]
     if row.pg:
         require_pg()
-    command = next(c for c in sorted(JSON_LOGGERS | set(DB_COMMANDS) | {"keygen"}, key=len, reverse=True)
+    command = next(c for c in sorted(JSON_LOGGERS | set(DB_COMMANDS) | {"keygen", "route-report"}, key=len,
+                                     reverse=True)
                    if row_id.startswith(c + "-"))
     result = run_cli(row.args(scene), row.env(scene), cwd=scene.tmp)
     check_refusal(command, result, row.names(scene), row.forbids)
