@@ -315,7 +315,28 @@ def precision_recall(ps: PairSet, root: Path, model: Any, vecs: Embedded | None)
     labels = [(p.pair_id, p.cls, p.positive, donor_id(p)) for p in ps.pairs]
     return {"service": {n: score(labels, a) for n, a in service_answers.items()},
             "raw": {n: score(labels, a) for n, a in raw_answers.items()},
+            "service_other": {n: other_donor_answers(ps, a) for n, a in service_answers.items()},
+            "raw_other": {n: other_donor_answers(ps, a) for n, a in raw_answers.items()},
             "index_s": index_s, "lookup_s": lookup_s, "timeouts": outcomes}
+
+
+def other_donor_answers(ps: PairSet, answers: Mapping[str, str | None], block: int = TPB) -> tuple[int, int]:
+    """``(answers naming another pair's donor, of which the donor shares a token-exact run of at least
+    ``block`` tokens with the target)``: the corpus repeats itself (CPython's pure-Python twins such as
+    ``_pyio``/``io`` carry the same docstrings), so some of these false positives are real shared text."""
+    from connector.discovery.tokens import align_segments
+
+    donors = {donor_id(p): p for p in ps.pairs}
+    other = shared = 0
+    for pair in ps.pairs:
+        got = answers.get(pair.pair_id)
+        if got is None or got == donor_id(pair) or got not in donors:
+            continue
+        other += 1
+        target = np.asarray(pair.target.tokens, dtype=np.int64)
+        source = np.asarray(donors[got].donor.tokens, dtype=np.int64)
+        shared += bool(align_segments(target, source, anchor=8, min_tokens=block))
+    return other, shared
 
 
 # --------------------------------------------------------------------------------------------- 2. scale
@@ -572,8 +593,13 @@ def write_report(path: Path, args: argparse.Namespace, ps: PairSet, started: str
                   "(after the ledger's freshness/namespace check); `raw` = the provider alone.",
                   f"Indexing {len(ps.pairs)} donors took {pr['index_s']:.0f} s, the lookups {pr['lookup_s']:.0f} s; "
                   f"timeouts at the 30 s evaluation deadline: {pr['timeouts']}.", ""]
-        lines += pr_tables(pr["service"], "service (fresh, namespace-checked)")
-        lines += pr_tables(pr["raw"], "raw provider (before the ledger check)")
+        for key, title in (("service", "service (fresh, namespace-checked)"),
+                           ("raw", "raw provider (before the ledger check)")):
+            lines += pr_tables(pr[key], title)
+            lines += ["Answers naming ANOTHER pair's donor (counted as false positives above), and how many of "
+                      f"those donors share a token-exact run of ≥ {TPB} tokens with the target (real shared text: "
+                      "the corpus repeats itself): " + ", ".join(
+                          f"{n} {o} ({sh} sharing)" for n, (o, sh) in pr[f"{key}_other"].items()), ""]
     if scale is not None:
         lines += ["## 2. Lookup latency at scale", "",
                   f"`candidates()` of each provider alone (the provider thread's work, no deadline), "
