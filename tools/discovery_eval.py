@@ -18,17 +18,23 @@ lookup latency at 100k–1M indexed donors, and the hard deadline with both core
    indexed: 64 random token ids each (uniform over the vocabulary, ``numpy.random.default_rng``;
    read-only row views of one array), and for the embedding index random unit vectors (standard
    normal, normalised) instead of embedded text. The query embedding (done off the path) is timed
-   separately. The block-chunk provider is bulk-loaded with its snapshot rebuild throttle raised
+   separately; the embedding search is timed as shipped and with BLAS on one thread
+   (``threadpoolctl``), interleaved. The block-chunk provider is bulk-loaded with its snapshot rebuild throttle raised
    (one rebuild at the end): its online indexer re-sorts the whole snapshot every 50 ms, which at a
    million donors would dominate the load, and it is lookups that are measured here.
 3. **Hard deadline under load.** A service with ``chunks``, ``minhash`` and ``embedding`` (queries
    prepared, as the scheduler path requires) over the ``--deadline-size`` index, ``lookup_timeout_s``
    = 2 ms, :meth:`DiscoveryService.lookup` inline as the scheduler calls it: the caller's time, idle
    and with one CPU-burner process per core (``python -c "while True: pass"``), interleaved in one
-   run; and the same with a provider that never answers (the deadline alone).
+   run; again with BLAS on one thread; and with a provider that never answers (the deadline alone).
+
+Embeddings: every donor and target text is embedded once (:func:`embed_all`) with torch on
+``--torch-threads`` threads (default 1: on a busy 2-core machine two intra-op threads were 4-7x
+slower, measured by :func:`thread_check` and reported) and handed to the providers.
 
 Usage: ``python tools/discovery_eval.py [--per-class 125] [--sizes 100000,1000000]
-[--minhash-sizes 100000,300000] [--queries 200] [--deadline-size 100000] [--out FILE]``.
+[--minhash-sizes 100000,300000] [--queries 200] [--deadline-size 100000] [--skip pr,scale,deadline]
+[--torch-threads 1] [--no-semantic] [--out FILE]``.
 """
 
 from __future__ import annotations
