@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import Connection, Table, bindparam, func, select
 
 from ledger import events as ev
-from ledger.apply import LogEntry, Projection, apply
+from ledger.apply import LogEntry, LogRowColumns, Projection, fold_rows
 from ledger.backends.base import ReadOnlyOpen
 from ledger.backends.sqlite import sqlite_open_uri
 from ledger.db import Sql, audit_engine, sync_engine
@@ -89,15 +89,32 @@ def iter_log(conn: Connection, until: int | None = None, batch_rows: int = 20_00
     """Log rows in seq order as :class:`LogEntry` (bodies decoded), streamed in pages of
     ``batch_rows``, from after seq ``after`` up to ``until`` (a seq; None: the whole log).
 
+    Raises:
+        sqlalchemy.exc.DBAPIError: the database failed (as SQLAlchemy would have raised it).
+    """
+    decode = ev.BODY_DECODER.decode
+    for rows in iter_log_pages(conn, until, batch_rows, after=after):
+        for seq, committed_at, body, *rest, applied in rows:
+            yield LogEntry(seq, committed_at, decode(body), *rest, bool(applied))
+
+
+FOLD_PAGE_ROWS = 20_000
+
+
+def iter_log_pages(conn: Connection, until: int | None = None, page_rows: int = FOLD_PAGE_ROWS, *,
+                   after: int = 0) -> Iterator[list[LogRowColumns]]:
+    """Pages of at most ``page_rows`` log rows in seq order, from after seq ``after`` up to ``until``
+    (None: the whole log), each row the columns of :class:`LogEntry` up to ``applied`` with the body
+    undecoded (:data:`ledger.apply.LogRowColumns`).
+
     Pages are read on the DBAPI cursor (:class:`~ledger.prepared.Prepared`): SQLAlchemy's result
-    rows cost a third of the rebuild (tools/results/replay-2026-12-03.md).
+    rows cost a third of the rebuild (tools/results/replay-2026-12-03.md). Memory holds one page.
 
     Raises:
         sqlalchemy.exc.DBAPIError: the database failed (as SQLAlchemy would have raised it).
     """
     sql = Sql.of(conn)
-    decode = ev.BODY_DECODER.decode
-    params = {"after": after, "until": _SEQ_MAX if until is None else until, "page_rows": batch_rows}
+    params = {"after": after, "until": _SEQ_MAX if until is None else until, "page_rows": page_rows}
     while True:
         try:
             rows = sql.all(_LOG_PAGE, params)
@@ -105,8 +122,7 @@ def iter_log(conn: Connection, until: int | None = None, batch_rows: int = 20_00
             raise sql.wrap(exc) from exc
         if not rows:
             return
-        for seq, committed_at, body, *rest, applied in rows:
-            yield LogEntry(seq, committed_at, decode(body), *rest, bool(applied))
+        yield rows
         params["after"] = rows[-1][0]
 
 
@@ -114,20 +130,23 @@ def rebuild(conn: Connection, until: int | None = None, progress: Progress | Non
             start: ProjectionSnapshot | None = None) -> tuple[Projection, int, int]:
     """Fold the log up to ``until`` (None: all of it) into a fresh projection, or into ``start``'s
     rows and only the log after its seq. Returns (projection, log rows folded, last seq).
-    ``progress(folded, to fold)`` every 10,000 rows and at the end."""
+    ``progress(folded, to fold)`` after every page of the log read (:data:`FOLD_PAGE_ROWS` rows) and at the end.
+
+    The rows are folded by :func:`ledger.apply.fold_rows` (the same result as :func:`ledger.apply.apply`
+    row by row, without recording changes: every row is written at the end).
+    """
     after = start.seq if start is not None else 0
     head = until if until is not None else conn.execute(select(func.max(_LOG.c.seq))).scalar() or 0
     total = max(0, head - after)  # seqs are gapless from 1 (ledger.recorder), so no count of the log
     proj = to_projection(start) if start is not None else Projection()
     count, last_seq = 0, after
-    for entry in iter_log(conn, until, after=after):
-        apply(proj, entry)
-        count += 1
-        last_seq = entry.seq
-        if count % 10_000 == 0:
-            proj.changes.clear()  # nobody reads them here: bounded memory on a log of millions of rows
-            if progress is not None:
-                progress(count, total)
+    for rows in iter_log_pages(conn, until, FOLD_PAGE_ROWS, after=after):
+        fold_rows(proj, rows)
+        count += len(rows)
+        last_seq = rows[-1][0]
+        proj.changes.clear()  # what apply recorded for the other rows: nobody reads it here (bounded memory)
+        if progress is not None:
+            progress(count, total)
     if progress is not None:
         progress(count, total)
     return proj, count, last_seq
