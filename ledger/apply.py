@@ -216,22 +216,24 @@ def apply(proj: Projection, entry: LogEntry) -> None:
         handler(proj, entry, body)
 
 
-LogRowColumns = tuple[int, float, bytes, str, "str | None", "str | None", "int | None", "int | None", "int | None",
-                      "int | None", "int | None", "int | None", "bool | int"]
-"""A log row as read for a fold: :class:`LogEntry`'s fields up to ``applied``, the body still msgpack bytes."""
+LogRowColumns = tuple[int, bytes, str, "str | None", "int | None", "int | None", "int | None", "bool | int"]
+"""A log row as read for a fold: (seq, body as msgpack bytes, type_name, engine_id, event_id,
+attention_dp_rank, window_size, applied) — the :class:`LogEntry` fields :func:`apply` reads."""
 
 
 def fold_rows(proj: Projection, rows: Iterable[LogRowColumns]) -> None:
-    """Apply log rows in seq order, as ``apply(proj, LogEntry(*row[:2], decode(row[2]), *row[3:]))``
-    would, without recording changes for the block events (``proj.changes`` is left incomplete).
+    """Apply log rows in seq order, as ``apply(proj, LogEntry(...))`` of each row with its body
+    decoded would, without recording changes for the block events (``proj.changes`` is left incomplete).
 
     For a whole fold that writes every row at the end (replay, snapshots, migrations), never for
     the live writer, which writes what ``proj.changes`` says. Stored and removed blocks, ~all of a
     log, are folded here by the same functions as :func:`apply`'s (``_store_blocks``,
     ``_remove_blocks``) with the engine-event bookkeeping of :func:`apply` and
-    :func:`_advance_stream` inlined; every other row goes through :func:`apply`.
-    ``tests/property/test_fold_rows.py`` holds the two equal. Why: the per-row calls and the change
-    tracking were over half of replay's fold (profile in tools/results/ledger-replay-2026-12-05.md).
+    :func:`_advance_stream` inlined; every other row goes through :func:`apply` (its entry without
+    the columns apply never reads: committed_at, the source columns; reading them from the log
+    cost a sixth of the fold). ``tests/property/test_fold_rows.py`` holds the two equal. Why: the
+    per-row calls and the change tracking were over half of replay's fold (profile in
+    tools/results/ledger-replay-2026-12-05.md).
 
     Raises:
         KeyError: an entry refers to an engine that was never registered (a corrupt log).
@@ -241,13 +243,12 @@ def fold_rows(proj: Projection, rows: Iterable[LogRowColumns]) -> None:
     engines, streams, counters = proj.engines, proj.streams, proj.counters
     stored_type, removed_type, active = ev.BlockStored, ev.BlockRemoved, EngineStatus.ACTIVE
     tally: dict[tuple[str, str, bool], int] = {}  # (engine_id, type_name, applied) -> events, added to counters at the end
-    for (seq, committed_at, raw, type_name, engine_id, source_id, source_epoch, zmq_seq, batch_index, event_id, dp_rank,
-         window, applied) in rows:
+    for seq, raw, type_name, engine_id, event_id, dp_rank, window, applied in rows:
         body = decode(raw)
         body_type = type(body)
         if (body_type is not stored_type and body_type is not removed_type) or engine_id is None:
-            apply(proj, LogEntry(seq, committed_at, body, type_name, engine_id, source_id, source_epoch, zmq_seq,
-                                 batch_index, event_id, dp_rank, window, bool(applied)))
+            apply(proj, LogEntry(seq, 0.0, body, type_name, engine_id, event_id=event_id, attention_dp_rank=dp_rank,
+                                 window_size=window, applied=bool(applied)))
             continue
         applied = bool(applied)
         tally_key = (engine_id, type_name, applied)

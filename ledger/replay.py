@@ -81,6 +81,11 @@ _LOG_COLUMNS = ("seq", "committed_at", "body", "type_name", "engine_id", "source
 _LOG_PAGE = Prepared(select(*(_LOG.c[name] for name in _LOG_COLUMNS))
                      .where(_LOG.c.seq > bindparam("after"), _LOG.c.seq <= bindparam("until"))
                      .order_by(_LOG.c.seq).limit(bindparam("page_rows")))
+_FOLD_COLUMNS = ("seq", "body", "type_name", "engine_id", "event_id", "attention_dp_rank", "window_size", "applied")
+"""Log columns of :data:`ledger.apply.LogRowColumns`, what a fold reads."""
+_FOLD_PAGE = Prepared(select(*(_LOG.c[name] for name in _FOLD_COLUMNS))
+                      .where(_LOG.c.seq > bindparam("after"), _LOG.c.seq <= bindparam("until"))
+                      .order_by(_LOG.c.seq).limit(bindparam("page_rows")))
 _SEQ_MAX = 2**63 - 1
 
 
@@ -93,7 +98,7 @@ def iter_log(conn: Connection, until: int | None = None, batch_rows: int = 20_00
         sqlalchemy.exc.DBAPIError: the database failed (as SQLAlchemy would have raised it).
     """
     decode = ev.BODY_DECODER.decode
-    for rows in iter_log_pages(conn, until, batch_rows, after=after):
+    for rows in _pages(conn, _LOG_PAGE, until, batch_rows, after):
         for seq, committed_at, body, *rest, applied in rows:
             yield LogEntry(seq, committed_at, decode(body), *rest, bool(applied))
 
@@ -104,20 +109,23 @@ FOLD_PAGE_ROWS = 20_000
 def iter_log_pages(conn: Connection, until: int | None = None, page_rows: int = FOLD_PAGE_ROWS, *,
                    after: int = 0) -> Iterator[list[LogRowColumns]]:
     """Pages of at most ``page_rows`` log rows in seq order, from after seq ``after`` up to ``until``
-    (None: the whole log), each row the columns of :class:`LogEntry` up to ``applied`` with the body
-    undecoded (:data:`ledger.apply.LogRowColumns`).
-
-    Pages are read on the DBAPI cursor (:class:`~ledger.prepared.Prepared`): SQLAlchemy's result
-    rows cost a third of the rebuild (tools/results/replay-2026-12-03.md). Memory holds one page.
+    (None: the whole log), each row the columns a fold reads, the body undecoded
+    (:data:`ledger.apply.LogRowColumns`, for :func:`ledger.apply.fold_rows`). Memory holds one page.
 
     Raises:
         sqlalchemy.exc.DBAPIError: the database failed (as SQLAlchemy would have raised it).
     """
+    return _pages(conn, _FOLD_PAGE, until, page_rows, after)
+
+
+def _pages(conn: Connection, statement: Prepared, until: int | None, page_rows: int, after: int) -> Iterator[list]:
+    """Pages are read on the DBAPI cursor (:class:`~ledger.prepared.Prepared`): SQLAlchemy's result
+    rows cost a third of the rebuild (tools/results/replay-2026-12-03.md)."""
     sql = Sql.of(conn)
     params = {"after": after, "until": _SEQ_MAX if until is None else until, "page_rows": page_rows}
     while True:
         try:
-            rows = sql.all(_LOG_PAGE, params)
+            rows = sql.all(statement, params)
         except sql.errors as exc:
             raise sql.wrap(exc) from exc
         if not rows:
