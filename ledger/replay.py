@@ -125,7 +125,7 @@ def _pages(conn: Connection, statement: Prepared, until: int | None, page_rows: 
     params = {"after": after, "until": _SEQ_MAX if until is None else until, "page_rows": page_rows}
     while True:
         try:
-            rows = sql.all(statement, params)
+            rows = sql.all(statement, params, binary=True)
         except sql.errors as exc:
             raise sql.wrap(exc) from exc
         if not rows:
