@@ -1,7 +1,8 @@
 """``semkv-ledger replay``: rebuild every projection from the log in a scratch database and diff.
 
-The rebuild reads the live log in ``seq`` order (streamed, read-only), applies each row with
-:func:`ledger.apply.apply` to an in-memory :class:`~ledger.apply.Projection`, writes the result
+The rebuild reads the live log in ``seq`` order (streamed in pages, read-only), folds each page with
+:func:`ledger.apply.fold_rows` (what :func:`ledger.apply.apply` does row by row, without recording
+changes) into an in-memory :class:`~ledger.apply.Projection`, writes the result
 into a scratch SQLite file (created from ``Base.metadata``; the live database is never written, nor is
 any file that holds more than projection tables: :func:`refuse_foreign_scratch`),
 then compares every projection table row by row with the live one. Any difference is a bug.
