@@ -216,6 +216,66 @@ def apply(proj: Projection, entry: LogEntry) -> None:
         handler(proj, entry, body)
 
 
+LogRowColumns = tuple[int, bytes, str, "str | None", "int | None", "int | None", "int | None", "bool | int"]
+"""A log row as read for a fold: (seq, body as msgpack bytes, type_name, engine_id, event_id,
+attention_dp_rank, window_size, applied) — the :class:`LogEntry` fields :func:`apply` reads."""
+
+
+def fold_rows(proj: Projection, rows: Iterable[LogRowColumns]) -> None:
+    """Apply log rows in seq order, as ``apply(proj, LogEntry(...))`` of each row with its body
+    decoded would, without recording changes for the block events (``proj.changes`` is left incomplete).
+
+    For a whole fold that writes every row at the end (replay, snapshots, migrations), never for
+    the live writer, which writes what ``proj.changes`` says. Stored and removed blocks, ~all of a
+    log, are folded here by the same functions as :func:`apply`'s (``_store_blocks``,
+    ``_remove_blocks``) with the engine-event bookkeeping of :func:`apply` and
+    :func:`_advance_stream` inlined; every other row goes through :func:`apply` (its entry without
+    the columns apply never reads: committed_at, the source columns; reading them from the log
+    cost a sixth of the fold). ``tests/property/test_fold_rows.py`` holds the two equal. Why: the
+    per-row calls and the change tracking were over half of replay's fold (profile in
+    tools/results/ledger-replay-2026-12-05.md).
+
+    Raises:
+        KeyError: an entry refers to an engine that was never registered (a corrupt log).
+        msgspec.ValidationError, msgspec.DecodeError: a body that does not decode as a log body.
+    """
+    decode = ev.BODY_DECODER.decode
+    engines, streams, counters = proj.engines, proj.streams, proj.counters
+    stored_type, removed_type, active = ev.BlockStored, ev.BlockRemoved, EngineStatus.ACTIVE
+    tally: dict[tuple[str, str, bool], int] = {}  # (engine_id, type_name, applied) -> events, added to counters at the end
+    for seq, raw, type_name, engine_id, event_id, dp_rank, window, applied in rows:
+        body = decode(raw)
+        body_type = type(body)
+        if (body_type is not stored_type and body_type is not removed_type) or engine_id is None:
+            apply(proj, LogEntry(seq, 0.0, body, type_name, engine_id, event_id=event_id, attention_dp_rank=dp_rank,
+                                 window_size=window, applied=bool(applied)))
+            continue
+        applied = bool(applied)
+        tally_key = (engine_id, type_name, applied)
+        tally[tally_key] = tally.get(tally_key, 0) + 1
+        if not applied:
+            continue
+        dp_rank, window = dp_rank or 0, window or 0
+        stream_key = _new(StreamKey, (engine_id, dp_rank, window))
+        stream = streams.get(stream_key)
+        if stream is None:
+            stream = streams[stream_key] = Stream(engine_id, dp_rank, window, None, False)
+        if event_id is not None:
+            stream.last_event_id = event_id
+            stream.resync = False
+        engine = engines[engine_id]
+        engine.last_seq = seq
+        engine.status = active
+        if body_type is stored_type:
+            _store_blocks(proj, engine_id, dp_rank, window, seq, body, None)
+        else:
+            _remove_blocks(proj, engine_id, dp_rank, window, body, None)
+    for (engine_id, type_name, applied), n in tally.items():  # counters are only ever added to: order is free
+        counters[(engine_id, "events_logged")] += n
+        counters[(engine_id, EVENTS_OF_TYPE + type_name)] += n
+        counters[(engine_id, "events_applied" if applied else "events_stale")] += n
+
+
 def _advance_stream(proj: Projection, entry: LogEntry) -> None:
     engine_id = entry.engine_id
     key = _new(StreamKey, (engine_id, entry.attention_dp_rank or 0, entry.window_size or 0))
@@ -255,10 +315,18 @@ def _drop_block(proj: Projection, key: BlockKey) -> None:
 
 
 def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
-    engine_id, seq = entry.engine_id, entry.seq
-    dp_rank, window = entry.attention_dp_rank or 0, entry.window_size or 0
+    _store_blocks(proj, entry.engine_id, entry.attention_dp_rank or 0, entry.window_size or 0, entry.seq, body,
+                  proj.changes)
+
+
+def _store_blocks(proj: Projection, engine_id: str, dp_rank: int, window: int, seq: int, body: ev.BlockStored,
+                  changes: Changes | None) -> None:
+    """``_on_stored``'s work; ``changes`` None: nothing recorded (a whole fold, :func:`fold_rows`)."""
     generation = proj.engines[engine_id].generation
-    blocks, dirty, dropped = proj.blocks, proj.changes.dirty["blocks"], proj.changes.dropped_blocks
+    blocks = proj.blocks
+    tracked = changes is not None
+    if tracked:
+        dirty, dropped = changes.dirty["blocks"], changes.dropped_blocks
     live = proj.live_blocks.setdefault(engine_id, set())
     p_hash, p_ext = split_hash(body.parent_hash) if body.parent_hash is not None else (None, None)
     lora_id = body.lora_id
@@ -292,11 +360,13 @@ def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
             blocks[key] = Block(engine_id, dp_rank, window, h, ext, p_hash, p_ext, block.num_tokens, digest,
                                 block.cache_level, block.priority, block.cache_salt, lora_id, _LIVE, generation, 1,
                                 seq, seq)
-            dropped.discard(key)
+            if tracked:
+                dropped.discard(key)
             if row is not None:  # it was quarantined
                 proj.quarantined_blocks.get(engine_id, set()).discard(key)
         live.add(key)
-        dirty.add(key)
+        if tracked:
+            dirty.add(key)
         p_hash, p_ext = h, ext
     counters = proj.counters
     counters[(engine_id, "blocks_stored")] += len(stored)
@@ -305,10 +375,16 @@ def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
 
 
 def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> None:
-    engine_id = entry.engine_id
-    dp_rank, window = entry.attention_dp_rank or 0, entry.window_size or 0
-    changes = proj.changes
-    blocks, dirty, dropped = proj.blocks, changes.dirty["blocks"], changes.dropped_blocks
+    _remove_blocks(proj, entry.engine_id, entry.attention_dp_rank or 0, entry.window_size or 0, body, proj.changes)
+
+
+def _remove_blocks(proj: Projection, engine_id: str, dp_rank: int, window: int, body: ev.BlockRemoved,
+                   changes: Changes | None) -> None:
+    """``_on_removed``'s work; ``changes`` None: nothing recorded (a whole fold, :func:`fold_rows`)."""
+    blocks = proj.blocks
+    tracked = changes is not None
+    if tracked:
+        dirty, dropped = changes.dirty["blocks"], changes.dropped_blocks
     live = proj.live_blocks.setdefault(engine_id, set())
     removed = unknown = not_live = 0
     for block_hash in body.block_hashes:
@@ -319,7 +395,7 @@ def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> Non
         key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
         row = blocks.pop(key, None)
         if row is None:
-            if not changes.removal_of_unseen_block(key, (engine_id, dp_rank, window, h)):
+            if not tracked or not changes.removal_of_unseen_block(key, (engine_id, dp_rank, window, h)):
                 unknown += 1
             continue
         if row.state == _LIVE:
@@ -328,8 +404,9 @@ def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> Non
         else:
             not_live += 1
             proj.quarantined_blocks.get(engine_id, set()).discard(key)
-        dirty.discard(key)
-        dropped.add(key)
+        if tracked:
+            dirty.discard(key)
+            dropped.add(key)
     counters = proj.counters
     for name, n in (("blocks_removed", removed), ("removed_unknown", unknown), ("removed_not_live", not_live)):
         if n:

@@ -146,10 +146,16 @@ class Sql:
         cursor.execute(sql, bind(params))
         return cursor.fetchone()
 
-    def all(self, prepared: Prepared, params: Mapping[str, Any]) -> list:
+    def all(self, prepared: Prepared, params: Mapping[str, Any], *, binary: bool = False) -> list:
+        """Every row. ``binary``: on psycopg, results in PostgreSQL's binary format (the same Python
+        values; ``bytea`` without hex text: ~45 % less client CPU and ~25 % less time reading the log,
+        tools/results/ledger-replay-2026-12-05.md); other drivers ignore it."""
         sql, bind = prepared.compiled(self.dialect)
         cursor = self.cursor
-        cursor.execute(sql, bind(params))
+        if binary and self.dialect.driver == "psycopg":
+            cursor.execute(sql, bind(params), binary=True)
+        else:
+            cursor.execute(sql, bind(params))
         return cursor.fetchall()
 
     def run(self, prepared: Prepared, params: Mapping[str, Any]) -> int:

@@ -1,7 +1,8 @@
 """``semkv-ledger replay``: rebuild every projection from the log in a scratch database and diff.
 
-The rebuild reads the live log in ``seq`` order (streamed, read-only), applies each row with
-:func:`ledger.apply.apply` to an in-memory :class:`~ledger.apply.Projection`, writes the result
+The rebuild reads the live log in ``seq`` order (streamed in pages, read-only), folds each page with
+:func:`ledger.apply.fold_rows` (what :func:`ledger.apply.apply` does row by row, without recording
+changes) into an in-memory :class:`~ledger.apply.Projection`, writes the result
 into a scratch SQLite file (created from ``Base.metadata``; the live database is never written, nor is
 any file that holds more than projection tables: :func:`refuse_foreign_scratch`),
 then compares every projection table row by row with the live one. Any difference is a bug.
@@ -25,7 +26,7 @@ from typing import Any
 from sqlalchemy import Connection, Table, bindparam, func, select
 
 from ledger import events as ev
-from ledger.apply import LogEntry, Projection, apply
+from ledger.apply import LogEntry, LogRowColumns, Projection, fold_rows
 from ledger.backends.base import ReadOnlyOpen
 from ledger.backends.sqlite import sqlite_open_uri
 from ledger.db import Sql, audit_engine, sync_engine
@@ -81,6 +82,11 @@ _LOG_COLUMNS = ("seq", "committed_at", "body", "type_name", "engine_id", "source
 _LOG_PAGE = Prepared(select(*(_LOG.c[name] for name in _LOG_COLUMNS))
                      .where(_LOG.c.seq > bindparam("after"), _LOG.c.seq <= bindparam("until"))
                      .order_by(_LOG.c.seq).limit(bindparam("page_rows")))
+_FOLD_COLUMNS = ("seq", "body", "type_name", "engine_id", "event_id", "attention_dp_rank", "window_size", "applied")
+"""Log columns of :data:`ledger.apply.LogRowColumns`, what a fold reads."""
+_FOLD_PAGE = Prepared(select(*(_LOG.c[name] for name in _FOLD_COLUMNS))
+                      .where(_LOG.c.seq > bindparam("after"), _LOG.c.seq <= bindparam("until"))
+                      .order_by(_LOG.c.seq).limit(bindparam("page_rows")))
 _SEQ_MAX = 2**63 - 1
 
 
@@ -89,24 +95,43 @@ def iter_log(conn: Connection, until: int | None = None, batch_rows: int = 20_00
     """Log rows in seq order as :class:`LogEntry` (bodies decoded), streamed in pages of
     ``batch_rows``, from after seq ``after`` up to ``until`` (a seq; None: the whole log).
 
-    Pages are read on the DBAPI cursor (:class:`~ledger.prepared.Prepared`): SQLAlchemy's result
-    rows cost a third of the rebuild (tools/results/replay-2026-12-03.md).
+    Raises:
+        sqlalchemy.exc.DBAPIError: the database failed (as SQLAlchemy would have raised it).
+    """
+    decode = ev.BODY_DECODER.decode
+    for rows in _pages(conn, _LOG_PAGE, until, batch_rows, after):
+        for seq, committed_at, body, *rest, applied in rows:
+            yield LogEntry(seq, committed_at, decode(body), *rest, bool(applied))
+
+
+FOLD_PAGE_ROWS = 20_000
+
+
+def iter_log_pages(conn: Connection, until: int | None = None, page_rows: int = FOLD_PAGE_ROWS, *,
+                   after: int = 0) -> Iterator[list[LogRowColumns]]:
+    """Pages of at most ``page_rows`` log rows in seq order, from after seq ``after`` up to ``until``
+    (None: the whole log), each row the columns a fold reads, the body undecoded
+    (:data:`ledger.apply.LogRowColumns`, for :func:`ledger.apply.fold_rows`). Memory holds one page.
 
     Raises:
         sqlalchemy.exc.DBAPIError: the database failed (as SQLAlchemy would have raised it).
     """
+    return _pages(conn, _FOLD_PAGE, until, page_rows, after)
+
+
+def _pages(conn: Connection, statement: Prepared, until: int | None, page_rows: int, after: int) -> Iterator[list]:
+    """Pages are read on the DBAPI cursor (:class:`~ledger.prepared.Prepared`): SQLAlchemy's result
+    rows cost a third of the rebuild (tools/results/replay-2026-12-03.md)."""
     sql = Sql.of(conn)
-    decode = ev.BODY_DECODER.decode
-    params = {"after": after, "until": _SEQ_MAX if until is None else until, "page_rows": batch_rows}
+    params = {"after": after, "until": _SEQ_MAX if until is None else until, "page_rows": page_rows}
     while True:
         try:
-            rows = sql.all(_LOG_PAGE, params)
+            rows = sql.all(statement, params, binary=True)
         except sql.errors as exc:
             raise sql.wrap(exc) from exc
         if not rows:
             return
-        for seq, committed_at, body, *rest, applied in rows:
-            yield LogEntry(seq, committed_at, decode(body), *rest, bool(applied))
+        yield rows
         params["after"] = rows[-1][0]
 
 
@@ -114,20 +139,23 @@ def rebuild(conn: Connection, until: int | None = None, progress: Progress | Non
             start: ProjectionSnapshot | None = None) -> tuple[Projection, int, int]:
     """Fold the log up to ``until`` (None: all of it) into a fresh projection, or into ``start``'s
     rows and only the log after its seq. Returns (projection, log rows folded, last seq).
-    ``progress(folded, to fold)`` every 10,000 rows and at the end."""
+    ``progress(folded, to fold)`` after every page of the log read (:data:`FOLD_PAGE_ROWS` rows) and at the end.
+
+    The rows are folded by :func:`ledger.apply.fold_rows` (the same result as :func:`ledger.apply.apply`
+    row by row, without recording changes: every row is written at the end).
+    """
     after = start.seq if start is not None else 0
     head = until if until is not None else conn.execute(select(func.max(_LOG.c.seq))).scalar() or 0
     total = max(0, head - after)  # seqs are gapless from 1 (ledger.recorder), so no count of the log
     proj = to_projection(start) if start is not None else Projection()
     count, last_seq = 0, after
-    for entry in iter_log(conn, until, after=after):
-        apply(proj, entry)
-        count += 1
-        last_seq = entry.seq
-        if count % 10_000 == 0:
-            proj.changes.clear()  # nobody reads them here: bounded memory on a log of millions of rows
-            if progress is not None:
-                progress(count, total)
+    for rows in iter_log_pages(conn, until, FOLD_PAGE_ROWS, after=after):
+        fold_rows(proj, rows)
+        count += len(rows)
+        last_seq = rows[-1][0]
+        proj.changes.clear()  # what apply recorded for the other rows: nobody reads it here (bounded memory)
+        if progress is not None:
+            progress(count, total)
     if progress is not None:
         progress(count, total)
     return proj, count, last_seq
