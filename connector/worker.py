@@ -174,7 +174,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.host_buffers = HostBuffers(pinned=torch.cuda.is_available())
         self._side_copies = s.save_copy == "side"
         """Copy donors out of the pool on the copier's thread (``ConnectorSettings.save_copy``)."""
-        self._copier = SaveCopier(self._copied, buffers=self.host_buffers) if self._side_copies else None
+        self.copier = SaveCopier(self._copied, buffers=self.host_buffers) if self._side_copies else None
+        """The side worker copying donors out of the pool (None with ``save_copy = "engine_thread"``)."""
         self._activity = activity_for(pool_key(s.engine_id, s.store_dir))
         self.save_engine_seconds = 0.0
         """Cumulative seconds the engine's thread spent on donor saves (gathers, enqueues, waits), for benchmarks."""
@@ -578,9 +579,9 @@ class SemKvWorker(KvCacheConnectorWorker):
                 self._resolved(rid)
                 continue
             job = SaveCopy(rid, instruction, list(self.layers), time.perf_counter())
-            if self._copier is not None:
+            if self.copier is not None:
                 job.ready = _forward_done_event(stream, self.layers[0].device)
-                self._copier.submit(job)
+                self.copier.submit(job)
                 continue
             if stream is not None:  # engine_thread: the forward's writes must be done first
                 stream.synchronize()
@@ -651,8 +652,8 @@ class SemKvWorker(KvCacheConnectorWorker):
 
     def close(self) -> None:
         self.flush()
-        if self._copier is not None:
-            self._copier.close()
+        if self.copier is not None:
+            self.copier.close()
         self._queue.put(None)
         self._saver.join(10)
         self._abandon_active()
