@@ -180,7 +180,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.save_engine_seconds = 0.0
         """Cumulative seconds the engine's thread spent on donor saves (gathers, enqueues, waits), for benchmarks."""
         self.save_wait_seconds = 0.0
-        """Of those, seconds ``get_finished`` waited for a copy with no other request live."""
+        """Of those, with side copies on: seconds spent copying here or waiting for a queued copy
+        because no other request was live (the engine may block after the iteration)."""
         self._saver = threading.Thread(target=self._save_loop, name="semkv-saver", daemon=True)
         self._saver.start()
         self.revalidation_seconds = 0.0  # cumulative, for benchmarks
@@ -512,12 +513,12 @@ class SemKvWorker(KvCacheConnectorWorker):
         never reported here.
 
         An id passed in whose save is armed has its copy queued now (the iteration that finished
-        it); it is reported in the first ``get_finished`` after the copy completed, so the engine
-        keeps its blocks until then. When no other request of the engine is live
-        (:class:`~connector.saves.EngineActivity`; always on vLLM and where the scheduler lives in
-        another process), this call waits for the copies of the ids it was passed: TensorRT-LLM's
-        idle loop calls no hook, so an id left for later would pin the blocks until the next
-        request, and the wait delays no other request."""
+        it) on the side worker; it is reported in the first ``get_finished`` after the copy
+        completed, so the engine keeps its blocks until then. When no other request of the engine
+        is live (:class:`~connector.saves.EngineActivity`; always on vLLM and where the scheduler
+        lives in another process) the copy is made here instead, and copies still queued for the
+        ids awaited are waited for: TensorRT-LLM's idle loop calls no hook, so an id left for later
+        would pin the blocks until the next request; the wait delays no other request."""
         started = time.perf_counter()
         now = time.monotonic()
         for rid in finished_gen_req_ids:
@@ -549,7 +550,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         after ``_SAVE_REPORT_TIMEOUT_S`` and the id stays unreported (never freed under a copy)."""
         with self._idle:
             pending = self._copying.intersection(self._awaiting)
-        if not pending or (self.engine.finished_ids_are_saves and self._activity.others_live(self._awaiting)):
+        if not pending or self._engine_goes_on():
             return
         started = time.perf_counter()
         with self._idle:
@@ -559,9 +560,18 @@ class SemKvWorker(KvCacheConnectorWorker):
             log.error("semkv: donor copies of requests %s still running after %.0f s; their blocks stay held",
                       sorted(self._copying.intersection(pending)), _SAVE_REPORT_TIMEOUT_S)
 
+    def _engine_goes_on(self) -> bool:
+        """Will the engine call ``get_finished`` again without a new request? (TensorRT-LLM, another
+        request live: :class:`~connector.saves.EngineActivity`; elsewhere not known: no.)"""
+        return self.engine.finished_ids_are_saves and self._activity.others_live(self._awaiting)
+
     def _gather(self, stream: Any) -> None:
-        """Queue (``save_copy = "side"``) or run (``"engine_thread"``) the copies of ``_to_gather``."""
+        """Queue the copies of ``_to_gather`` on the side worker (``save_copy = "side"`` while the
+        engine goes on), or run them here: with ``"engine_thread"``, and when the engine may block
+        after this iteration — then ``get_finished`` would wait for a queued copy anyway, and a copy
+        on this thread is the shorter wait (no hand-over to another thread)."""
         layout = self.layout
+        side = self.copier is not None and self._engine_goes_on()
         for rid, instruction in list(self._to_gather.items()):
             del self._to_gather[rid]
             if not self.layers or layout is None or instruction.layout != layout.describe():
@@ -572,23 +582,27 @@ class SemKvWorker(KvCacheConnectorWorker):
                 full = self._in_flight >= self.settings.save_queue_max
                 if not full:
                     self._in_flight += 1
-                    if self._side_copies:
+                    if side:
                         self._copying.add(rid)
             if full:  # nothing reads the blocks: the engine may free them at once
                 self.metrics.donor_saves.labels(outcome="queue_full").inc()
                 self._resolved(rid)
                 continue
             job = SaveCopy(rid, instruction, list(self.layers), time.perf_counter())
-            if self.copier is not None:
+            if side:
+                assert self.copier is not None
                 job.ready = _forward_done_event(stream, self.layers[0].device)
                 self.copier.submit(job)
                 continue
-            if stream is not None:  # engine_thread: the forward's writes must be done first
+            started = time.perf_counter()
+            if stream is not None:  # the forward's writes must be done first
                 stream.synchronize()
             try:
                 copy_blocks(job, self.host_buffers)
             except Exception as exc:  # boundary: counted like a failed side copy
                 job.error = exc
+            if self.copier is not None:  # side copies on, but the engine may block next: a wait
+                self.save_wait_seconds += time.perf_counter() - started
             self._copied(job)
 
     def _copied(self, job: SaveCopy) -> None:
