@@ -239,9 +239,10 @@ class ConnectorSettings(BaseSettings):
     a side worker copies them into reusable host buffers (pinned, on a CUDA side stream ordered after the
     forward by an event, when the pool is on a GPU; a background thread on the CPU) and ``get_finished``
     reports the request (so the engine frees its blocks) only once that copy has completed. When no other
-    request of the engine is live, the copy is waited for in that ``get_finished``: an idle TensorRT-LLM
-    executor blocks and calls no hook, so an id left for a later call would pin the blocks until the next
-    request (connector/README.md, "Saves"). ``engine_thread``: the copy runs synchronously on the engine's
+    request of the engine is live (or the worker cannot tell: vLLM, TensorRT-LLM ranks > 0), the copy is made
+    on the engine's thread in that ``get_finished``: an idle TensorRT-LLM executor blocks and calls no hook,
+    so an id left for a later call would pin the blocks until the next request, and that wait delays no
+    other request (connector/README.md, "Saves off the engine's thread"). ``engine_thread``: the copy runs synchronously on the engine's
     thread (the behaviour before 2026-12-05, kept for comparison: tools/bench_saves.py)."""
     save_in_discovery_only: bool = False
     """In ``discovery_only`` mode, register finished requests as donors and save their KV (for other engines

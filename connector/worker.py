@@ -21,11 +21,13 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
   plan (``layer_skipped``). After the last layer, with every layer copied, the plan counts as
   materialized (DESIGN §2 rule 8).
 * ``wait_for_save(stream)`` / ``get_finished(...)`` — donor saves. An ARMED save (TensorRT-LLM,
-  shipped with the request's first report) is gathered from the pool (device → host) in the
-  ``get_finished`` that names its request among the finished ones, in the iteration that finished
-  it, and reported done at once; other saves are gathered at the next forward's end (or the next
-  ``get_finished`` when no forward ran). A background thread writes the store entry (checksummed,
-  atomically published, ``donor_saved`` in the ledger).
+  shipped with the request's first report) has its copy out of the pool (device → host) queued in
+  the ``get_finished`` that names its request among the finished ones, in the iteration that
+  finished it; other saves at the next forward's end (or the next ``get_finished`` when no forward
+  ran). A side worker copies the blocks (:mod:`connector.save_copies`) and the request is reported
+  done only once the copy has completed — at once, copied on the engine's thread, when no other
+  request is live (see :meth:`SemKvWorker.get_finished`). A background thread writes the store entry
+  (checksummed, atomically published, ``donor_saved`` in the ledger).
 
 What a failure after the promise does depends on whether the engine can retract a promise
 (:mod:`connector.engine_contract`), and is written on the plan (``LoadPlan.binding``):
