@@ -107,8 +107,9 @@ def copy_blocks(job: SaveCopy, buffers: HostBuffers, side_stream: Any = None) ->
     """Copy ``job``'s blocks of every layer view into a host buffer; sets ``job.layers``/``buffer``.
 
     ``side_stream``: a ``torch.cuda.Stream`` for a pool on a GPU (the copy is ordered after
-    ``job.ready`` and waited for here); None: the copy runs on this thread (CPU pool, or the
-    ``engine_thread`` comparison path).
+    ``job.ready`` and waited for here); None: the copy runs synchronously on the calling thread (a
+    CPU pool; or a GPU pool whose stream the caller synchronized: ``engine_thread``, or an engine
+    about to idle).
 
     Raises:
         RuntimeError, IndexError: torch's, e.g. a block id outside the pool.
@@ -124,7 +125,10 @@ def copy_blocks(job: SaveCopy, buffers: HostBuffers, side_stream: Any = None) ->
         if side_stream is None:
             ids = torch.tensor(job.instruction.block_ids[:n], dtype=torch.long, device=first.device)
             for view, dst in zip(views, dsts):
-                torch.index_select(view, 0, ids, out=dst)
+                if view.device.type == "cpu":
+                    torch.index_select(view, 0, ids, out=dst)
+                else:  # a GPU pool copied on the calling thread: gather there, then a blocking copy
+                    dst.copy_(view.index_select(0, ids))
         else:
             with torch.cuda.stream(side_stream):
                 if job.ready is not None:

@@ -15,7 +15,8 @@ import torch
 
 from connector.harness import LlmRequest
 from connector.namespace import content_keys
-from connector.save_copies import HostBuffers
+from connector.plan import SaveInstruction
+from connector.save_copies import HostBuffers, SaveCopy, copy_blocks
 from ledger.client import LedgerClient
 from tools.bench_connector import _saved_donors
 from tools.harness.fleet import MODEL, Engine, Fleet, doc_tokens
@@ -195,3 +196,20 @@ def test_discovery_only_saves_only_when_set(fleet: Fleet) -> None:
     [(_, layers)] = saved_layers(fleet, b)
     assert all(torch.equal(got, want) for got, want in
                zip(layers, pool_layers(b, result.block_ids[: len(DOC) // TPB]), strict=True))
+
+
+def test_copy_blocks_reads_strided_layer_views_and_buffers_are_reused() -> None:
+    pool = torch.randn(16, 3, 2, 40)  # [num_blocks, num_layers, kv_factor, block_elems]: per-layer views are strided
+    views = [pool[:, layer] for layer in range(3)]
+    buffers = HostBuffers(pinned=False)
+    instruction = SaveInstruction(request_id=1, donor_id="d", block_ids=(9, 2, 14, 5), num_blocks=3,
+                                  tokens_per_block=TPB, namespace="ns", layout="l")
+    first = SaveCopy(1, instruction, views, 0.0)
+    copy_blocks(first, buffers)
+    ids = torch.tensor([9, 2, 14])
+    for layer, got in enumerate(first.layers or []):
+        assert torch.equal(torch.frombuffer(bytearray(got), dtype=torch.float32).view(3, 2, 40), pool[ids, layer])
+    buffers.give(first.buffer)
+    second = SaveCopy(2, instruction, views, 0.0)
+    copy_blocks(second, buffers)
+    assert second.buffer is first.buffer and buffers.allocated == 1
