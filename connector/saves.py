@@ -35,7 +35,7 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -237,15 +237,22 @@ class EngineActivity:
             return bool(self._live.difference(finishing))
 
 
-_activities: dict[str, EngineActivity] = {}
+_activities: OrderedDict[tuple[str, int], tuple[Any, EngineActivity]] = OrderedDict()
 _activities_lock = threading.Lock()
+_ACTIVITIES_KEPT = 256
+"""Engines of one process remembered (tests build many; a real process has one per rank)."""
 
 
-def activity_for(pool_key: str) -> EngineActivity:
-    """The process's :class:`EngineActivity` of the engine pool ``pool_key``
-    (:func:`connector.namespace.pool_key`), shared by that engine's scheduler and worker."""
+def activity_for(pool_key: str, llm_args: Any) -> EngineActivity:
+    """The process's :class:`EngineActivity` of the engine built from ``llm_args`` on the pool
+    ``pool_key`` (:func:`connector.namespace.pool_key`): TensorRT-LLM builds an engine's scheduler and
+    worker from the same ``llm_args`` object, so they share it, while two engines of one process (the
+    reference harness's attention-DP ranks share a pool key) do not."""
+    key = (pool_key, id(llm_args))
     with _activities_lock:
-        activity = _activities.get(pool_key)
-        if activity is None:
-            activity = _activities[pool_key] = EngineActivity()
-        return activity
+        entry = _activities.get(key)
+        if entry is None or entry[0] is not llm_args:  # a new object at a reused address is another engine
+            entry = _activities[key] = (llm_args, EngineActivity())
+            while len(_activities) > _ACTIVITIES_KEPT:
+                _activities.popitem(last=False)
+        return entry[1]

@@ -214,7 +214,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.saves = saves_class(s, registrar, self.ledger, self.metrics, backoff, self._guard)
         self._iteration = 0
         self._pool_key = pool_key(s.engine_id, s.store_dir)
-        self._activity = activity_for(self._pool_key)
+        self._activity = activity_for(self._pool_key, llm_args)
         """Which requests are live, for this engine's worker (:class:`~connector.saves.EngineActivity`)."""
         self._namespace_layout = self.namespace.layout.describe() if self.namespace.layout is not None else None
         self._pool_mismatch_logged: str | None = None

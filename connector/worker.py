@@ -178,7 +178,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         """Copy donors out of the pool on the copier's thread (``ConnectorSettings.save_copy``)."""
         self.copier = SaveCopier(self._copied, buffers=self.host_buffers) if self._side_copies else None
         """The side worker copying donors out of the pool (None with ``save_copy = "engine_thread"``)."""
-        self._activity = activity_for(pool_key(s.engine_id, s.store_dir))
+        self._activity = activity_for(pool_key(s.engine_id, s.store_dir), llm_args)
         self.save_engine_seconds = 0.0
         """Cumulative seconds the engine's thread spent on donor saves (gathers, enqueues, waits), for benchmarks."""
         self.save_wait_seconds = 0.0
