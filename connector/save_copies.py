@@ -84,11 +84,9 @@ class HostBuffers:
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes (the smallest idle one that fits, else a new one)."""
         with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
-                return buf
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:  # by position: ``list.remove`` would compare tensors elementwise
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
             self.allocated += 1
         size = -(-max(nbytes, 1) // _BUFFER_ALIGN) * _BUFFER_ALIGN
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
@@ -100,7 +98,7 @@ class HostBuffers:
         with self._lock:
             self._free.append(buf)
             if len(self._free) > self.keep:
-                self._free.remove(min(self._free, key=lambda b: b.numel()))
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
 
 def copy_blocks(job: SaveCopy, buffers: HostBuffers, side_stream: Any = None) -> None:
