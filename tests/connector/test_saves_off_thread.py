@@ -218,8 +218,8 @@ def test_copy_blocks_reads_strided_layer_views_and_buffers_are_reused() -> None:
 def test_host_buffers_of_several_sizes_are_taken_by_fit_and_dropped_smallest_first() -> None:
     buffers = HostBuffers(pinned=False, keep=2)
     small, large = buffers.take(10), buffers.take(5 << 20)
-    buffers.give(large)
     buffers.give(small)
+    buffers.give(large)
     assert buffers.take(3 << 20) is large and buffers.take(1) is small  # the smallest that fits
     third = buffers.take(2 << 20)
     for buf in (small, large, third):
