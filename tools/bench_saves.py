@@ -82,6 +82,9 @@ def one_donor(llm: HarnessLLM, doc: list[int], companion: list[int] | None) -> d
     llm.run_until_idle(timeout_s=3600)
     assert llm.pending_transfers() == [], llm.pending_transfers()
     assert worker.flush(120)
+    m = llm.semkv_metrics
+    failed = {o: m.value("semkv_donor_saves_total", outcome=o) for o in ("failed", "queue_full", "layout_mismatch")}
+    assert not any(failed.values()), f"a save did not complete: {failed}"  # a skipped copy would flatter the figures
     return out
 
 
