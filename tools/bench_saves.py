@@ -21,7 +21,9 @@ Measured per donor: its own prefill (submission to first token, ``GenerationResu
 and the engine's thread time in the worker's save work from submission until the engine reported the
 donor's id (``SemKvWorker.save_engine_seconds``: ``get_finished`` and ``wait_for_save`` gathers,
 enqueues and waits), as a share of that prefill; ``idle`` also the part spent waiting for the copy
-(``save_wait_seconds``). The engines' own block reuse is off (every prefill is cold).
+(``save_wait_seconds``); and how long the donor's blocks stayed held after the iteration that
+finished it (the price of reporting only once copied: the side copy competes with the engine for
+the CPU). The engines' own block reuse is off (every prefill is cold).
 
 Usage: ``python tools/bench_saves.py [--tokens 8192,32768] [--reps 3]``; prints the table and writes
 it to ``tools/results/saves-YYYY-MM-DD.md`` (``--out``).
@@ -35,6 +37,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -74,11 +77,15 @@ def one_donor(llm: HarnessLLM, doc: list[int], companion: list[int] | None) -> d
         chunks = -(-len(doc) // MAX_NUM_TOKENS)
         llm.submit(companion, chunks + 16)
     loop = llm._loop  # the harness's executor: whether the donor's blocks are still held
+    finished_at = None
     while not loop.runs[rid].done or rid in loop.pinned:
         if not llm.step():
             raise RuntimeError(f"the engine went idle with donor {rid} pending")
+        if finished_at is None and loop.runs[rid].done:
+            finished_at = time.perf_counter()  # after the iteration that finished it
+    held = 0.0 if finished_at is None else time.perf_counter() - finished_at
     out = {"prefill": llm.result(rid).prefill_seconds, "engine": worker.save_engine_seconds - engine0,
-           "wait": worker.save_wait_seconds - wait0}
+           "wait": worker.save_wait_seconds - wait0, "held": held}
     llm.run_until_idle(timeout_s=3600)
     assert llm.pending_transfers() == [], llm.pending_transfers()
     assert worker.flush(120)
@@ -111,7 +118,8 @@ def bench(tokens_list: list[int], reps: int, root: Path) -> dict:
                         rows[(mode, scenario)].append(r)
                         print(f"{tokens} {mode:13s} {scenario}: prefill {r['prefill']:.3f} s, engine-thread save "
                               f"{r['engine'] * 1e3:.2f} ms ({100 * r['engine'] / r['prefill']:.3f} %), waited "
-                              f"{r['wait'] * 1e3:.2f} ms", flush=True)
+                              f"{r['wait'] * 1e3:.2f} ms, blocks held after the finishing iteration "
+                              f"{r['held'] * 1e3:.1f} ms", flush=True)
             kv_bytes = engines["side"].kv_cache[0].numel() * engines["side"].kv_cache.element_size() * (tokens // TPB)
             results[tokens] = {"rows": rows, "donor_bytes": kv_bytes,
                                "buffers": engines["side"].connector.workers[0].host_buffers.allocated}
@@ -139,8 +147,9 @@ def write_table(results: dict, args, started: str, ended: str, load: str) -> Pat
              "engine reported its id (all `get_finished`/`wait_for_save` save work: copies, enqueues, waits). "
              "Medians over the repetitions; the share is per run, then the median.", "",
              "| tokens | donor KV | scenario | save_copy | runs | donor prefill (s) | engine-thread save (ms) | "
-             "share of prefill | of which waiting for the copy (ms) |",
-             "|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+             "share of prefill | of which copying/waiting because the engine may idle (ms) | "
+             "blocks held after the finishing iteration (ms) |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for tokens, res in results.items():
         for scenario in SCENARIOS:
             for mode in MODES:
@@ -148,7 +157,8 @@ def write_table(results: dict, args, started: str, ended: str, load: str) -> Pat
                 shares = [100 * r["engine"] / r["prefill"] for r in rows]
                 lines.append(f"| {tokens:,} | {res['donor_bytes'] / 2**20:.0f} MiB | {scenario} | `{mode}` | {len(rows)} "
                              f"| {_med([r['prefill'] for r in rows]):.2f} | {1e3 * _med([r['engine'] for r in rows]):.2f} "
-                             f"| {_med(shares):.3f} % | {1e3 * _med([r['wait'] for r in rows]):.2f} |")
+                             f"| {_med(shares):.3f} % | {1e3 * _med([r['wait'] for r in rows]):.2f} "
+                             f"| {1e3 * _med([r['held'] for r in rows]):.1f} |")
     lines += ["", "Host buffers the side copier allocated per engine (reused across donors): "
               + ", ".join(f"{t:,} tokens: {r['buffers']}" for t, r in results.items()) + ".", ""]
     out.parent.mkdir(parents=True, exist_ok=True)
