@@ -105,8 +105,10 @@ def connector_check(
             raise
         _fail(f"{database_error_line(exc, settings.db, setting='db')} ({origin('db')})")
     if settings.donor_store == "redis":
-        _check_redis(settings, origin)
-        return _check_layouts(llm_args, options, model_config, settings)
+        ready = _check_redis(settings, origin)
+        _check_layouts(llm_args, options, model_config, settings)  # a refused layout exits 1: never "ready"
+        typer.echo(ready)
+        return
     try:
         store = FileDonorStore(settings.store_dir, settings.store_capacity_bytes)
         probe = store.root / f".tmp-{os.getpid()}-check.kv"
@@ -117,27 +119,31 @@ def connector_check(
     except OSError as exc:  # the probe write
         _fail(f"donor store directory {settings.store_dir} (store_dir): cannot write in it: {exc.strerror or exc} "
               f"({origin('store_dir')})")
+    _check_layouts(llm_args, options, model_config, settings)  # a refused layout exits 1: never "ready"
     typer.echo(f"connector ready: mode={settings.mode} engine_id={settings.engine_id} "
                f"ledger={url_for_humans(settings.db)} store={store.root} "
                f"({store.used_bytes():,} of {settings.store_capacity_bytes:,} bytes used)")
-    _check_layouts(llm_args, options, model_config, settings)
 
 
-def _check_redis(settings: Any, origin: Any) -> None:
-    """``donor_store = "redis"``: one round trip to ``redis_url`` (exit 2 naming the setting)."""
+def _check_redis(settings: Any, origin: Any) -> str:
+    """``donor_store = "redis"``: one round trip to ``redis_url`` (exit 2 naming the setting); the
+    "connector ready" line to print once every other check has passed."""
     from connector.donor_store import StoreUnavailable
-    from connector.redis_store import RedisDonorStore
+    from connector.redis_store import RedisDonorStore, operator_warnings
 
     store = RedisDonorStore(settings.redis_url, settings.store_dir, key_prefix=settings.redis_key_prefix,
                             timeout_s=settings.redis_timeout_s)
     try:
         store.ping()
+        warnings = operator_warnings(store, redis_ttl_s=settings.redis_ttl_s, donor_ttl_s=settings.donor_ttl_s)
     except StoreUnavailable as exc:
         _fail(f"donor store (redis_url): {exc} ({origin('redis_url')})")
     finally:
         store.close()
-    typer.echo(f"connector ready: mode={settings.mode} engine_id={settings.engine_id} ledger={_ledger_url(settings)} "
-               f"store=redis {store.where()} prefix={settings.redis_key_prefix} ttl={settings.redis_ttl_s:g} s")
+    for warning in warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    return (f"connector ready: mode={settings.mode} engine_id={settings.engine_id} ledger={_ledger_url(settings)} "
+            f"store=redis {store.where()} prefix={settings.redis_key_prefix} ttl={settings.redis_ttl_s:g} s")
 
 
 def _ledger_url(settings: Any) -> str:

@@ -198,6 +198,8 @@ class DonorStore(Protocol):
 
     def open(self, ref: str, checksum: str) -> Any: ...
 
+    def open_handle(self, handle: tuple[str, int, int], ref: str, checksum: str) -> Any: ...
+
     def get(self, ref: str, checksum: str) -> bytes: ...
 
     def verify(self, ref: str, checksum: str) -> None: ...
@@ -449,6 +451,20 @@ class SecuredEntry:
             raise EntryMissing(f"{self.ref}: {exc}") from exc
         return DonorReader(Path(self.path), header, data_offset, self.fd, owns_fd=False)
 
+    def handle(self) -> tuple[str, int, int]:
+        """``(path, st_dev, st_ino)``: a path another process of this host running as the same user
+        opens to reach this very file (``/proc/<pid>/fd/<fd>``: the open descriptor's file, even
+        after its name is unlinked or replaced), and the identity that open must find; valid while
+        this entry is held. :meth:`FileDonorStore.open_handle` opens it.
+
+        Raises:
+            EntryMissing: already released.
+        """
+        if self._release is None:
+            raise EntryMissing(f"secured entry {self.ref} was already released")
+        st = os.fstat(self.fd)
+        return f"/proc/{os.getpid()}/fd/{self.fd}", st.st_dev, st.st_ino
+
     def release(self) -> None:
         release, self._release = self._release, None
         if release is not None:
@@ -458,8 +474,11 @@ class SecuredEntry:
 class SecuredShards:
     """Every shard of a tensor-parallel donor held for a promise (:meth:`FileDonorStore.secure` of its
     manifest): one :class:`SecuredEntry` per rank. The worker of rank 0, in the scheduler's process,
-    reads its shard through :meth:`shard`; another rank's worker, in its own process, opens its shard
-    by ref and checks it against the plan's checksum (a process cannot hand another its files)."""
+    reads its shard through :meth:`shard`; another rank's worker, in its own process, opens the file
+    rank 0 holds through its :meth:`handles` (:meth:`FileDonorStore.open_handle`), so a shard evicted
+    or replaced after the promise is still the checksummed file it reads. Rank 0's worker holds the
+    shards until the iteration's forward has run (connector/worker.py): every rank's
+    ``start_load_kv`` comes before that forward's collectives."""
 
     __slots__ = ("ref", "checksum", "shards")
 
@@ -469,6 +488,14 @@ class SecuredShards:
     def shard(self, rank: int) -> SecuredEntry:
         """Rank ``rank``'s shard."""
         return self.shards[rank]
+
+    def handles(self) -> tuple[tuple[str, int, int], ...]:
+        """Every shard's :meth:`SecuredEntry.handle`, by rank (rank 0's too: the plan is broadcast whole).
+
+        Raises:
+            EntryMissing: already released.
+        """
+        return tuple(entry.handle() for entry in self.shards)
 
     def release(self) -> None:
         """Give every shard back (idempotent)."""
@@ -672,6 +699,31 @@ class FileDonorStore:
             os.close(fd)
             raise
         return DonorReader(path, header, data_offset, fd)
+
+    def open_handle(self, handle: tuple[str, int, int], ref: str, checksum: str) -> DonorReader:
+        """Open the file another process of this host secured (:meth:`SecuredEntry.handle`) as entry
+        ``ref`` and check its header against ``checksum``, as :meth:`open` does.
+
+        Raises:
+            EntryMissing: the handle cannot be opened (its holder let go or exited, another host,
+                another user, no ``/proc``), or it opens a file that is not the one secured (the
+                descriptor number was reused): open ``ref`` by name instead.
+            ChecksumMismatch: the header is not the one the ledger recorded.
+        """
+        path, dev, ino = handle
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise EntryMissing(f"secured handle of {ref} cannot be opened: {exc}") from exc
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                raise EntryMissing(f"secured handle of {ref} is another file now (its holder let it go)")
+            header, data_offset = _read_header(fd, ref, checksum)
+        except BaseException:
+            os.close(fd)
+            raise
+        return DonorReader(self._path(ref), header, data_offset, fd)
 
     def read_header(self, ref: str) -> EntryHeader:
         """The header of an entry WITHOUT checksum verification (telemetry only).
@@ -994,11 +1046,14 @@ def open_donor_store(settings: Any, ledger: Any = None) -> Any:
         ValueError: ``redis_url`` is not a Redis URL.
     """
     if settings.donor_store == "redis":
-        from connector.redis_store import RedisDonorStore
+        from connector.redis_store import RedisDonorStore, operator_warnings
 
-        return RedisDonorStore(settings.redis_url, settings.store_dir, key_prefix=settings.redis_key_prefix,
-                               ttl_s=settings.redis_ttl_s, timeout_s=settings.redis_timeout_s,
-                               stage_bytes=settings.redis_stage_bytes, ledger=ledger)
+        store = RedisDonorStore(settings.redis_url, settings.store_dir, key_prefix=settings.redis_key_prefix,
+                                ttl_s=settings.redis_ttl_s, timeout_s=settings.redis_timeout_s,
+                                stage_bytes=settings.redis_stage_bytes, ledger=ledger)
+        for warning in operator_warnings(store, redis_ttl_s=settings.redis_ttl_s, donor_ttl_s=settings.donor_ttl_s):
+            log.warning("semkv: %s", warning)
+        return store
     return FileDonorStore(settings.store_dir, settings.store_capacity_bytes, ledger=ledger)
 
 

@@ -60,6 +60,7 @@ What TensorRT-LLM does per layout (NVIDIA/TensorRT-LLM, read through the project
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -192,14 +193,55 @@ def tensor_parallel_layout(tp_size: int, num_kv_heads: int | None) -> str:
 
 
 def process_rank() -> int:
-    """This process's MPI/torch rank from the usual environment variables (0 when none is set): the
-    tensor-parallel rank of a TensorRT-LLM worker (one MPI process per rank, no pipeline parallelism)."""
+    """This process's rank: the tensor-parallel rank of a TensorRT-LLM worker (one MPI process per
+    rank; pipeline parallelism is refused), from the most authoritative source present:
+
+    1. TensorRT-LLM's own ``tensorrt_llm._utils.mpi_rank()`` when the engine has imported
+       TensorRT-LLM (the rank its connector manager broadcasts and all-gathers by; imported in
+       NVIDIA/TensorRT-LLM tensorrt_llm/_torch/pyexecutor/connectors/kv_cache_connector.py @ 035ab91c);
+    2. ``torch.distributed.get_rank()`` when a process group is initialized (vLLM, the harness);
+    3. the launcher's environment (``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, ``PMIX_RANK``, ``RANK``,
+       ``SLURM_PROCID``); 0 when none is set.
+
+    The environment comes last: one launcher's variables can say another rank than the process
+    group the engine really runs in (every rank 0, or ranks of a larger job), and a worker that
+    takes another rank's number loads that rank's shard into its own pool, which no checksum
+    can tell apart (same shape, a valid shard). A disagreement is logged.
+    """
     import os
 
-    for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
+    env_rank = next((int(os.environ[name]) for name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK",
+                                                        "SLURM_PROCID") if os.environ.get(name, "").isdigit()), None)
+    rank = _engine_rank()
+    if rank is None:
+        return env_rank if env_rank is not None else 0
+    if env_rank is not None and env_rank != rank:
+        logging.getLogger(__name__).warning(
+            "semkv: the launcher's environment says rank %d, the engine's process group rank %d: using %d",
+            env_rank, rank, rank)
+    return rank
+
+
+def _engine_rank() -> int | None:
+    """The rank TensorRT-LLM (already imported by the engine) or an initialized
+    ``torch.distributed`` process group gives this process; None when neither does."""
+    import sys
+
+    if "tensorrt_llm" in sys.modules:  # never imported here: only what the hosting engine loaded
+        try:
+            from tensorrt_llm._utils import mpi_rank
+
+            return int(mpi_rank())
+        except Exception:  # noqa: BLE001 - no MPI in this process, or another TensorRT-LLM layout
+            pass
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except (ImportError, RuntimeError, ValueError):
+        pass
+    return None
 
 
 def model_kv_heads(model_config: Mapping[str, Any] | None) -> int | None:
@@ -250,7 +292,9 @@ def parallel_layouts(llm_args: Any, *, attention_dp_api: bool, num_kv_heads: int
         tp_row = LayoutSupport(
             "tensor_parallel", "tensor parallelism (TP)", tp_in_use, True,
             f"tensor_parallel_size={tp}" + (", the attention-DP ranks: attention not sharded" if adp else "")
-            + (f", KV heads by rank {tensor_parallel_layout(tp, num_kv_heads).split('=')[-1]}" if heads else ""),
+            + (f", KV heads by rank {tensor_parallel_layout(tp, num_kv_heads).split('=')[-1]}" if heads else "")
+            + (", if the model's KV heads are a multiple of the ranks: not checked without them"
+               if tp_in_use and num_kv_heads is None else ""),
             "every rank holds a contiguous shard of the KV heads; each rank's worker saves and loads its own "
             "shard, a donor is offered only once every rank's shard is saved and checksummed, a plan names every "
             "rank's shard and fails as a whole, and the namespace's parallel_layout (TP size, KV heads per rank) "

@@ -36,6 +36,11 @@ class LoadPlan:
     checksum)`` by rank (from the donor's manifest, ``store_ref``): each rank's worker loads its
     own, and the plan fails as a whole if one cannot (the scheduler offered the donor only with every
     shard checksummed). Empty without tensor parallelism.
+    ``shard_handles``: for a binding plan under tensor parallelism, every rank's shard as the file
+    rank 0's scheduler secured, ``(path, st_dev, st_ino)`` by rank
+    (:meth:`connector.donor_store.SecuredEntry.handle`): another rank opens it, so a shard evicted or
+    replaced after the promise still loads the checksummed bytes; it opens ``shards[rank]`` by name
+    only when the handle cannot be opened. Empty otherwise.
     """
 
     request_id: int
@@ -59,6 +64,7 @@ class LoadPlan:
     failed: str | None = None
     binding: bool = False
     shards: tuple[tuple[str, str], ...] = ()
+    shard_handles: tuple[tuple[str, int, int], ...] = ()
     predicted_saved_s: float | None = None
     """Prefill seconds the profitability gate predicted this load saves (None: not predicted;
     :mod:`connector.profit`); the worker compares it with the load's real time

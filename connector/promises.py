@@ -365,6 +365,7 @@ class PromiseBook:
             donor_engine_id=p.span.engine_id, donor_generation=p.span.generation, layout=self.layout,
             freshness_policy=str(self.policy), failed=failed, binding=self.protocol.binding,
             shards=self._shards(p),
+            shard_handles=p.secured.handles() if isinstance(p.secured, SecuredShards) else (),
             predicted_saved_s=p.forecast.predicted_saving_s if p.forecast is not None else None)
 
     def _shards(self, p: Promise) -> tuple[tuple[str, str], ...]:

@@ -72,7 +72,7 @@ from connector.donor_store import (ChecksumMismatch, DonorStoreError, EntryHeade
                                    StoreUnavailable)
 from ledger.errors import LedgerError
 
-__all__ = ["REF_SUFFIX", "RedisDonorStore", "StagedEntry", "StagedReader", "StoreUnavailable"]
+__all__ = ["REF_SUFFIX", "RedisDonorStore", "RedisMemory", "operator_warnings", "StagedEntry", "StagedReader", "StoreUnavailable"]
 
 log = logging.getLogger(__name__)
 REF_SUFFIX = ".redis"
@@ -187,6 +187,30 @@ class StagedEntry:
             release()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RedisMemory:
+    """What the server says of its memory (``INFO memory``): ``used_bytes``, ``max_bytes``
+    (``maxmemory``; 0: no limit) and ``policy`` (``maxmemory-policy``)."""
+
+    used_bytes: int
+    max_bytes: int
+    policy: str
+
+    def warnings(self) -> list[str]:
+        """What an operator must change for donors to come and go as designed: a server that refuses
+        writes when full (``noeviction``: saves fail from then on, nothing makes room), or that has
+        no memory limit (donor bytes grow until the host runs out of memory; keys expire only after
+        ``redis_ttl_s``)."""
+        out = []
+        if self.policy == "noeviction":
+            out.append("Redis maxmemory-policy is noeviction: once it is full every donor save fails; set "
+                       "allkeys-lru or volatile-lru (every key of the donor store has a TTL)")
+        if self.max_bytes == 0:
+            out.append(f"Redis has no maxmemory ({self.used_bytes:,} bytes used): donor bytes grow until the host "
+                       "runs out of memory (keys leave only when redis_ttl_s runs out); set maxmemory")
+        return out
+
+
 class RedisDonorStore:
     """Donor bytes on a Redis server (see the module docstring).
 
@@ -284,6 +308,24 @@ class RedisDonorStore:
         except redis.RedisError as exc:
             raise StoreUnavailable(f"Redis donor store {self.where()}: ping: {exc}") from exc
 
+    def memory(self) -> RedisMemory | None:
+        """The server's memory use, limit and eviction policy; None when it does not say (``INFO``
+        refused by its ACL, or a server that omits the fields).
+
+        Raises:
+            StoreUnavailable: no answer within ``timeout_s``.
+        """
+        try:
+            info = self.redis.info("memory")
+        except redis.ResponseError:  # e.g. -NOPERM: the ACL of this user does not allow INFO
+            return None
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"Redis donor store {self.where()}: info memory: {exc}") from exc
+        try:
+            return RedisMemory(int(info["used_memory"]), int(info["maxmemory"]), str(info["maxmemory_policy"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
     # -- write ---------------------------------------------------------------------------------
 
     def put(self, donor_id: str, layers: Sequence[Any], header: dict[str, Any]) -> StoredEntry:
@@ -337,14 +379,16 @@ class RedisDonorStore:
             extended = pipe.execute()
             # PEXPIRE ... GT is 0 for a missing key and for one expiring later already (then SET NX is a no-op)
             missing = [address for address, ok in zip(first, extended, strict=True) if not ok]
-            per_round = max(1, self.fetch_chunk_bytes // max(1, blocks[0].nbytes))
+            per_round, newly_written = max(1, self.fetch_chunk_bytes // max(1, blocks[0].nbytes)), 0
             for start in range(0, len(missing), per_round):
                 pipe = self.redis.pipeline(transaction=False)
                 for address in missing[start : start + per_round]:
                     pipe.set(keys[address], blocks[first[address]].tobytes(), px=self.ttl_ms, nx=True)
-                written = pipe.execute()
-                self.blocks_written += sum(1 for ok in written if ok)
-        self.blocks_shared += len(addresses) - sum(1 for _ in missing)
+                newly_written += sum(1 for ok in pipe.execute() if ok)
+            self.blocks_written += newly_written
+        # every block this put did not write was there already (a key extended within the same
+        # millisecond it was written reads as "missing" to PEXPIRE GT, and its SET NX is a no-op)
+        self.blocks_shared += len(addresses) - newly_written
 
     # -- read ----------------------------------------------------------------------------------
 
@@ -363,6 +407,14 @@ class RedisDonorStore:
     def shards_of(self, ref: str) -> tuple[tuple[str, str], ...]:
         """A Redis entry is a whole donor: no shards."""
         return ()
+
+    def open_handle(self, handle: tuple[str, int, int], ref: str, checksum: str) -> StagedReader:
+        """No plan names a secured shard handle of this store (it keeps no shards).
+
+        Raises:
+            EntryMissing: always; the caller opens ``ref`` instead.
+        """
+        raise EntryMissing(f"{ref}: the redis donor store holds no secured shard handles")
 
     def open(self, ref: str, checksum: str) -> StagedReader:
         """A reader of the entry: its staged copy (``source="host_ram"``), else the entry fetched
@@ -685,3 +737,21 @@ def _parse_manifest(raw: bytes, ref: str) -> _Manifest:
     except (ValueError, TypeError, KeyError) as exc:
         raise ChecksumMismatch(f"{ref}: unreadable manifest: {exc}") from exc
     return _Manifest(header, blocks, len(raw) + header.num_blocks * header.num_layers * header.block_bytes)
+
+
+def operator_warnings(store: RedisDonorStore, *, redis_ttl_s: float, donor_ttl_s: float | None) -> list[str]:
+    """Settings and server state that make donors disappear or stop being saved (connector-check
+    prints them; the connector logs them when it opens the store): ``redis_ttl_s`` shorter than
+    ``donor_ttl_s`` (a donor's bytes expire while the ledger still offers it: every such lookup is
+    a miss, recorded as evicted), and :meth:`RedisMemory.warnings`. Empty when the server cannot
+    be asked (unreachable: reported where it is used)."""
+    out = []
+    if donor_ttl_s is not None and redis_ttl_s < donor_ttl_s:
+        out.append(f"redis_ttl_s ({redis_ttl_s:g} s) is shorter than donor_ttl_s ({donor_ttl_s:g} s): a donor's "
+                   "bytes expire in Redis while the ledger still offers it; raise redis_ttl_s")
+    try:
+        memory = store.memory()
+    except StoreUnavailable:
+        memory = None
+    return out + (memory.warnings() if memory is not None else [])
+

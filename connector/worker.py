@@ -159,6 +159,10 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.num_blocks = 0
         self.layout: KvLayout | None = None
         self._active: list[_ActiveLoad] = []
+        self._held_for_ranks: list[tuple[int, SecuredShards]] = []
+        """Rank 0: shards secured for loads the other ranks read through :attr:`LoadPlan.shard_handles`,
+        with the ``get_finished`` count when this rank's load ended (:meth:`_release_held_for_ranks`)."""
+        self._get_finished_calls = 0
         self.failed_plans: deque[LoadPlan] = deque(maxlen=_FAILED_PLANS_KEPT)
         """Plans whose load failed or was abandoned, oldest first; an engine adapter that reports
         failed blocks to its engine (vLLM's ``get_block_ids_with_load_errors``) drains it."""
@@ -318,7 +322,11 @@ class SemKvWorker(KvCacheConnectorWorker):
         if isinstance(secured, SecuredShards):
             secured = secured.shard(self.tp_rank)
         try:
-            return secured.reader() if secured is not None else self.store.open(ref, checksum)
+            if secured is not None:
+                return secured.reader()
+            if plan.shard_handles:
+                return self._open_secured_shard(plan, ref, checksum)
+            return self.store.open(ref, checksum)
         except EntryMissing as exc:
             self._forget(plan, ref)  # lookups check it in full again
             raise SemKvLoadError(plan, "store_missing", str(exc)) from exc
@@ -327,6 +335,21 @@ class SemKvWorker(KvCacheConnectorWorker):
             raise SemKvLoadError(plan, "checksum_mismatch", str(exc)) from exc
         except StoreUnavailable as exc:  # a networked store down: nothing was read
             raise SemKvLoadError(plan, "store_unavailable", str(exc)) from exc
+
+    def _open_secured_shard(self, plan: LoadPlan, ref: str, checksum: str) -> DonorReader:
+        """This rank's shard as the file rank 0's scheduler secured for the promise (whatever
+        happened to its name since); by name only if that handle cannot be opened (another host or
+        user, no ``/proc``), with a warning: then the shard must still be in the store.
+
+        Raises:
+            EntryMissing, ChecksumMismatch, StoreUnavailable: as :meth:`FileDonorStore.open`.
+        """
+        try:
+            return self.store.open_handle(plan.shard_handles[self.tp_rank], ref, checksum)
+        except EntryMissing as exc:
+            log.warning("semkv: request %s: rank %d opens shard %s by name: %s", plan.request_id, self.tp_rank,
+                        ref, exc)
+            return self.store.open(ref, checksum)
 
     def _forget(self, plan: LoadPlan, ref: str) -> None:
         """A load found ``ref`` (the plan's entry, or this rank's shard of it) missing or corrupt."""
@@ -444,9 +467,28 @@ class SemKvWorker(KvCacheConnectorWorker):
         if load.reader is not None:
             load.reader.close()
         self.store.release(load.plan.donor_id)
-        if load.secured is not None:
+        if isinstance(load.secured, SecuredShards) and load.plan.shard_handles:
+            # the other ranks open their shards through the files held here (plan.shard_handles)
+            self._held_for_ranks.append((self._get_finished_calls, load.secured))
+        elif load.secured is not None:
             load.secured.release()
-            load.secured = None
+        load.secured = None
+
+    def _release_held_for_ranks(self, *, every: bool = False) -> None:
+        """Give back the shards held for the other ranks' loads once every rank is past them: at
+        the second ``get_finished`` after the load. TensorRT-LLM all-gathers every rank's answer
+        right after each ``get_finished`` (``KvCacheConnectorManager.get_finished`` →
+        ``mpi_allgather``, NVIDIA/TensorRT-LLM tensorrt_llm/_torch/pyexecutor/connectors/
+        kv_cache_connector.py @ 035ab91c), so when the second call comes, every rank has been in
+        the all-gather after the first, which each rank reaches only after its own
+        ``start_load_kv`` of the load (overlapped iterations or not). ``every``: all (closing)."""
+        keep = []
+        for held_at, secured in self._held_for_ranks:
+            if every or self._get_finished_calls - held_at >= 2:
+                secured.release()
+            else:
+                keep.append((held_at, secured))
+        self._held_for_ranks = keep
 
     def _fail_all(self, error: SemKvLoadError, plans: tuple[LoadPlan, ...] = ()) -> None:
         """``error``'s plan failed: every active plan (and the iteration's other ``plans``) fails."""
@@ -522,6 +564,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         ids awaited are waited for: TensorRT-LLM's idle loop calls no hook, so an id left for later
         would pin the blocks until the next request; the wait delays no other request."""
         started = time.perf_counter()
+        self._get_finished_calls += 1
+        self._release_held_for_ranks()
         now = time.monotonic()
         for rid in finished_gen_req_ids:
             armed = self._armed.pop(rid, None)
@@ -673,6 +717,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         self._queue.put(None)
         self._saver.join(10)
         self._abandon_active()
+        self._release_held_for_ranks(every=True)
         self.store.close()
         self.ledger.close()
 

@@ -11,9 +11,14 @@ code before issue #22's index) and ``PlacementAdvisor()`` (the index, caught up 
 hashes given; then the same over HTTP (``semkv-ledger serve``'s app under uvicorn on a loopback
 socket, one server per advisor, httpx with a kept connection). Garbage collection is off while
 timing (in process). Both answers are compared (every engine's overlap); a difference stops the run.
+With ``--dynamo-python`` (default ``$SEMKV_DYNAMO_PYTHON``, set by ``tools/dynamo_cpu/setup_env.py
+--print-env``) the same blocks and in-process queries are also given to Dynamo 1.6.1's own
+``RadixTree`` in its venv (tools/dynamo_cpu/radix_bench.py: from tokens, its block hashing and
+``find_matches``; hashes given, ``find_matches`` alone), its scores checked equal to the index's.
 
 Usage: ``python tools/bench_placement.py [--engines 8] [--prompts-per-engine 16]
-[--prompt-tokens 32768] [--queries 300]``; prints a markdown table of p50 / p99 in ms.
+[--prompt-tokens 32768] [--queries 300] [--dynamo-python PATH]``; prints a markdown table of p50 /
+p99 in ms.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -86,9 +94,37 @@ def serve(advisor: PlacementAdvisor) -> tuple[str, uvicorn.Server, threading.Thr
     return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
 
 
+def percentiles(seconds: list[float]) -> tuple[float, float]:
+    """(p50, p99) in ms."""
+    return statistics.median(seconds) * 1e3, statistics.quantiles(seconds, n=100)[98] * 1e3
+
+
 def row(case: str, times: dict[str, list[float]]) -> tuple[str, tuple[float, float], tuple[float, float]]:
-    p = {name: (statistics.median(v) * 1e3, statistics.quantiles(v, n=100)[98] * 1e3) for name, v in times.items()}
+    p = {name: percentiles(v) for name, v in times.items()}
     return case, p["ledger tables"], p["live index"]
+
+
+def dynamo_radix_tree(python: str, prompts: list[list[list[int]]], queries: list[list[int]]) -> dict:
+    """Dynamo's ``RadixTree`` built from the same stored blocks and asked the same queries, in its
+    own venv (tools/dynamo_cpu/radix_bench.py): its per-query times and scores."""
+    job = {"block_size": TPB, "queries": queries,
+           "engines": [[[prompt, dynamo_block_hashes(prompt, TPB)] for prompt in engine] for engine in prompts]}
+    script = Path(__file__).resolve().parent / "dynamo_cpu" / "radix_bench.py"
+    done = subprocess.run([python, str(script)], input=json.dumps(job), capture_output=True, text=True,
+                          timeout=1800, check=False, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    if done.returncode != 0:
+        raise SystemExit(f"Dynamo's RadixTree run failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout)
+
+
+def check_dynamo_agrees(scores: list[dict[str, int]], answers: list) -> None:  # noqa: ANN001
+    """Every engine's overlap from the live index equals Dynamo's score for its worker (engine
+    ``worker-i`` is Dynamo's worker ``i``; a worker Dynamo does not list holds 0 blocks)."""
+    for theirs, ours in zip(scores, answers, strict=True):
+        mine = {a.engine_id: a.live_blocks for a in ours.engines}
+        dynamo = {f"worker-{w}": blocks for w, blocks in theirs.items()}
+        if any(blocks != dynamo.get(engine, 0) for engine, blocks in mine.items()):
+            raise SystemExit(f"the live index and Dynamo's RadixTree disagree: {mine} vs {dynamo}")
 
 
 def main() -> None:
@@ -98,6 +134,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32_768)
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--seed", type=int, default=22)
+    parser.add_argument("--dynamo-python", default=os.environ.get("SEMKV_DYNAMO_PYTHON"),
+                        help="the Dynamo venv's python (tools/dynamo_cpu/setup_env.py; default "
+                             "$SEMKV_DYNAMO_PYTHON): time Dynamo's RadixTree on the same blocks and queries")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     prompts = [[[rng.randrange(50_000) for _ in range(args.prompt_tokens)] for _ in range(args.prompts_per_engine)]
@@ -112,16 +151,17 @@ def main() -> None:
         indexed = PlacementAdvisor(db, tokens_per_block=TPB)
         print(f"index loaded in {time.perf_counter() - started:.2f} s ({indexed.index.blocks()} blocks)")
         direct = PlacementAdvisor(db, tokens_per_block=TPB, live_index=False)
-        rows = []
+        rows, dynamo_rows = [], {}
         try:
             for label, length in (("2K tokens", 2048), (f"{args.prompt_tokens // 1024}K tokens", args.prompt_tokens)):
+                queries = [rng.choice(rng.choice(prompts))[: length - TPB] + [rng.randrange(50_000) for _ in range(TPB)]
+                           for _ in range(args.queries)]
+                index_answers = []
                 for given in (False, True):
                     times = {"ledger tables": [], "live index": []}
                     gc.disable()
                     try:
-                        for _ in range(args.queries):
-                            prompt = rng.choice(rng.choice(prompts))
-                            tokens = prompt[: length - TPB] + [rng.randrange(50_000) for _ in range(TPB)]
+                        for tokens in queries:
                             hashes = dynamo_block_hashes(tokens, TPB) if given else None
                             answers = []
                             for name, advisor in (("ledger tables", direct), ("live index", indexed)):
@@ -130,9 +170,15 @@ def main() -> None:
                                 times[name].append(time.perf_counter() - t0)
                             if overlaps(answers[0]) != overlaps(answers[1]):
                                 raise SystemExit(f"the two answers differ: {overlaps(answers[0])} {overlaps(answers[1])}")
+                            index_answers.append(answers[1])
                     finally:
                         gc.enable()
                     rows.append(row(f"{label}, {'block hashes given' if given else 'from tokens'}", times))
+                if args.dynamo_python:
+                    dynamo = dynamo_radix_tree(args.dynamo_python, prompts, queries)
+                    check_dynamo_agrees(dynamo["scores"], index_answers[: len(queries)])
+                    dynamo_rows[f"{label}, from tokens"] = percentiles(dynamo["from_tokens_s"])
+                    dynamo_rows[f"{label}, block hashes given"] = percentiles(dynamo["hashes_given_s"])
             servers = {name: serve(advisor) for name, advisor in (("ledger tables", direct), ("live index", indexed))}
             clients = {name: httpx.Client(base_url=url, timeout=60) for name, (url, _, _) in servers.items()}
             try:
@@ -160,11 +206,14 @@ def main() -> None:
         finally:
             indexed.close()
             direct.close()
-    print("\n| query | ledger tables p50 / p99 (ms) | live index p50 / p99 (ms) | p99 ratio |")
-    print("|---|---:|---:|---:|")
+    print("\n| query | ledger tables p50 / p99 (ms) | live index p50 / p99 (ms) | p99 ratio | "
+          "Dynamo RadixTree p50 / p99 (ms) | live index / Dynamo p99 |")
+    print("|---|---:|---:|---:|---:|---:|")
     for case, before, after in rows:
+        theirs = dynamo_rows.get(case)
+        dynamo_cells = (f"{theirs[0]:.3f} / {theirs[1]:.3f} | {after[1] / theirs[1]:.1f}×" if theirs else "— | —")
         print(f"| {case} | {before[0]:.3f} / {before[1]:.3f} | {after[0]:.3f} / {after[1]:.3f} | "
-              f"{before[1] / after[1]:.1f}× |")
+              f"{before[1] / after[1]:.1f}× | {dynamo_cells} |")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from ledger.client import LedgerClient
 from ledger.errors import LedgerError
 from ledger.live_index import IndexKey, LiveIndex, index_keys
 from ledger.placement_reads import EngineOverlap
-from ledger.types import TWO_64, U64_MAX, BlockHash, BlockKeyScheme, normalize_hash
+from ledger.types import I64_MAX, TWO_64, U64_MAX, BlockHash, BlockKeyScheme, normalize_hash
 
 __all__ = ["Advice", "EngineAdvice", "PlacementAdvisor", "SemanticAdvice", "canonical_hashes", "request_hashes"]
 _I64_MIN = -(2**63)
@@ -175,44 +175,47 @@ class PlacementAdvisor:
         tokens = token_ids if type(token_ids) is list else list(map(int, token_ids))
         if tpb < 1 or (tokens and min(tokens) < 0):
             raise ValueError("token ids must be >= 0 and tokens_per_block >= 1")
-        given = None if block_hashes is None else canonical_hashes(block_hashes)
-        if given is not None and len(given) > len(tokens) // tpb:  # an overlap longer than the prompt
-            raise ValueError(f"block_hashes: {len(given)} hashes for {len(tokens) // tpb} whole blocks of "
+        given_keys = None if block_hashes is None else engine_hash_keys(block_hashes)
+        if given_keys is not None and len(given_keys) > len(tokens) // tpb:  # an overlap longer than the prompt
+            raise ValueError(f"block_hashes: {len(given_keys)} hashes for {len(tokens) // tpb} whole blocks of "
                              f"{tpb} tokens in token_ids ({len(tokens)} tokens)")
         keys = content_keys(Namespace(namespace, {}), tokens, tpb) if namespace else []
 
         def hashes_for(scheme: str | None) -> list[BlockHash] | None:
-            if given is not None:
-                return given
+            if block_hashes is not None:
+                return canonical_hashes(block_hashes)  # valid: engine_hash_keys checked them
             return request_hashes(scheme, tokens, tpb, cache_salt=cache_salt, lora_task_id=lora_task_id)
 
-        seq, engines = self._overlaps(hashes_for, namespace, keys)
-        out = [EngineAdvice(e.engine_id, e.generation, e.status, e.fresh and e.live_blocks is not None,
-                            e.live_blocks, None if e.live_blocks is None else e.live_blocks * tpb,
-                            e.donor_id, e.donor_blocks, e.donor_blocks * tpb, block_key_scheme=e.block_key_scheme,
-                            overlap="unknown" if e.live_blocks is None else "known") for e in engines]
+        seq, engines = self._overlaps(hashes_for, namespace, keys, given_keys)
         generations = {e.engine_id: e.generation for e in engines}
         semantic = self._semantic(tokens, text, model_id, namespace, tpb, generations,
                                   self.max_semantic if max_semantic is None else max_semantic)
         by_engine: dict[str, int] = {}
         for s in semantic:
             by_engine[s.engine_id] = max(by_engine.get(s.engine_id, 0), s.reusable_token_count)
-        ranked = sorted((dataclasses.replace(a, semantic_tokens=by_engine.get(a.engine_id, 0)) for a in out),
+        ranked = sorted((EngineAdvice(e.engine_id, e.generation, e.status, e.fresh and e.live_blocks is not None,
+                                      e.live_blocks, None if e.live_blocks is None else e.live_blocks * tpb,
+                                      e.donor_id, e.donor_blocks, e.donor_blocks * tpb,
+                                      by_engine.get(e.engine_id, 0), e.block_key_scheme,
+                                      "unknown" if e.live_blocks is None else "known") for e in engines),
                         key=lambda a: (*a.score(), a.engine_id))
         informed = any(a.score()[1:] != (0, 0, 0) for a in ranked)
         return Advice(tuple(ranked), tuple(semantic), seq, tpb, len(tokens), time.perf_counter() - started,
                       informed, _warnings(ranked, informed))
 
-    def _overlaps(self, hashes_for: Any, namespace: str | None,
-                  keys: Sequence[bytes]) -> tuple[int, Sequence[EngineOverlap]]:
+    def _overlaps(self, hashes_for: Any, namespace: str | None, keys: Sequence[bytes],
+                  given_keys: list[IndexKey] | None) -> tuple[int, Sequence[EngineOverlap]]:
         """``(ledger seq, per-engine overlaps)``: live overlaps from the index when it is usable,
-        donor spans (with a namespace) from one read of the ledger; else both from one read."""
+        donor spans (with a namespace) from one read of the ledger; else both from one read.
+        ``given_keys``: the caller's block hashes as index keys, for every engine."""
         if not self._index_usable():
             snapshot = self._ledger.placement(hashes_for, namespace, keys)
             return snapshot.seq, snapshot.engines
         per_scheme: dict[str | None, list[IndexKey] | None] = {}
 
         def keys_for(scheme: str | None) -> list[IndexKey] | None:
+            if given_keys is not None:
+                return given_keys
             if scheme not in per_scheme:
                 hashes = hashes_for(scheme)
                 per_scheme[scheme] = None if hashes is None else index_keys(hashes)
@@ -266,6 +269,18 @@ def canonical_hashes(block_hashes: Sequence[int | str | bytes]) -> list[BlockHas
         ValueError: a hash that is not an integer in [-2**63, 2**64), 32 bytes or 64 hex characters.
     """
     return [h % TWO_64 if type(h) is int and _I64_MIN <= h <= U64_MAX else normalize_hash(h) for h in block_hashes]
+
+
+def engine_hash_keys(block_hashes: Sequence[int | str | bytes]) -> list[IndexKey]:
+    """The caller's block hashes as :class:`~ledger.live_index.LiveIndex` keys, in one pass:
+    ``index_keys(canonical_hashes(block_hashes))`` at half its cost for 64-bit integers (the
+    engines' hashes; 2,048 of them is a 32K-token prompt at 16 tokens per block).
+
+    Raises:
+        ValueError: as :func:`canonical_hashes`.
+    """
+    return [(h if h <= I64_MAX else h - TWO_64) if type(h) is int and _I64_MIN <= h <= U64_MAX
+            else index_keys([normalize_hash(h)])[0] for h in block_hashes]
 
 
 def request_hashes(scheme: str | None, tokens: Sequence[int], tokens_per_block: int, *,

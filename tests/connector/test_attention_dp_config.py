@@ -138,6 +138,7 @@ def test_connector_check_reports_refused_layouts_with_their_reason(check, option
     result = check(options)
     assert result.exit_code == 1, result.output
     assert line in result.output and "would materialize nothing" in result.output
+    assert "connector ready" not in result.output  # not above "not ready" any more
 
 
 def test_connector_check_reads_mla_from_the_model(check, tmp_path: Path) -> None:
@@ -159,8 +160,8 @@ def test_connector_check_names_a_bad_llm_args_file(check) -> None:
 
 @pytest.mark.parametrize(("options", "line", "code"), [
     # read as TensorRT-LLM's pydantic arguments would read them, never as a default
-    ('tensor_parallel_size: "2"\n', "tensor parallelism (TP): supported (tensor_parallel_size=2)", 0),
-    ("tensor_parallel_size: 2.0\n", "tensor parallelism (TP): supported (tensor_parallel_size=2)", 0),
+    ('tensor_parallel_size: "2"\n', "tensor parallelism (TP): supported (tensor_parallel_size=2, ", 0),
+    ("tensor_parallel_size: 2.0\n", "tensor parallelism (TP): supported (tensor_parallel_size=2, ", 0),
     ('enable_attention_dp: "false"\ntensor_parallel_size: 2\n', "tensor parallelism (TP): supported", 0),
     ('enable_attention_dp: "true"\ntensor_parallel_size: "2"\n', "attention data parallelism: supported", 0),
     # unreadable: refused, naming the value

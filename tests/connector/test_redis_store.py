@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from connector.donor_store import ChecksumMismatch, EntryMissing, StoreUnavailable
-from connector.redis_store import RedisDonorStore
+from connector.redis_store import RedisDonorStore, RedisMemory, operator_warnings
 from ledger import events as ev
 from ledger.client import LedgerClient
 from tests.conftest import require_redis
@@ -206,6 +206,40 @@ def test_connector_check_pings_the_redis_store_and_names_the_setting(tmp_path: P
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: donor store (redis_url)") and "redis.toml" in lines[0]
+
+
+def test_a_server_that_would_lose_or_refuse_donors_is_named_at_start(tmp_path: Path, sqlite_db: str) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from connector.cli import register
+
+    require_redis()
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        client.config_set("maxmemory-policy", "noeviction")  # and maxmemory 0: redis-server's defaults
+        store = RedisDonorStore(server.url, tmp_path / "a")
+        memory = store.memory()
+        assert isinstance(memory, RedisMemory) and (memory.max_bytes, memory.policy) == (0, "noeviction")
+        warned = operator_warnings(store, redis_ttl_s=600, donor_ttl_s=3600)
+        assert [w.split(" ")[0:2] for w in warned] == [["redis_ttl_s", "(600"], ["Redis", "maxmemory-policy"],
+                                                      ["Redis", "has"]]
+        client.config_set("maxmemory", 64 * 2**20)
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        assert operator_warnings(store, redis_ttl_s=3600, donor_ttl_s=3600) == []  # as designed: nothing to say
+        client.config_set("maxmemory-policy", "noeviction")
+        config = tmp_path / "redis.toml"
+        config.write_text(f'db = "{sqlite_db}"\ndonor_store = "redis"\nredis_url = "{server.url}"\n'
+                          'redis_ttl_s = 60\ndonor_ttl_s = 3600\n')
+        result = CliRunner().invoke(app, ["connector-check", "--config", str(config)])
+        assert result.exit_code == 0, result.output  # warnings, not errors: the connector runs
+        warnings = [line for line in result.output.splitlines() if line.startswith("warning: ")]
+        assert len(warnings) == 2 and "redis_ttl_s (60 s)" in warnings[0] and "noeviction" in warnings[1]
+        store.close()
+        client.close()
 
 
 def test_a_bounded_recheck_goes_round_robin_within_its_key_budget(tmp_path: Path, redis_prefix: str,

@@ -8,7 +8,9 @@ Proves: each rank's worker saves its own shard and the donor is complete (``dono
 the manifest) only with both; B materializes A's donor — each rank loading its own shard —
 bit-identically to TP = 2 native reuse; a TP = 2 donor is never offered to a TP = 1 engine
 (namespace ``parallel_layout``); rank 0's shard missing or rank 1's shard corrupt makes the whole
-donor a counted miss and a prefill, the executor of every rank running on.
+donor a counted miss and a prefill, the executor of every rank running on; rank 1's shard evicted or
+replaced AFTER rank 0 promised (in the window before rank 1's ``start_load_kv``) still loads the
+bytes rank 0 checksummed and secured, bit-identically, every executor running on.
 
 Freshness policy ``store``: the ranks' KV events do not reach a consumer here, so a donor's
 freshness is its checksummed bytes (the engine-block policy is covered for TP = 1 and attention DP).
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 from sqlalchemy import select
 
-from connector.donor_store import shard_ref
+from connector.donor_store import FileDonorStore, shard_ref
 from connector.harness import HarnessLLM, KvCacheConfig, TensorParallel
 from connector.metrics import ConnectorMetrics
 from connector.settings import load_connector_settings
@@ -90,9 +92,34 @@ def _fault(root: str, fault: str | None) -> None:
         os.rename(tmp, shard)  # a new file under the same name, its last layer's bytes wrong
 
 
+def _fault_after_promise(b: HarnessLLM, root: str, fault: str) -> None:
+    """On rank 1, once: between rank 0's promise (the plan is in the bound metadata) and this rank's
+    ``start_load_kv``, its shard is evicted by another process, or replaced by a corrupt file."""
+    worker, done = b.connector.workers[0], []
+
+    def observe(point: str, _ids: object) -> None:
+        meta = worker.get_connector_meta()
+        if point != "after_build_connector_meta" or done or not getattr(meta, "loads", ()):
+            return
+        done.append(point)
+        if fault == "rank1_evicted_after_promise":
+            donor_id = _manifest_ref(root).removesuffix(".kv")
+            assert FileDonorStore(Path(root) / "donors", 2**28).evict(donor_id, "capacity")
+        else:
+            _fault(root, "rank1_corrupt")
+
+    b.add_lifecycle_observer(observe)
+
+
 def _b_loads_a_donor(tp: TensorParallel, root: str, fault: str | None) -> dict:
     _donor_saved_by_a(tp, root)
+    if fault == "launcher_env_all_rank0":  # a launcher's variable says rank 0 in every process of B
+        os.environ["OMPI_COMM_WORLD_RANK"], fault = "0", None
     b, metrics = _engine(tp, root, "B")
+    if fault is not None and fault.endswith("_after_promise"):
+        if tp.rank == 1:
+            _fault_after_promise(b, root, fault)
+        fault = None
     if tp.rank == 0:
         b.connector.scheduler.sync_view()
         b.connector.scheduler.flush()  # its view took the donor in and checksummed every shard
@@ -160,6 +187,26 @@ def test_one_ranks_shard_missing_or_corrupt_fails_the_whole_donor_closed(root: s
         assert rank["connector_tokens"] == 0 and rank["load_failures"] == 0 and rank["materialized"] == 0
         assert torch.equal(rank["logits"], rank["cold"])  # prefilled like any cold request
         assert rank["stopped"] is None and rank["after"]  # every rank's executor keeps serving
+
+
+def test_a_launcher_environment_that_names_the_wrong_rank_does_not_decide_which_shard_loads(root: str) -> None:
+    # before: both of B's workers took rank 0 from OMPI_COMM_WORLD_RANK, rank 1 loaded rank 0's shard
+    # (same shape, a valid shard: no check fails) and its logits were wrong; the process group decides now
+    r0, r1 = run_tensor_parallel(_b_loads_a_donor, 2, (root, "launcher_env_all_rank0"))
+    assert (r0["tp_rank"], r1["tp_rank"]) == (0, 1)
+    for rank in (r0, r1):
+        assert rank["connector_tokens"] == len(DOC) and torch.equal(rank["logits"], rank["native"])
+
+
+@pytest.mark.parametrize("fault", ["rank1_evicted_after_promise", "rank1_replaced_after_promise"])
+def test_rank1s_shard_evicted_or_replaced_after_the_promise_still_loads_what_rank0_secured(root: str,
+                                                                                          fault: str) -> None:
+    r0, r1 = run_tensor_parallel(_b_loads_a_donor, 2, (root, fault))
+    assert r0["promises"] == 1 and r0["materialized"] == r1["materialized"] == 1
+    for rank in (r0, r1):
+        assert rank["connector_tokens"] == len(DOC) and rank["load_failures"] == 0
+        assert torch.equal(rank["logits"], rank["native"])  # the checksummed bytes, not the new file
+        assert rank["stopped"] is None and rank["after"]
 
 
 def _tp1_engine_after_a(tp: TensorParallel, root: str) -> dict:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -66,7 +68,9 @@ def test_the_vllm_adapter_keeps_tp_refused() -> None:
 def test_connector_check_reports_tp_supported_with_the_heads_of_each_rank(check, tmp_path: Path) -> None:
     result = check("tensor_parallel_size: 2\n")
     assert result.exit_code == 0, result.output
-    assert "tensor parallelism (TP): supported (tensor_parallel_size=2): every rank holds" in result.output
+    # without the model, the KV heads are not known: said, not taken as a pass
+    assert ("tensor parallelism (TP): supported (tensor_parallel_size=2, if the model's KV heads are a multiple of "
+            "the ranks: not checked without them): every rank holds") in result.output
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8}))
@@ -141,3 +145,53 @@ def test_a_manifest_is_verified_trusted_and_secured_only_with_every_shard(tmp_pa
     assert store.secure(manifest.ref, manifest.checksum) is None
     with pytest.raises(EntryMissing):
         store.verified(manifest.ref, manifest.checksum)
+
+
+_OPEN_HANDLE = """
+import sys
+from connector.donor_store import FileDonorStore
+root, path, dev, ino, ref, checksum = sys.argv[1:]
+with FileDonorStore(root, 2**20).open_handle((path, int(dev), int(ino)), ref, checksum) as reader:
+    print(reader.header.shard, bytes(reader.read_layer(0)).hex())
+"""
+
+
+def _open_handle_elsewhere(root: Path, handle: tuple[str, int, int], ref: str, checksum: str) -> str:
+    """Another process of this host opens ``handle`` (as rank 1's worker does); its stdout, or its error."""
+    out = subprocess.run([sys.executable, "-c", _OPEN_HANDLE, str(root), *map(str, handle), ref, checksum],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    return out.stdout.strip() if out.returncode == 0 else out.stderr.strip().splitlines()[-1]
+
+
+def test_another_process_reads_a_secured_shard_through_its_handle_after_eviction_or_replacement(
+        tmp_path: Path) -> None:
+    store = FileDonorStore(tmp_path, 2**20)
+    store.put_shard("d", 0, 2, shard_layers(0), header())
+    shard1, manifest = store.put_shard("d", 1, 2, shard_layers(1), header())
+    store.verify(manifest.ref, manifest.checksum)
+    secured = store.secure(manifest.ref, manifest.checksum)
+    assert isinstance(secured, SecuredShards)
+    handle = secured.handles()[1]
+    expected = f"(1, 2) {shard_layers(1)[0].tobytes().hex()}"
+    assert _open_handle_elsewhere(tmp_path, handle, shard1.ref, shard1.checksum) == expected
+    assert store.evict("d", "capacity", force=True) and not (tmp_path / shard1.ref).exists()
+    # evicted (another process's capacity eviction): the held file is still the checksummed shard
+    assert _open_handle_elsewhere(tmp_path, handle, shard1.ref, shard1.checksum) == expected
+    # a new donor "d" under the same names: the handle still reads the file that was secured
+    store.put_shard("d", 1, 2, shard_layers(7), header())
+    assert _open_handle_elsewhere(tmp_path, handle, shard1.ref, shard1.checksum) == expected
+    secured.release()
+    # let go: the path names nothing, or another file that took the descriptor number (never read)
+    assert "EntryMissing" in _open_handle_elsewhere(tmp_path, handle, shard1.ref, shard1.checksum)
+    with pytest.raises(EntryMissing):
+        secured.handles()
+
+
+def test_a_handle_that_names_another_file_is_refused(tmp_path: Path) -> None:
+    store = FileDonorStore(tmp_path, 2**20)
+    shard0, _ = store.put_shard("d", 0, 2, shard_layers(0), header())
+    other = tmp_path / "unrelated"
+    other.write_bytes(b"x" * 64)
+    st = os.stat(tmp_path / shard0.ref)
+    with pytest.raises(EntryMissing, match="another file"):
+        store.open_handle((str(other), st.st_dev, st.st_ino), shard0.ref, shard0.checksum)

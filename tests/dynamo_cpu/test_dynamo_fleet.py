@@ -253,6 +253,11 @@ def _same_events(group: Group, ledger: Ledger, advisor: PlacementAdvisor,
     return True
 
 
+def _overlaps(advice: Advice) -> dict[str, tuple[int | None, int, str]]:
+    """Each engine's live overlap, generation and status: what two ledgers of one fleet must agree on."""
+    return {a.engine_id: (a.live_blocks, a.generation, a.status) for a in advice.engines}
+
+
 def _live_blocks(advice: Advice, engine_id: str) -> int | None:
     return next((a.live_blocks for a in advice.engines if a.engine_id == engine_id), None)
 
@@ -266,22 +271,30 @@ def test_advice_agrees_with_dynamo_routing(group: Group, tmp_path: Path) -> None
     same events (:func:`_same_events`), the advice's top set holds Dynamo's choice on at least 95 %,
     and the ledger's overlap on the chosen worker times the block size is Dynamo's cached_tokens.
     Each request is a route record (:mod:`connector.placement.route_join`); ``semkv-ledger
-    route-report`` on them gives the totals of the ledger's advice and Dynamo's responses."""
-    sqlite, fleet = group.ledgers[0], group.fleet
+    route-report`` on them gives the totals of the ledger's advice and Dynamo's responses. The
+    PostgreSQL ledger, fed by its own consumer from the same workers, is asked too: where it also
+    saw the same events, its advice's overlaps equal the SQLite ledger's."""
+    sqlite, postgresql, fleet = group.ledgers[0], group.ledgers[1], group.fleet
     engine_of = {w.instance_id: w.engine_id for w in fleet.workers}
     token_ids = fleet.tokenize(list(group.prompts(ADVICE_REQUESTS)))
     advisor = PlacementAdvisor(sqlite.db, tokens_per_block=BLOCK_SIZE)
+    pg_advisor = PlacementAdvisor(postgresql.db, tokens_per_block=BLOCK_SIZE)
     join = RouteJoinLog(tmp_path / "routes.jsonl")
     delivered, available, waited, advising, serving = [], [], 0.0, 0.0, 0.0
+    pg_compared = pg_equal = 0
     previous = None
     started = time.monotonic()
     try:
         for i, tokens in enumerate(token_ids):
             t0 = time.monotonic()
             same = _same_events(group, sqlite, advisor, previous)
+            pg_same = same and _same_events(group, postgresql, pg_advisor, previous)
             t1 = time.monotonic()
             advice = advisor.advise(tokens)
             t2 = time.monotonic()
+            if pg_same:
+                pg_compared += 1
+                pg_equal += _overlaps(pg_advisor.advise(tokens)) == _overlaps(advice)
             response = fleet.complete(tokens, max_tokens=1)
             serving += time.monotonic() - t2
             waited, advising = waited + t1 - t0, advising + t2 - t1
@@ -302,6 +315,7 @@ def test_advice_agrees_with_dynamo_routing(group: Group, tmp_path: Path) -> None
     finally:
         join.close()
         advisor.close()
+        pg_advisor.close()
     elapsed = time.monotonic() - started
     records = read_records(join.path)
     same = [r for r in records if r.same_events]
@@ -314,6 +328,9 @@ def test_advice_agrees_with_dynamo_routing(group: Group, tmp_path: Path) -> None
           f"on {to_top}/{len(same)} ({100 * to_top / max(1, len(same)):.1f} %), on those where the ledger saw any "
           f"overlap {sum(r.to_top for r in informed)}/{len(informed)}; overlap x {BLOCK_SIZE} == cached_tokens on "
           f"{exact}/{len(same)}; on the others {sum(r.to_top for r in records if not r.same_events)} in the top set")
+    print(f"PostgreSQL ledger's advice equal to SQLite's on {pg_equal}/{pg_compared} requests where both saw the "
+          "same events")
+    assert pg_compared >= 0.9 * len(records) and pg_equal == pg_compared
     assert len(same) >= 0.9 * len(records), f"the same-events condition held on only {len(same)} of {len(records)}"
     assert to_top >= TOP_SET_AGREEMENT * len(same)
     assert exact >= TOP_SET_AGREEMENT * len(same)

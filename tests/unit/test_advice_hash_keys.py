@@ -1,0 +1,28 @@
+"""The caller's block hashes to live-index keys in one pass (connector.placement.advice.engine_hash_keys)
+equal the two-pass form (canonical hashes, then index keys) and refuse what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from connector.placement.advice import canonical_hashes, engine_hash_keys
+from ledger.live_index import index_keys
+
+_HASH = st.one_of(st.integers(min_value=-(2**63), max_value=2**64 - 1),
+                  st.binary(min_size=32, max_size=32).map(bytes.hex),
+                  st.binary(min_size=32, max_size=32))
+
+
+@given(st.lists(_HASH, max_size=64))
+def test_one_pass_equals_canonical_then_index_keys(hashes: list) -> None:
+    assert engine_hash_keys(hashes) == index_keys(canonical_hashes(hashes))
+
+
+@pytest.mark.parametrize("bad", [2**64, -(2**63) - 1, True, "zz", "ab" * 31, b"\x00" * 31, 1.5])
+def test_refuses_what_canonical_hashes_refuses(bad: object) -> None:
+    with pytest.raises(ValueError):
+        canonical_hashes([bad])
+    with pytest.raises(ValueError):
+        engine_hash_keys([1, bad])
