@@ -1,11 +1,13 @@
 """Donor saves off the engine's thread: copying a finished donor's blocks out of the KV pool.
 
 The worker (:mod:`connector.worker`) hands a :class:`SaveCopy` to a :class:`SaveCopier` from
-``get_finished`` (TensorRT-LLM) or ``wait_for_save`` (vLLM) and returns; the copier's thread copies
-the blocks into a reusable host buffer and calls back, and only then does the worker report the
-request done — so the engine keeps the blocks allocated (TensorRT-LLM: ``request_finished`` returned
-True; vLLM: ``delay_free_blocks``) until the copy has read them, and nothing can overwrite them
-while the copy is queued or running.
+TensorRT-LLM's ``get_finished`` while another request of the engine is live, and returns; the
+copier's thread copies the blocks into a reusable host buffer and calls back, and only then does the
+worker report the request done — so the engine keeps the blocks allocated (``request_finished``
+returned True) until the copy has read them, and nothing can overwrite them while the copy is queued
+or running. When the engine may block after the iteration (no other request live), or the worker
+cannot tell (vLLM, TensorRT-LLM ranks > 0), it runs :func:`copy_blocks` on the engine's thread
+instead: it would have to wait for the copy there anyway.
 
 * **On a GPU** (the pool's device is CUDA): the engine's thread records a CUDA event on the engine's
   stream (after the forward that wrote the blocks, in stream order) and returns. The copier's thread
