@@ -20,15 +20,22 @@ Chosen once per engine (:mod:`connector.engine_contract`):
 
 Either way the donor is registered only when its prefill completed, on the engine's thread, waiting
 at most ``register_lock_wait_s`` for the ledger's write lock and not at all while the ledger backs
-off (:class:`~connector.promises.LedgerBackoff`).
+off (:class:`~connector.promises.LedgerBackoff`). In ``discovery_only`` mode nothing is armed or
+registered unless ``save_in_discovery_only`` (:class:`NoSaves`).
+
+The worker copies a donor's blocks out of the KV pool off the engine's thread
+(:mod:`connector.save_copies`) and reports the request only once the copy has completed; whether it
+may leave a copy to a later ``get_finished`` depends on whether the engine will call one:
+:class:`EngineActivity` tells it, within one process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,7 +48,7 @@ from connector.settings import ConnectorSettings
 from ledger.errors import LedgerError, PersistenceError, lock_timed_out
 from ledger.client import LedgerClient
 
-__all__ = ["ArmedSaves", "SavesAfterFinish"]
+__all__ = ["ArmedSaves", "EngineActivity", "NoSaves", "SavesAfterFinish", "activity_for"]
 
 log = logging.getLogger(__name__)
 
@@ -174,3 +181,78 @@ class SavesAfterFinish(_DonorSaves):
 
     def forget(self, state: RequestState) -> None:
         """Nothing was armed."""
+
+
+class NoSaves(_DonorSaves):
+    """``discovery_only`` without ``save_in_discovery_only``: no request is armed, registered or saved;
+    ``request_finished`` answers False and the engine frees the blocks at once."""
+
+    def arm(self, request: Any, block_ids: list[int], state: RequestState) -> None:
+        """Nothing is armed."""
+
+    def shipped(self, saves: tuple[SaveInstruction, ...], state_of: Any) -> None:
+        """Nothing ships."""
+
+    def finished(self, request: Any, cache_block_ids: list[int], state: RequestState) -> SaveInstruction | None:
+        """Not a donor."""
+        return None
+
+    def forget(self, state: RequestState) -> None:
+        """Nothing was armed."""
+
+
+class EngineActivity:
+    """Does the engine have a live request besides those finishing now? The worker's question in
+    ``get_finished`` about a donor whose copy is still running (:mod:`connector.save_copies`): if
+    another request is live, TensorRT-LLM runs another iteration and calls ``get_finished`` again,
+    so the id can wait for it; if not, its loop may block (calling no hook until a request arrives)
+    and the worker waits for the copy there instead, which delays no other request.
+
+    The scheduler records every scheduled iteration's request ids (``build_connector_meta``) and
+    drops those that finish (``request_finished``), all on the engine's thread; the worker of the
+    same engine in the same process reads it (:func:`activity_for`). A worker with no scheduler in
+    its process (a TensorRT-LLM rank > 0, vLLM's worker process) sees nothing live and always waits:
+    the safe answer. A request the engine drops without ``request_finished`` (a cancel on
+    TensorRT-LLM's AsyncTransferManager-era executors) counts as live until the next scheduled
+    iteration leaves it out: an id left waiting then is reported with the next request's first
+    iteration (its blocks held meanwhile; no bytes at risk)."""
+
+    def __init__(self) -> None:
+        self._live: set[Any] = set()
+        self._lock = threading.Lock()
+
+    def scheduled(self, request_ids: Any) -> None:
+        """This iteration's scheduled requests (new and cached)."""
+        with self._lock:
+            self._live = set(request_ids)
+
+    def finished(self, request_id: Any) -> None:
+        """``request_finished`` for ``request_id``."""
+        with self._lock:
+            self._live.discard(request_id)
+
+    def others_live(self, finishing: Any = ()) -> bool:
+        """Is a request other than ``finishing`` live (so another iteration will come)?"""
+        with self._lock:
+            return bool(self._live.difference(finishing))
+
+
+_activities: OrderedDict[tuple[str, int], tuple[Any, EngineActivity]] = OrderedDict()
+_activities_lock = threading.Lock()
+_ACTIVITIES_KEPT = 256
+"""Engines of one process remembered (tests build many; a real process has one per rank)."""
+
+
+def activity_for(pool_key: str, llm_args: Any) -> EngineActivity:
+    """The process's :class:`EngineActivity` of the engine built from ``llm_args`` on the pool
+    ``pool_key`` (:func:`connector.namespace.pool_key`): TensorRT-LLM builds an engine's scheduler and
+    worker from the same ``llm_args`` object, so they share it, while two engines of one process (the
+    reference harness's attention-DP ranks share a pool key) do not."""
+    key = (pool_key, id(llm_args))
+    with _activities_lock:
+        entry = _activities.get(key)
+        if entry is None or entry[0] is not llm_args:  # a new object at a reused address is another engine
+            entry = _activities[key] = (llm_args, EngineActivity())
+            while len(_activities) > _ACTIVITIES_KEPT:
+                _activities.popitem(last=False)
+        return entry[1]

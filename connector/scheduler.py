@@ -67,7 +67,7 @@ from connector.plan import ConnectorMetadata, LoadPlan
 from connector.profit import cost_model_for, memory_level_of
 from connector.promises import LedgerBackoff, PromiseBook, RequestState
 from connector.reuse_guard import UnverifiedBlocks
-from connector.saves import ArmedSaves, SavesAfterFinish
+from connector.saves import ArmedSaves, NoSaves, SavesAfterFinish, activity_for
 from connector.settings import ConnectorSettings, load_connector_settings
 from connector.spans import LookupMiss, SpanFinder
 from ledger.errors import LedgerError
@@ -209,9 +209,13 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         """Blocks abandoned prefills left in the engine's reuse tree (:mod:`connector.reuse_guard`);
         TensorRT-LLM, which reports every live request in every iteration it schedules."""
         saves_class = ArmedSaves if engine.finished_ids_are_saves else SavesAfterFinish
+        if s.mode == "discovery_only" and not s.save_in_discovery_only:
+            saves_class = NoSaves  # discovery_only changes nothing in the engine: no block held after finish
         self.saves = saves_class(s, registrar, self.ledger, self.metrics, backoff, self._guard)
         self._iteration = 0
         self._pool_key = pool_key(s.engine_id, s.store_dir)
+        self._activity = activity_for(self._pool_key, llm_args)
+        """Which requests are live, for this engine's worker (:class:`~connector.saves.EngineActivity`)."""
         self._namespace_layout = self.namespace.layout.describe() if self.namespace.layout is not None else None
         self._pool_mismatch_logged: str | None = None
         self._record_engine_start()
@@ -361,6 +365,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         no donor (see :meth:`update_state_after_alloc_by_layer_group`) and keep no block. Never raises."""
         if len(cache_block_ids_by_layer_group) == 1:
             return self.request_finished(request, cache_block_ids_by_layer_group[0])
+        self._activity.finished(request.request_id)
         try:
             state = self.promises.pop(request.request_id)
             self.promises.release(state, "finished")
@@ -394,6 +399,9 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         loads: list[LoadPlan] = []
         work = _IterationWork()
         try:
+            self._activity.scheduled(
+                [data.request_id for group in ("new_requests", "cached_requests")
+                 for data in getattr(scheduler_output, group, None) or ()])
             self.donor_rank.observe(getattr(scheduler_output, "attention_dp_rank", None))
             for data in getattr(scheduler_output, "new_requests", []) or []:
                 state = self._reported(data)
@@ -464,6 +472,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
     # ============================================================ 4. finish
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """Release the request's promise; register it as a donor. True: keep blocks until saved."""
+        self._activity.finished(request.request_id)
         state = self.promises.pop(request.request_id)
         try:
             self.promises.release(state, "finished")

@@ -232,7 +232,23 @@ class ConnectorSettings(BaseSettings):
     every lookup (a system call on the engine's thread in every hit; an entry found gone is forgotten
     then, and the file this process held open for it closed)."""
     save_queue_max: int = Field(64, ge=1)
-    """Donor saves waiting for the background writer; beyond it a save is dropped (and counted)."""
+    """Donor saves in flight (being copied out of the KV pool, or waiting for the background writer); beyond
+    it a save is dropped (``semkv_donor_saves_total{outcome="queue_full"}``) and its blocks are released at once."""
+    save_copy: Literal["side", "engine_thread"] = "side"
+    """How a finished donor's blocks leave the KV pool. ``side`` (default): the engine's thread only enqueues;
+    a side worker copies them into reusable host buffers (pinned, on a CUDA side stream ordered after the
+    forward by an event, when the pool is on a GPU; a background thread on the CPU) and ``get_finished``
+    reports the request (so the engine frees its blocks) only once that copy has completed. When no other
+    request of the engine is live (or the worker cannot tell: vLLM, TensorRT-LLM ranks > 0), the copy is made
+    on the engine's thread in that ``get_finished``: an idle TensorRT-LLM executor blocks and calls no hook,
+    so an id left for a later call would pin the blocks until the next request, and that wait delays no
+    other request (connector/README.md, "Saves off the engine's thread"). ``engine_thread``: the copy runs synchronously on the engine's
+    thread (the behaviour before 2026-12-05, kept for comparison: tools/bench_saves.py)."""
+    save_in_discovery_only: bool = False
+    """In ``discovery_only`` mode, register finished requests as donors and save their KV (for other engines
+    to load). Off by default: saving holds a finished request's blocks until its copy completes and costs the
+    engine's thread the enqueue and a ledger write per donor (tools/results/saves-2026-12-05.md), and
+    ``discovery_only`` promises to change nothing in the engine. Other modes always save."""
     load_before_forward: bool | None = None
     """vLLM: copy every layer of every plan in ``start_load_kv``, before the forward, instead of layer by
     layer in ``wait_for_layer_load`` (then the load overlaps the forward). None: layer by layer. TensorRT-LLM

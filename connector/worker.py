@@ -21,11 +21,13 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
   plan (``layer_skipped``). After the last layer, with every layer copied, the plan counts as
   materialized (DESIGN §2 rule 8).
 * ``wait_for_save(stream)`` / ``get_finished(...)`` — donor saves. An ARMED save (TensorRT-LLM,
-  shipped with the request's first report) is gathered from the pool (device → host) in the
-  ``get_finished`` that names its request among the finished ones, in the iteration that finished
-  it, and reported done at once; other saves are gathered at the next forward's end (or the next
-  ``get_finished`` when no forward ran). A background thread writes the store entry (checksummed,
-  atomically published, ``donor_saved`` in the ledger).
+  shipped with the request's first report) has its copy out of the pool (device → host) queued in
+  the ``get_finished`` that names its request among the finished ones, in the iteration that
+  finished it; other saves at the next forward's end (or the next ``get_finished`` when no forward
+  ran). A side worker copies the blocks (:mod:`connector.save_copies`) and the request is reported
+  done only once the copy has completed — at once, copied on the engine's thread, when no other
+  request is live (see :meth:`SemKvWorker.get_finished`). A background thread writes the store entry
+  (checksummed, atomically published, ``donor_saved`` in the ledger).
 
 What a failure after the promise does depends on whether the engine can retract a promise
 (:mod:`connector.engine_contract`), and is written on the plan (``LoadPlan.binding``):
@@ -67,6 +69,8 @@ from connector.metrics import ConnectorMetrics, process_metrics
 from connector.namespace import KvLayout, pool_key, register_pool_layout
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
 from connector.profit import cost_model_for
+from connector.save_copies import HostBuffers, SaveCopier, SaveCopy, copy_blocks
+from connector.saves import activity_for
 from connector.settings import ConnectorSettings, load_connector_settings
 from ledger.client import LedgerClient
 from ledger.types import FreshnessPolicy
@@ -166,10 +170,24 @@ class SemKvWorker(KvCacheConnectorWorker):
         self._armed: OrderedDict[Any, SaveInstruction] = OrderedDict()
         self._to_gather: dict[Any, SaveInstruction] = {}
         self._gathered: set[Any] = set()
+        """Ids whose save no longer reads the pool (copied, failed, dropped): reportable."""
+        self._copying: set[Any] = set()
+        """Ids whose copy out of the pool is queued or running: their blocks must stay held."""
         self._awaiting: dict[Any, float] = {}  # finished ids passed in -> when
-        self._queue: queue.Queue[tuple[SaveInstruction, list[Any], float] | None] = queue.Queue(s.save_queue_max)
+        self._queue: queue.Queue[SaveCopy | None] = queue.Queue()  # copied donors -> the store writer
         self._idle = threading.Condition()
-        self._in_flight = 0
+        self._in_flight = 0  # saves queued for a copy, being copied, or waiting for / in the writer
+        self.host_buffers = HostBuffers(pinned=torch.cuda.is_available())
+        self._side_copies = s.save_copy == "side"
+        """Copy donors out of the pool on the copier's thread (``ConnectorSettings.save_copy``)."""
+        self.copier = SaveCopier(self._copied, buffers=self.host_buffers) if self._side_copies else None
+        """The side worker copying donors out of the pool (None with ``save_copy = "engine_thread"``)."""
+        self._activity = activity_for(pool_key(s.engine_id, s.store_dir), llm_args)
+        self.save_engine_seconds = 0.0
+        """Cumulative seconds the engine's thread spent on donor saves (gathers, enqueues, waits), for benchmarks."""
+        self.save_wait_seconds = 0.0
+        """Of those, with side copies on: seconds spent copying here or waiting for a queued copy
+        because no other request was live (the engine may block after the iteration)."""
         self._saver = threading.Thread(target=self._save_loop, name="semkv-saver", daemon=True)
         self._saver.start()
         self.revalidation_seconds = 0.0  # cumulative, for benchmarks
@@ -513,7 +531,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         """No-op: donors are saved whole once their request finished (see get_finished)."""
 
     def wait_for_save(self, stream: Any) -> None:
-        """End of a forward: synchronize, then gather the donors to save (device → host).
+        """End of a forward: queue the copies of the donors to save (vLLM: instructions shipped after
+        ``request_finished``); their ids are reported by ``get_finished`` once copied.
 
         Raises:
             SemKvLoadError: a plan of this forward was not loaded to its last layer (the engine
@@ -528,15 +547,23 @@ class SemKvWorker(KvCacheConnectorWorker):
             self._fail_all(error)
             raise error
         if self._to_gather:
-            stream.synchronize()
-            self._gather()
+            started = time.perf_counter()
+            self._gather(stream)
+            self.save_engine_seconds += time.perf_counter() - started
 
     def get_finished(self, finished_gen_req_ids: list[Any],
                      started_loading_req_ids: list[Any]) -> tuple[list[Any], list[Any]]:
-        """``(ids whose donor bytes are gathered, [])``: loads are synchronous, never reported here.
+        """``(ids whose donor blocks were copied out of the pool, [])``: loads are synchronous,
+        never reported here.
 
-        An id passed in whose save is armed is gathered now (the iteration that finished it), so
-        the engine frees its blocks at once, idle afterwards or not."""
+        An id passed in whose save is armed has its copy queued now (the iteration that finished
+        it) on the side worker; it is reported in the first ``get_finished`` after the copy
+        completed, so the engine keeps its blocks until then. When no other request of the engine
+        is live (:class:`~connector.saves.EngineActivity`; always on vLLM and where the scheduler
+        lives in another process) the copy is made here instead, and copies still queued for the
+        ids awaited are waited for: TensorRT-LLM's idle loop calls no hook, so an id left for later
+        would pin the blocks until the next request; the wait delays no other request."""
+        started = time.perf_counter()
         self._get_finished_calls += 1
         self._release_held_for_ranks()
         now = time.monotonic()
@@ -545,55 +572,118 @@ class SemKvWorker(KvCacheConnectorWorker):
             if armed is not None:
                 self._to_gather[rid] = armed
             self._awaiting[rid] = now
-        if self._to_gather:  # no forward ran since, or an armed save: gather now
-            if self._stream is not None:
-                self._stream.synchronize()
-            self._gather()
-        done = [rid for rid in self._awaiting if rid in self._gathered]
+        if self._to_gather:  # no forward ran since, or an armed save: queue the copies now
+            self._gather(self._stream)
+        if self._side_copies and self._awaiting:
+            self._wait_if_engine_idles()
+        with self._idle:
+            done = [rid for rid in self._awaiting if rid in self._gathered]
+            copying = set(self._copying)
         for rid, since in list(self._awaiting.items()):
-            if rid not in self._gathered and now - since > _SAVE_REPORT_TIMEOUT_S:
+            if rid not in self._gathered and rid not in copying and now - since > _SAVE_REPORT_TIMEOUT_S:
                 log.error("semkv: no save instruction for finished request %s; releasing its blocks", rid)
                 done.append(rid)
-        for rid in done:
-            self._awaiting.pop(rid, None)
-            self._gathered.discard(rid)
+        with self._idle:
+            for rid in done:
+                self._awaiting.pop(rid, None)
+                self._gathered.discard(rid)
+        self.save_engine_seconds += time.perf_counter() - started
         return sorted(done), []
 
-    def _gather(self) -> None:
+    def _wait_if_engine_idles(self) -> None:
+        """Wait for the awaited ids' copies when the engine may block after this call (see
+        :meth:`get_finished`). A copy that never ends keeps its blocks held: the wait gives up
+        after ``_SAVE_REPORT_TIMEOUT_S`` and the id stays unreported (never freed under a copy)."""
+        with self._idle:
+            pending = self._copying.intersection(self._awaiting)
+        if not pending or self._engine_goes_on():
+            return
+        started = time.perf_counter()
+        with self._idle:
+            copied = self._idle.wait_for(lambda: not self._copying.intersection(pending), _SAVE_REPORT_TIMEOUT_S)
+        self.save_wait_seconds += time.perf_counter() - started
+        if not copied:
+            log.error("semkv: donor copies of requests %s still running after %.0f s; their blocks stay held",
+                      sorted(self._copying.intersection(pending)), _SAVE_REPORT_TIMEOUT_S)
+
+    def _engine_goes_on(self) -> bool:
+        """Will the engine call ``get_finished`` again without a new request? (TensorRT-LLM, another
+        request live: :class:`~connector.saves.EngineActivity`; elsewhere not known: no.)"""
+        return self.engine.finished_ids_are_saves and self._activity.others_live(self._awaiting)
+
+    def _gather(self, stream: Any) -> None:
+        """Queue the copies of ``_to_gather`` on the side worker (``save_copy = "side"`` while the
+        engine goes on), or run them here: with ``"engine_thread"``, and when the engine may block
+        after this iteration — then ``get_finished`` would wait for a queued copy anyway, and a copy
+        on this thread is the shorter wait (no hand-over to another thread)."""
         layout = self.layout
+        side = self.copier is not None and self._engine_goes_on()
         for rid, instruction in list(self._to_gather.items()):
             del self._to_gather[rid]
-            self._gathered.add(rid)
             if not self.layers or layout is None or instruction.layout != layout.describe():
                 self.metrics.donor_saves.labels(outcome="layout_mismatch").inc()
+                self._resolved(rid)
+                continue
+            with self._idle:
+                full = self._in_flight >= self.settings.save_queue_max
+                if not full:
+                    self._in_flight += 1
+                    if side:
+                        self._copying.add(rid)
+            if full:  # nothing reads the blocks: the engine may free them at once
+                self.metrics.donor_saves.labels(outcome="queue_full").inc()
+                self._resolved(rid)
+                continue
+            job = SaveCopy(rid, instruction, list(self.layers), time.perf_counter())
+            if side:
+                assert self.copier is not None
+                job.ready = _forward_done_event(stream, self.layers[0].device)
+                self.copier.submit(job)
                 continue
             started = time.perf_counter()
-            ids = torch.tensor(instruction.block_ids[: instruction.num_blocks], dtype=torch.long,
-                               device=self.layers[0].device)
-            # per layer [n, kv_factor, elems]: a host copy, so the engine may free the blocks at once
-            layers = [view.index_select(0, ids).cpu().contiguous().view(torch.uint8).numpy() for view in self.layers]
-            with self._idle:
-                self._in_flight += 1
+            if stream is not None:  # the forward's writes must be done first
+                stream.synchronize()
             try:
-                self._queue.put_nowait((instruction, layers, started))
-            except queue.Full:
-                with self._idle:
-                    self._in_flight -= 1
-                self.metrics.donor_saves.labels(outcome="queue_full").inc()
+                copy_blocks(job, self.host_buffers)
+            except Exception as exc:  # boundary: counted like a failed side copy
+                job.error = exc
+            if self.copier is not None:  # side copies on, but the engine may block next: a wait
+                self.save_wait_seconds += time.perf_counter() - started
+            self._copied(job)
+
+    def _copied(self, job: SaveCopy) -> None:
+        """A copy ended (the copier's thread, or the engine's with ``engine_thread``): the blocks are
+        no longer read, the id is reportable; the bytes go to the store writer."""
+        if job.error is not None:
+            log.error("semkv: copying donor %s out of the KV pool failed: %r", job.instruction.donor_id, job.error)
+            self.metrics.donor_saves.labels(outcome="failed").inc()
+            with self._idle:
+                self._in_flight -= 1
+            self._resolved(job.request_id)
+            return
+        self._queue.put(job)
+        self._resolved(job.request_id)
+
+    def _resolved(self, rid: Any) -> None:
+        with self._idle:
+            self._copying.discard(rid)
+            self._gathered.add(rid)
+            self._idle.notify_all()
 
     def _save_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            instruction, layers, started = item
+        while (job := self._queue.get()) is not None:
             try:
-                self._save(instruction, layers)
+                self._save(job.instruction, job.layers or [])
                 self.metrics.donor_saves.labels(outcome="saved").inc()
-                self.metrics.save_seconds.observe(time.perf_counter() - started)
+                self.metrics.save_seconds.observe(time.perf_counter() - job.enqueued)
             except StoreUnavailable:  # a networked store down: the store logged it once per outage
                 self.metrics.donor_saves.labels(outcome="store_unavailable").inc()
             except Exception as exc:  # boundary: a failed save leaves the donor unsaved (never fresh)
-                log.error("semkv: saving donor %s failed: %r", instruction.donor_id, exc)
+                log.error("semkv: saving donor %s failed: %r", job.instruction.donor_id, exc)
                 self.metrics.donor_saves.labels(outcome="failed").inc()
             finally:
+                job.layers = None
+                self.host_buffers.give(job.buffer)  # the stores keep no reference to it
                 with self._idle:
                     self._in_flight -= 1
                     self._idle.notify_all()
@@ -616,15 +706,28 @@ class SemKvWorker(KvCacheConnectorWorker):
 
     # ============================================================ lifecycle
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every gathered donor is written and recorded (tests, shutdown)."""
+        """Wait until every queued donor is copied, written and recorded (tests, shutdown)."""
         with self._idle:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout_s)
 
     def close(self) -> None:
         self.flush()
+        if self.copier is not None:
+            self.copier.close()
         self._queue.put(None)
         self._saver.join(10)
         self._abandon_active()
         self._release_held_for_ranks(every=True)
         self.store.close()
         self.ledger.close()
+
+
+def _forward_done_event(stream: Any, device: torch.device) -> Any:
+    """CUDA: an event recorded on the engine's stream (``stream``, else the device's current one):
+    the side stream's copy waits for it, so it reads the blocks after the forward wrote them, and
+    the engine's thread does not synchronize. None for a CPU pool (its writes are done by now)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream(device))
+    return event
