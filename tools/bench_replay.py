@@ -138,14 +138,7 @@ def main() -> None:
         baseline = export_tree(args.baseline, Path(tmp)) if args.baseline else None
         lines += [f"## SQLite: {args.ledger} ({args.ledger.stat().st_size / 2**30:.2f} GiB)", ""]
         lines += compare(db, baseline, args.repeats)
-        started = time.perf_counter()
-        report = replay(db)
-        whole = time.perf_counter() - started
-        line = (f"Whole replay of this tree: {report.events:,} log rows; rebuild {report.rebuild_seconds:.1f} s = "
-                f"{report.events / report.rebuild_seconds:,.0f} rows/s; with the scratch write and the diff "
-                f"{whole:.1f} s = {report.events / whole:,.0f} rows/s; equal: {report.equal}")
-        print(line, flush=True)
-        lines += ["", line]
+        lines += ["", whole_replay(db)]
         if args.postgres_events:
             lines += ["", f"## PostgreSQL: {args.postgres_events:,} engine events", ""]
             lines += postgres(args.postgres_events, baseline, args.repeats)
@@ -155,6 +148,19 @@ def main() -> None:
         args.out.write_text("\n".join(lines) + "\n")
     if args.profile:
         profile_rebuild(db)
+
+
+def whole_replay(db: str) -> str:
+    """``semkv-ledger replay`` of ``db`` by this tree, timed with its scratch write and diff: one
+    line (printed too)."""
+    started = time.perf_counter()
+    report = replay(db)
+    whole = time.perf_counter() - started
+    line = (f"Whole replay of this tree: {report.events:,} log rows; rebuild {report.rebuild_seconds:.1f} s = "
+            f"{report.events / report.rebuild_seconds:,.0f} rows/s; with the scratch write and the diff "
+            f"{whole:.1f} s = {report.events / whole:,.0f} rows/s; equal: {report.equal}")
+    print(line, flush=True)
+    return line
 
 
 def postgres(events: int, baseline: Path | None, repeats: int) -> list[str]:
@@ -167,14 +173,7 @@ def postgres(events: int, baseline: Path | None, repeats: int) -> list[str]:
         seconds = asyncio.run(run_writer(url, make_batches(events, EVENTS_PER_BATCH)))
         print(f"built the PostgreSQL ledger: {events:,} events in {seconds:.1f} s", flush=True)
         lines = compare(url, baseline, repeats)
-        started = time.perf_counter()
-        report = replay(url)
-        whole = time.perf_counter() - started
-        line = (f"Whole replay of this tree: {report.events:,} log rows; rebuild {report.rebuild_seconds:.1f} s = "
-                f"{report.events / report.rebuild_seconds:,.0f} rows/s; with the scratch write and the diff "
-                f"{whole:.1f} s = {report.events / whole:,.0f} rows/s; equal: {report.equal}")
-        print(line, flush=True)
-        return lines + ["", line]
+        return lines + ["", whole_replay(url)]
     finally:
         drop_pg_database(url)
 
