@@ -1037,9 +1037,11 @@ class FileDonorStore:
         self._verified.remember(path.name, identity, checksum, fd)
 
 
-def open_donor_store(settings: Any, ledger: Any = None) -> Any:
+def open_donor_store(settings: Any, ledger: Any = None, *, keep_bytes: bool = True) -> Any:
     """The donor store the connector settings choose (``donor_store``): the host-local
     :class:`FileDonorStore` (default) or :class:`connector.redis_store.RedisDonorStore`.
+    ``keep_bytes``: the Redis store keeps verified donors' bytes in this process (an engine whose
+    promises hold them: TensorRT-LLM); False for an engine that recomputes a failed load (vLLM).
 
     Raises:
         StoreDirUnusable: the file store's directory cannot be created.
@@ -1050,7 +1052,7 @@ def open_donor_store(settings: Any, ledger: Any = None) -> Any:
 
         store = RedisDonorStore(settings.redis_url, settings.store_dir, key_prefix=settings.redis_key_prefix,
                                 ttl_s=settings.redis_ttl_s, timeout_s=settings.redis_timeout_s,
-                                stage_bytes=settings.redis_stage_bytes, ledger=ledger)
+                                stage_bytes=settings.redis_stage_bytes, ledger=ledger, keep_bytes=keep_bytes)
         for warning in operator_warnings(store, redis_ttl_s=settings.redis_ttl_s, donor_ttl_s=settings.donor_ttl_s):
             log.warning("semkv: %s", warning)
         return store

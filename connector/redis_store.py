@@ -97,13 +97,19 @@ class _Manifest:
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Staged:
-    """A verified entry in this process's memory: ``data`` is ``[num_layers, num_blocks, block_bytes]`` uint8."""
+    """A verified entry in this process's memory: ``data`` is ``[num_layers, num_blocks, block_bytes]``
+    uint8, or None where the store keeps no bytes (``keep_bytes=False``: only that it was verified)."""
 
     checksum: str
     manifest: _Manifest
-    data: np.ndarray
+    data: np.ndarray | None
     holders: int = 0
     forgotten: bool = False
+
+
+def _nbytes(entry: _Staged) -> int:
+    """Memory an entry's bytes take here (0 for a record without them)."""
+    return entry.data.nbytes if entry.data is not None else 0
 
 
 class _Shared:
@@ -221,6 +227,9 @@ class RedisDonorStore:
         ttl_s: seconds a block or manifest lives after the last save that wrote or shared it.
         timeout_s: connect and socket timeout of every Redis call (seconds).
         stage_bytes: bound on the verified entries this process keeps in memory.
+        keep_bytes: keep a verified entry's bytes (TensorRT-LLM: a promise holds them); False keeps
+            only that it was verified, and loads fetch from Redis (vLLM: its scheduler and workers
+            are other processes, and a failed load is recomputed, so staged bytes would never be read).
         ledger: a :class:`ledger.client.LedgerClient` for ``donor_saved`` / ``donor_evicted``; None
             keeps the store ledger-free (unit tests).
 
@@ -233,8 +242,8 @@ class RedisDonorStore:
 
     def __init__(self, url: str, store_dir: str | Path, *, key_prefix: str = "semkv", ttl_s: float = 3600.0,
                  timeout_s: float = 1.0, stage_bytes: int = 4 * 2**30, ledger: Any = None,
-                 fetch_chunk_bytes: int = _FETCH_CHUNK_BYTES) -> None:
-        self.url, self.prefix, self.ledger = url, key_prefix, ledger
+                 fetch_chunk_bytes: int = _FETCH_CHUNK_BYTES, keep_bytes: bool = True) -> None:
+        self.url, self.prefix, self.ledger, self.keep_bytes = url, key_prefix, ledger, keep_bytes
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.fetch_chunk_bytes = fetch_chunk_bytes
         self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -360,7 +369,7 @@ class RedisDonorStore:
             pipe.execute()
         manifest = _Manifest(entry, addresses, len(raw) + blocks.nbytes)
         stored = StoredEntry(ref=self.ref_of(donor_id), checksum=checksum, size_bytes=manifest.size_bytes)
-        self._stage(stored.ref, _Staged(checksum, manifest, np.ascontiguousarray(data)))
+        self._stage(stored.ref, _Staged(checksum, manifest, np.ascontiguousarray(data) if self.keep_bytes else None))
         if self.ledger is not None:
             self.ledger.mark_donor_saved(donor_id, store_ref=stored.ref, checksum=checksum, size_bytes=stored.size_bytes)
         return stored
@@ -427,7 +436,7 @@ class RedisDonorStore:
         """
         with self._shared.lock:
             staged = self._shared.staged.get(ref)
-        if staged is not None and staged.checksum == checksum:
+        if staged is not None and staged.checksum == checksum and staged.data is not None:
             return StagedReader(ref, staged.manifest.header, staged.data, "host_ram")
         manifest, data = self._fetch(ref, checksum)
         return StagedReader(ref, manifest.header, data, "redis")
@@ -459,7 +468,7 @@ class RedisDonorStore:
                 self._shared.staged.move_to_end(ref)
                 return
         manifest, data = self._fetch(ref, checksum)
-        self._stage(ref, _Staged(checksum, manifest, data))
+        self._stage(ref, _Staged(checksum, manifest, data if self.keep_bytes else None))
 
     def verified(self, ref: str, checksum: str) -> bool | None:
         """True if this process holds the entry staged with ``checksum``; None if not (or Redis is
@@ -557,7 +566,7 @@ class RedisDonorStore:
         shared = self._shared
         with shared.lock:
             staged = shared.staged.get(ref)
-            if staged is None or staged.checksum != checksum:
+            if staged is None or staged.checksum != checksum or staged.data is None:
                 return None
             staged.holders += 1
             shared.staged.move_to_end(ref)
@@ -670,14 +679,14 @@ class RedisDonorStore:
     def _stage(self, ref: str, entry: _Staged) -> None:
         """Keep ``entry`` in memory, dropping the least recently used unheld, unpinned entries to make room;
         an entry bigger than the whole budget is not kept."""
-        shared, size = self._shared, entry.data.nbytes
+        shared, size = self._shared, _nbytes(entry)
         with shared.lock:
             old = shared.staged.get(ref)
             if old is not None and old.checksum == entry.checksum:  # staged already (a concurrent verify)
                 shared.staged.move_to_end(ref)
                 return
             # ``ref`` stays readable until replaced: lookups read ``staged`` without the lock
-            room = shared.stage_bytes + (old.data.nbytes if old is not None else 0)
+            room = shared.stage_bytes + (_nbytes(old) if old is not None else 0)
             for other in list(shared.staged):
                 if shared.staged_bytes + size <= room:
                     break
@@ -688,7 +697,7 @@ class RedisDonorStore:
                 return
             if old is not None:
                 old.forgotten = True
-                shared.staged_bytes -= old.data.nbytes
+                shared.staged_bytes -= _nbytes(old)
             shared.staged[ref] = entry
             shared.staged.move_to_end(ref)
             shared.staged_bytes += size
@@ -698,7 +707,7 @@ class RedisDonorStore:
         entry = self._shared.staged.pop(ref, None)
         if entry is not None:
             entry.forgotten = True
-            self._shared.staged_bytes -= entry.data.nbytes
+            self._shared.staged_bytes -= _nbytes(entry)
 
     def _let_go(self, entry: _Staged) -> None:
         with self._shared.lock:

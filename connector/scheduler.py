@@ -177,7 +177,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.tokens_per_block = self.namespace.tokens_per_block or llm_args.kv_cache_config.tokens_per_block
         self.policy = FreshnessPolicy(s.freshness_policy)
         self.ledger = ledger or LedgerClient(s.db, statement_timeout_s=s.ledger_statement_timeout_s)
-        self.store = store or open_donor_store(s, self.ledger)
+        self.store = store or open_donor_store(s, self.ledger, keep_bytes=not engine.recomputes_failed_loads)
         self._discovery = SchedulerDiscovery.start(
             s.discovery, discovery, db=s.db, registry=self.metrics.registry, ledger=self.ledger, metrics=self.metrics,
             engine_id=s.engine_id or "", model_id=self.model_id, tokens_per_block=self.tokens_per_block,

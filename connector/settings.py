@@ -218,7 +218,8 @@ class ConnectorSettings(BaseSettings):
     redis_stage_bytes: int = Field(4 * GIB, ge=0)
     """Verified Redis entries this process keeps in memory (bytes), least recently used dropped first. On
     TensorRT-LLM a lookup promises only staged entries (a promise cannot be retracted, so its bytes must
-    not depend on the network at load time)."""
+    not depend on the network at load time). The vLLM adapter keeps none (only which entries were
+    verified): its loads fetch from Redis, and a failed load is recomputed."""
     store_inline_verify_max_bytes: int = Field(4 * 2**20, ge=0)
     """A donor entry not yet verified by this process is checksummed inside the lookup when it is at
     most this big; bigger ones are verified in the background (and missed until then)."""

@@ -147,7 +147,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.engine = engine
         self.metrics = metrics or process_metrics()
         self.ledger = ledger or LedgerClient(s.db, statement_timeout_s=s.ledger_statement_timeout_s)
-        self.store = store or open_donor_store(s, self.ledger)
+        self.store = store or open_donor_store(s, self.ledger, keep_bytes=not engine.recomputes_failed_loads)
         self.tp_size = tensor_parallel_size(llm_args)
         """Tensor-parallel ranks: each rank's worker saves and loads its own shard of every donor."""
         self.tp_rank = process_rank() if self.tp_size > 1 else 0

@@ -97,6 +97,44 @@ def test_round_trip_two_hosts_and_identical_blocks_stored_once(tmp_path: Path, r
     reader_host.close()
 
 
+def test_an_engine_that_recomputes_failed_loads_keeps_no_bytes_only_what_was_verified(
+        tmp_path: Path, redis_prefix: str) -> None:
+    from connector.engine_contract import VLLM
+    from connector.harness import HarnessLlmArgs, KvCacheConfig, ModelConfig
+    from connector.scheduler import SemKvScheduler
+    from connector.settings import load_connector_settings
+
+    saver = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "a", key_prefix=redis_prefix, keep_bytes=False)
+    entry = saver.put("d1", layers(3), header())
+    # vLLM's scheduler: a lookup needs to know the entry was verified, never its bytes (its worker is
+    # another process, and a failed load is recomputed)
+    lookup = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "b", key_prefix=redis_prefix, keep_bytes=False)
+    lookup.verify(entry.ref, entry.checksum)
+    assert lookup.known_verified(entry.ref, entry.checksum) and lookup.verified(entry.ref, entry.checksum)
+    assert lookup._shared.staged_bytes == 0 and saver._shared.staged_bytes == 0  # noqa: SLF001 - the point
+    assert lookup.secure(entry.ref, entry.checksum) is None  # nothing to hold: such an engine never binds
+    with lookup.open(entry.ref, entry.checksum) as reader:
+        assert reader.source == "redis"
+        assert all(np.array_equal(a, b) for a, b in zip(as_layers(reader), layers(3), strict=True))
+    saver.close()
+    lookup.close()
+    settings = load_connector_settings({"db": f"sqlite:///{tmp_path}/l.db", "donor_store": "redis",
+                                        "redis_url": SHARED_REDIS_URL, "redis_key_prefix": redis_prefix,
+                                        "store_dir": str(tmp_path / "c")}, environ={})
+    from ledger.migrate import upgrade
+
+    upgrade(settings.db)
+    config = ModelConfig()
+    args = HarnessLlmArgs(model=config.name, harness_model_config=config, kv_cache_config=KvCacheConfig(),
+                          max_seq_len=4096, max_num_tokens=512)
+    for engine, kept in ((VLLM, False), (None, True)):  # None: TensorRT-LLM, the default contract
+        scheduler = SemKvScheduler(args, settings=settings, **({"engine": engine} if engine else {}))
+        try:
+            assert scheduler.store.keep_bytes is kept
+        finally:
+            scheduler.close()
+
+
 def test_a_corrupt_block_is_caught_before_any_byte_is_handed_out(tmp_path: Path, redis_prefix: str) -> None:
     store = RedisDonorStore(SHARED_REDIS_URL, tmp_path / "a", key_prefix=redis_prefix, timeout_s=BUSY_TIMEOUT_S)
     entry = store.put("d1", layers(3), header())
