@@ -181,9 +181,13 @@ class PlacementAdvisor:
                              f"{tpb} tokens in token_ids ({len(tokens)} tokens)")
         keys = content_keys(Namespace(namespace, {}), tokens, tpb) if namespace else []
 
+        given: list[BlockHash] = []  # the caller's hashes in canonical form, made once if the ledger is read
+
         def hashes_for(scheme: str | None) -> list[BlockHash] | None:
             if block_hashes is not None:
-                return canonical_hashes(block_hashes)  # valid: engine_hash_keys checked them
+                if not given:
+                    given.extend(canonical_hashes(block_hashes))  # valid: engine_hash_keys checked them
+                return given
             return request_hashes(scheme, tokens, tpb, cache_salt=cache_salt, lora_task_id=lora_task_id)
 
         seq, engines = self._overlaps(hashes_for, namespace, keys, given_keys)
