@@ -484,10 +484,13 @@ class SemKvWorker(KvCacheConnectorWorker):
         ``start_load_kv`` of the load (overlapped iterations or not). ``every``: all (closing)."""
         keep = []
         for held_at, secured in self._held_for_ranks:
-            if every or self._get_finished_calls - held_at >= 2:
-                secured.release()
-            else:
+            if not every and self._get_finished_calls - held_at < 2:
                 keep.append((held_at, secured))
+                continue
+            try:  # get_finished runs outside TensorRT-LLM's forward: an exception here stops the executor
+                secured.release()
+            except OSError as exc:  # closing a descriptor: nothing a load depends on any more
+                log.error("semkv: giving back donor %s's shards held for the other ranks failed: %r", secured.ref, exc)
         self._held_for_ranks = keep
 
     def _fail_all(self, error: SemKvLoadError, plans: tuple[LoadPlan, ...] = ()) -> None:
