@@ -83,6 +83,10 @@ _FAILED_PLANS_KEPT = 4096  # TensorRT-LLM never drains them (the hook raises ins
 _ARMED_KEPT = 65_536
 """Armed saves the worker keeps at most (oldest dropped first); the scheduler disarms those of
 requests that finish without becoming donors, so only requests alive at once count."""
+_SLICE_RUNS_MAX = 16
+"""A load's targets in at most this many runs of consecutive blocks are copied run by run (:func:`_target_runs`)."""
+_READ_BUFFER_KEPT_MAX = 256 * 2**20
+"""The worker keeps a read buffer up to this size (bytes) between loads; a bigger layer gets its own."""
 
 
 class SemKvLoadError(RuntimeError):
@@ -110,6 +114,10 @@ class _ActiveLoad:
     """The store entry read: the plan's, or this rank's shard of it (tensor parallelism)."""
     targets: torch.Tensor | None = None
     """The target block ids as a tensor on the pool's device; set with :attr:`reader`."""
+    runs: tuple[tuple[int, int, int], ...] | None = None
+    """The targets as runs of consecutive blocks ``(first target, first source row, length)``, when
+    there are few enough to copy each run as one slice (:func:`_target_runs`); None: one
+    ``index_copy_`` over :attr:`targets`."""
     next_layer: int = 0
     """Layers ``[0, next_layer)`` are copied; a layer past it asked for means one was skipped."""
     signals: set[str] = dataclasses.field(default_factory=set)
@@ -159,6 +167,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.num_blocks = 0
         self.layout: KvLayout | None = None
         self._active: list[_ActiveLoad] = []
+        self._read_bufs = threading.local()
+        """Per thread: the buffer every layer read reuses (:meth:`_read_buffer`)."""
         self._held_for_ranks: list[tuple[int, SecuredShards]] = []
         """Rank 0: shards secured for loads the other ranks read through :attr:`LoadPlan.shard_handles`,
         with the ``get_finished`` count when this rank's load ended (:meth:`_release_held_for_ranks`)."""
@@ -237,7 +247,8 @@ class SemKvWorker(KvCacheConnectorWorker):
         """Learn the pool as one view per layer, each ``[num_blocks, kv_factor, block_elems]``.
 
         The views may be strided (a slice of a stacked pool, a permuted ``[2, num_blocks, ...]``
-        tensor); loads write through them with ``index_put_`` and saves gather with
+        tensor); loads write through them (a slice copy per run of consecutive target blocks, else
+        ``index_copy_``) and saves gather with
         ``index_select``, so no layer is ever copied whole.
 
         Raises:
@@ -313,6 +324,7 @@ class SemKvWorker(KvCacheConnectorWorker):
             self._close(load)
             raise
         load.targets = torch.tensor(plan.target_block_ids, dtype=torch.long, device=self.layers[0].device)
+        load.runs = _target_runs(plan.target_block_ids)
         return load
 
     def _open(self, plan: LoadPlan, secured: SecuredEntry | SecuredShards | None) -> DonorReader:
@@ -429,7 +441,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         self._revalidate(load, layer_idx, full=self.per_layer_block_check)
         started = time.perf_counter()
         try:
-            raw = load.reader.read_layer(layer_idx)
+            raw = load.reader.read_layer(layer_idx, into=self._read_buffer(h.layer_bytes))
         except ChecksumMismatch as exc:
             self._forget(plan, load.ref)  # lookups check it in full again
             raise SemKvLoadError(plan, "checksum_mismatch", str(exc), layer_idx) from exc
@@ -439,9 +451,24 @@ class SemKvWorker(KvCacheConnectorWorker):
             self._forget(plan, load.ref)
             raise SemKvLoadError(plan, "store_missing", str(exc), layer_idx) from exc
         src = torch.frombuffer(raw, dtype=kv.dtype).view(h.num_blocks, h.kv_factor, h.block_elems)
-        src = src[plan.donor_block_start : plan.donor_block_end]
-        kv[load.targets] = src.to(kv.device, non_blocking=False)
+        src = src[plan.donor_block_start : plan.donor_block_end].to(kv.device, non_blocking=False)
+        if load.runs is not None:  # a slice copy per run of consecutive blocks: a memcpy each
+            for target, row, length in load.runs:
+                kv[target : target + length].copy_(src[row : row + length])
+        else:
+            kv.index_copy_(0, load.targets, src)
         self.copy_seconds += time.perf_counter() - started
+
+    def _read_buffer(self, size: int) -> bytearray | None:
+        """The worker's reusable read buffer, at least ``size`` bytes (each layer of each load is read
+        into it, verified, and copied into the pool before the next read: one thread, one buffer).
+        None above :data:`_READ_BUFFER_KEPT_MAX`: such a layer is read into a buffer of its own."""
+        if size > _READ_BUFFER_KEPT_MAX:
+            return None
+        buf = getattr(self._read_bufs, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._read_bufs.buf = bytearray(size)
+        return buf
 
     def _materialized(self, load: _ActiveLoad) -> None:
         self._close(load)
@@ -723,6 +750,25 @@ class SemKvWorker(KvCacheConnectorWorker):
         self._release_held_for_ranks(every=True)
         self.store.close()
         self.ledger.close()
+
+
+def _target_runs(target_block_ids: tuple[int, ...] | list[int]) -> tuple[tuple[int, int, int], ...] | None:
+    """``target_block_ids`` as runs of consecutive ids ``(first target, first source row, length)``;
+    None when there are more than :data:`_SLICE_RUNS_MAX` (then one ``index_copy_`` is cheaper).
+
+    A pool's free blocks are mostly handed out in order, so a plan's targets are usually one run or
+    a few: a slice copy per run is a plain memcpy (on a 2-core CPU, 8 MiB: ~0.1 ms, where
+    ``index_copy_`` took ~1.2 ms and ``kv[targets] = src`` ~4.6 ms)."""
+    runs: list[tuple[int, int, int]] = []
+    for row, target in enumerate(target_block_ids):
+        if runs and runs[-1][0] + runs[-1][2] == target:
+            first, source, length = runs[-1]
+            runs[-1] = (first, source, length + 1)
+        else:
+            if len(runs) == _SLICE_RUNS_MAX:
+                return None
+            runs.append((target, row, 1))
+    return tuple(runs)
 
 
 def _forward_done_event(stream: Any, device: torch.device) -> Any:
