@@ -20,6 +20,11 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
   loaded, or a forward that ends before the last layer was asked for (``wait_for_save``), fails the
   plan (``layer_skipped``). After the last layer, with every layer copied, the plan counts as
   materialized (DESIGN §2 rule 8).
+* ``load_async(plans)`` / ``finished_async_loads()`` — vLLM with ``load_async``: plans the engine
+  does not compute on until they are reported (``WAITING_FOR_REMOTE_KVS``) are loaded whole on a
+  loader thread — the same ``_begin`` (ledger, store header) and per-layer ``_copy_layer`` (ledger
+  before the copy, the layer's checksum before its bytes) — and reported loaded or failed, by
+  request; a failure is counted and fails only its own plan.
 * ``wait_for_save(stream)`` / ``get_finished(...)`` — donor saves. An ARMED save (TensorRT-LLM,
   shipped with the request's first report) has its copy out of the pool (device → host) queued in
   the ``get_finished`` that names its request among the finished ones, in the iteration that
@@ -168,7 +173,14 @@ class SemKvWorker(KvCacheConnectorWorker):
         self.layout: KvLayout | None = None
         self._active: list[_ActiveLoad] = []
         self._read_bufs = threading.local()
-        """Per thread: the buffer every layer read reuses (:meth:`_read_buffer`)."""
+        """Per thread (the engine's, the asynchronous loader's): the buffer every layer read reuses
+        (:meth:`_read_buffer`)."""
+        self._async_plans: queue.Queue[LoadPlan | None] = queue.Queue()
+        self._async_lock = threading.Lock()
+        self._async_ended: list[tuple[LoadPlan, bool]] = []
+        """Asynchronous loads that ended since the last :meth:`finished_async_loads`: (plan, loaded)."""
+        self._async_loader: threading.Thread | None = None
+        """Started with the first asynchronous plan (:meth:`load_async`)."""
         self._held_for_ranks: list[tuple[int, SecuredShards]] = []
         """Rank 0: shards secured for loads the other ranks read through :attr:`LoadPlan.shard_handles`,
         with the ``get_finished`` count when this rank's load ended (:meth:`_release_held_for_ranks`)."""
@@ -470,6 +482,72 @@ class SemKvWorker(KvCacheConnectorWorker):
             buf = self._read_bufs.buf = bytearray(size)
         return buf
 
+    # ============================================================ asynchronous loads (vLLM)
+    def load_async(self, plans: tuple[LoadPlan, ...] | list[LoadPlan]) -> None:
+        """Queue ``plans`` (:attr:`LoadPlan.asynchronous`) for the loader thread: each is validated,
+        read, verified and copied layer by layer exactly as a synchronous load (:meth:`_begin`, then
+        :meth:`_copy_layer` per layer: the ledger before each copy, the layer's checksum before its
+        bytes), off the engine's thread; :meth:`finished_async_loads` reports how each ended. The
+        engine must not compute on the target blocks before that (vLLM keeps the request in
+        ``WAITING_FOR_REMOTE_KVS``, and keeps its blocks allocated until it is reported even if
+        the request is aborted meanwhile)."""
+        if not plans:
+            return
+        if self._async_loader is None:
+            self._async_loader = threading.Thread(target=self._async_loop, name="semkv-loader", daemon=True)
+            self._async_loader.start()
+        for plan in plans:
+            self._async_plans.put(plan)
+
+    def finished_async_loads(self) -> tuple[list[Any], list[LoadPlan]]:
+        """``(request ids whose asynchronous load ended, the plans among them that failed)`` since the
+        last call; a failed plan's blocks hold nothing the engine may compute on (counted in
+        ``semkv_load_failures_total``, logged)."""
+        with self._async_lock:
+            ended, self._async_ended = self._async_ended, []
+        return [plan.request_id for plan, _ in ended], [plan for plan, loaded in ended if not loaded]
+
+    def _async_loop(self) -> None:
+        while (plan := self._async_plans.get()) is not None:
+            loaded = False
+            try:
+                loaded = self._load_whole(plan)
+            except Exception:  # boundary: the plan is reported failed below, never lost
+                log.exception("semkv: asynchronous load of request %s failed", plan.request_id)
+            with self._async_lock:
+                self._async_ended.append((plan, loaded))
+
+    def _load_whole(self, plan: LoadPlan) -> bool:
+        """Load every layer of ``plan`` on this thread; False (counted, logged) when it failed."""
+        try:
+            load = self._begin(plan)
+        except SemKvLoadError as exc:
+            self._async_failed(exc, None)
+            return False
+        except Exception as exc:  # noqa: BLE001 - an unexpected error still fails the plan, counted
+            self._async_failed(SemKvLoadError(plan, "internal_error", repr(exc)), None)
+            return False
+        try:
+            for layer_idx in range(self.layout.num_layers):  # type: ignore[union-attr]
+                self._copy_layer(load, layer_idx)
+                load.next_layer = layer_idx + 1
+            if load.targets is not None and load.targets.device.type == "cuda":  # copies done before reporting
+                torch.cuda.current_stream(load.targets.device).synchronize()
+        except SemKvLoadError as exc:
+            self._async_failed(exc, load)
+            return False
+        except Exception as exc:  # noqa: BLE001 - a copy error fails the plan
+            self._async_failed(SemKvLoadError(plan, "copy_error", repr(exc), load.next_layer), load)
+            return False
+        self._materialized(load)
+        return True
+
+    def _async_failed(self, error: SemKvLoadError, load: _ActiveLoad | None) -> None:
+        log.error("%s", error)
+        self.metrics.load_failures.labels(reason=error.reason).inc()
+        if load is not None:
+            self._close(load)
+
     def _materialized(self, load: _ActiveLoad) -> None:
         self._close(load)
         seconds, plan = time.perf_counter() - load.started, load.plan
@@ -742,6 +820,9 @@ class SemKvWorker(KvCacheConnectorWorker):
 
     def close(self) -> None:
         self.flush()
+        if self._async_loader is not None:  # the loads queued end first (the engine holds their blocks)
+            self._async_plans.put(None)
+            self._async_loader.join(30)
         if self.copier is not None:
             self.copier.close()
         self._queue.put(None)
