@@ -62,6 +62,32 @@ def donor_counts(db_path: Path, engine_id: str) -> tuple[int, int]:
                             "WHERE engine_id = ? AND state = 'live'", (engine_id,)).fetchone()
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _port(pair: bool = False) -> int:
+    """A free port on 127.0.0.1 not handed out before in this run (several fleets start before any
+    binds); ``pair``: ``port + 1`` free too (B's worker serves its metrics there)."""
+    while True:
+        port = free_port()
+        wanted = {port, port + 1} if pair else {port}
+        if wanted & _HANDED_OUT or (pair and not _bindable(port + 1)):
+            continue
+        _HANDED_OUT.update(wanted)
+        return port
+
+
+def _bindable(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One code revision and B's connector settings, measured with a fleet of its own."""
@@ -79,7 +105,7 @@ class Fleet:
         root.mkdir(parents=True)
         self.variant, self.db_path = variant, root / "ledger.db"
         db, store = f"sqlite:///{self.db_path}", root / "donors"
-        a_events, b_events, self.b_metrics = free_port(), free_port(), free_port()
+        a_events, b_events, self.b_metrics = _port(), _port(), _port(pair=True)
         self.consumer = Consumer(db, root / "consumer.log", consumer_toml(root / "consume.toml", [
             ("A", f"tcp://127.0.0.1:{a_events}", None, True), ("B", f"tcp://127.0.0.1:{b_events}", None, True)]))
         common = {"num_blocks": 2 * (longest // BLOCK + 2) + 8, "max_model_len": longest, "repo": variant.repo}
