@@ -323,6 +323,9 @@ class SemKvVllmConnector(KVConnectorBase_V1):
             self._errored_blocks: set[int] = set()
             self._failed_recving: set[str] = set()
             """Asynchronous loads that failed, for the next ``get_transfer_results``."""
+            self._saves_shipped: set[str] = set()
+            """Requests whose save instruction reached this worker: the only ids ``get_finished`` may
+            name as sent (see there)."""
 
     # ------------------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -437,6 +440,7 @@ class SemKvVllmConnector(KVConnectorBase_V1):
         if not isinstance(meta, SemKvVllmMetadata):
             return
         inner = meta.inner
+        self._saves_shipped.update(str(save.request_id) for save in inner.saves)
         background = tuple(plan for plan in inner.loads if plan.asynchronous)
         if background:  # loaded on the worker's loader thread, reported by get_finished
             inner = dataclasses.replace(inner, loads=tuple(plan for plan in inner.loads if not plan.asynchronous))
@@ -464,9 +468,16 @@ class SemKvVllmConnector(KVConnectorBase_V1):
         vLLM may free the first ones' blocks now, and schedule (or, failed, recompute) the others.
         The failed loads go to the next :meth:`get_transfer_results`' ``failed_recving``."""
         done, _ = self.worker.get_finished(sorted(finished_req_ids), [])
+        # vLLM passes EVERY finished request, donors or not, and frees a non-donor's blocks at once
+        # (request_finished answered False); the core gives up waiting for a save instruction after
+        # _SAVE_REPORT_TIMEOUT_S and reports the id, and vLLM asserts that an id named as sent is
+        # still one of its requests (Scheduler._update_from_kv_xfer_finished, vLLM 0.32.0): its
+        # engine core died on it. Only ids whose save instruction came are named, each once.
+        sent = {rid for rid in done if rid in self._saves_shipped}
+        self._saves_shipped.difference_update(sent)
         ended, failed = self.worker.finished_async_loads()
         self._failed_recving.update(plan.request_id for plan in failed)
-        return (set(done) or None), (set(ended) or None)
+        return (sent or None), (set(ended) or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """vLLM 0.32's per-step report: :meth:`get_finished` and the asynchronous loads that failed
