@@ -236,8 +236,9 @@ def baseline_worktree(rev: str, where: Path, fixes: list[str]) -> Path:
     repo = Path(__file__).resolve().parents[1]
     subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(where), rev], check=True,
                    capture_output=True)
-    for fix in fixes:
-        subprocess.run(["git", "-C", str(where), "cherry-pick", "--no-commit", fix], check=True, capture_output=True)
+    for fix in fixes:  # a patch file (git apply), else a commit (cherry-picked, not committed)
+        command = (["apply", str(Path(fix).resolve())] if Path(fix).is_file() else ["cherry-pick", "--no-commit", fix])
+        subprocess.run(["git", "-C", str(where), *command], check=True, capture_output=True)
     return where
 
 
@@ -268,8 +269,8 @@ def main() -> int:
                         help="document lengths (tokens); the tiny model allows 8192 positions")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline", metavar="REV", help="also measure revision REV (a git worktree), side by side")
-    parser.add_argument("--baseline-with", action="append", default=[], metavar="COMMIT",
-                        help="apply COMMIT to the baseline (e.g. a fix without which it cannot run the benchmark)")
+    parser.add_argument("--baseline-with", action="append", default=[], metavar="COMMIT|PATCH",
+                        help="apply a commit or a patch file to the baseline (a fix it cannot run the benchmark without)")
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
                         help="also measure this checkout with these connector settings on B (repeatable)")
     parser.add_argument("--no-settle", action="store_true",
@@ -284,7 +285,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="semkv-vllm-bench-") as tmp:
         variants = []
         if args.baseline:
-            label = f"baseline {args.baseline}" + "".join(f" + {fix}" for fix in args.baseline_with)
+            label = f"baseline {args.baseline}" + "".join(f" + {Path(fix).name}" for fix in args.baseline_with)
             variants.append(Variant(label, baseline_worktree(args.baseline, Path(tmp) / "baseline", args.baseline_with)))
         variants.append(Variant("this checkout", repo))
         for spec in args.variant:
