@@ -87,10 +87,13 @@ EXTRA_SETTINGS_KEY = "semkv_settings"
 
 
 class SemKvVllmMetadata(KVConnectorMetadata):
-    """One step's :class:`~connector.plan.ConnectorMetadata` in vLLM's metadata type (picklable)."""
+    """One step's :class:`~connector.plan.ConnectorMetadata` in vLLM's metadata type (picklable).
+    ``unplanned``: requests answered ``(n, True)`` whose plan the core did not ship (none should
+    be): the worker reports them as failed receives, or vLLM would wait for them forever."""
 
-    def __init__(self, inner: ConnectorMetadata) -> None:
+    def __init__(self, inner: ConnectorMetadata, unplanned: tuple[str, ...] = ()) -> None:
         self.inner = inner
+        self.unplanned = unplanned
 
 
 # ==================================================================================== translation
@@ -326,6 +329,8 @@ class SemKvVllmConnector(KVConnectorBase_V1):
             self._saves_shipped: set[str] = set()
             """Requests whose save instruction reached this worker: the only ids ``get_finished`` may
             name as sent (see there)."""
+            self._unplanned: set[str] = set()
+            """Requests waiting for an asynchronous load that has no plan (:class:`SemKvVllmMetadata`)."""
 
     # ------------------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -389,11 +394,16 @@ class SemKvVllmConnector(KVConnectorBase_V1):
                 block_hashes=VllmRequest(request).block_hashes if request is not None else []))
         meta = self.scheduler.build_connector_meta(types.SimpleNamespace(
             new_requests=new, cached_requests=[], semkv_work=self._work(scheduler_output)))
+        unplanned: tuple[str, ...] = ()
         if waiting:
             meta = dataclasses.replace(meta, loads=tuple(
                 dataclasses.replace(plan, asynchronous=True) if plan.request_id in waiting else plan
                 for plan in meta.loads))
-        return SemKvVllmMetadata(meta)
+            planned = {plan.request_id for plan in meta.loads}
+            unplanned = tuple(rid for rid in waiting if rid not in planned)
+            for rid in unplanned:
+                log.error("semkv: request %s waits for an asynchronous load that has no plan; reported failed", rid)
+        return SemKvVllmMetadata(meta, unplanned)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Note the requests whose asynchronous load failed (vLLM recomputes them): their next
@@ -441,6 +451,7 @@ class SemKvVllmConnector(KVConnectorBase_V1):
             return
         inner = meta.inner
         self._saves_shipped.update(str(save.request_id) for save in inner.saves)
+        self._unplanned.update(getattr(meta, "unplanned", ()))
         background = tuple(plan for plan in inner.loads if plan.asynchronous)
         if background:  # loaded on the worker's loader thread, reported by get_finished
             inner = dataclasses.replace(inner, loads=tuple(plan for plan in inner.loads if not plan.asynchronous))
@@ -476,8 +487,10 @@ class SemKvVllmConnector(KVConnectorBase_V1):
         sent = {rid for rid in done if rid in self._saves_shipped}
         self._saves_shipped.difference_update(sent)
         ended, failed = self.worker.finished_async_loads()
+        unplanned, self._unplanned = self._unplanned, set()
         self._failed_recving.update(plan.request_id for plan in failed)
-        return (sent or None), (set(ended) or None)
+        self._failed_recving.update(unplanned)
+        return (sent or None), (set(ended) | unplanned or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """vLLM 0.32's per-step report: :meth:`get_finished` and the asynchronous loads that failed

@@ -235,3 +235,25 @@ def test_worker_names_as_sent_only_finished_requests_that_were_saves(tmp_path, s
         assert connector.get_transfer_results({"late-non-donor"}).finished_sending == set()
     finally:
         connector.shutdown()
+
+
+def test_a_request_waiting_for_an_unplanned_asynchronous_load_is_reported_failed(tmp_path, sqlite_db) -> None:
+    """A request answered ``(n, True)`` whose plan did not ship (the scheduler names it ``unplanned``)
+    would wait in vLLM's ``WAITING_FOR_REMOTE_KVS`` forever: the worker reports it received and
+    failed (vLLM recomputes it), once."""
+    from connector._vllm import KVConnectorRole
+    from connector.plan import ConnectorMetadata
+    from connector.vllm_connector import SemKvVllmConnector, SemKvVllmMetadata
+
+    config = vllm_config()
+    config.kv_transfer_config = types.SimpleNamespace(kv_connector_extra_config={"semkv_settings": {
+        "db": sqlite_db, "mode": "exact_equivalent", "engine_id": "vllm-b", "store_dir": str(tmp_path / "store")}})
+    connector = SemKvVllmConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    try:
+        connector.bind_connector_metadata(SemKvVllmMetadata(ConnectorMetadata(), unplanned=("r9",)))
+        connector.start_load_kv(None)
+        first, second = connector.get_transfer_results(set()), connector.get_transfer_results(set())
+        assert (first.finished_recving, first.failed_recving) == ({"r9"}, {"r9"})
+        assert (second.finished_recving, second.failed_recving) == (set(), set())
+    finally:
+        connector.shutdown()
