@@ -240,6 +240,36 @@ class ProjectionSnapshotRow(Base):
     taken_at: Mapped[float]
     body: Mapped[bytes]
 
+class BlockIndexRow(Base):
+    """The block index (:mod:`ledger.block_index`): one row per (block hash, log seq of a block event
+    naming it). ``block_hash`` is the storage column (:func:`ledger.types.storage_hashes`; a wide
+    hash's first 8 bytes), so a reader keeps only the rows whose body names the full hash.
+
+    Derived data, kept BEHIND the log by a follower, never by the writer's transaction (one more
+    row per block event there halved the writer: tools/results/ledger-replay-2026-12-05.md §4).
+    Rows exist only up to the :class:`IndexWatermarkRow` ``block_index``; not a projection (replay
+    neither writes nor compares it)."""
+
+    __tablename__ = "block_index"
+
+    block_hash: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    seq: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+
+    # One B-tree on SQLite (the row is its key): a history is one range of it.
+    __table_args__ = {"sqlite_with_rowid": False}
+
+
+class IndexWatermarkRow(Base):
+    """How far a follower-kept index has read the log: every log row with ``seq`` at or below
+    ``seq`` is indexed (``name`` ``block_index``: :class:`BlockIndexRow`). Written in the same
+    transaction as the index rows it covers."""
+
+    __tablename__ = "index_watermarks"
+
+    name: Mapped[str] = mapped_column(String(40), primary_key=True)
+    seq: Mapped[int]
+
+
 PROJECTION_TABLES = (
     EngineRow.__table__,
     StreamRow.__table__,

@@ -55,7 +55,7 @@ def test_0003_rebuilds_projections_an_earlier_version_wrote_so_that_replay_agree
                                 ("updated_unknown", 0)):
                 conn.execute(counters.update().where(counters.c.engine_id == "engine-a", counters.c.name == name)
                              .values(value=value))
-        assert upgrade(db) == ("0002", "0005")
+        assert upgrade(db) == ("0002", "0006")
         with engine.connect() as conn:
             rows = conn.execute(select(_BLOCKS.c.block_hash, _BLOCKS.c.state).order_by(_BLOCKS.c.block_hash)).all()
     finally:
@@ -95,7 +95,7 @@ def test_0003_makes_blocks_one_btree_on_sqlite_and_downgrades(sqlite_db):
     assert len(blocks_sql()) == 1 and "WITHOUT ROWID" in blocks_sql()[0]  # no index, no autoindex
     downgrade(sqlite_db, "0002")
     assert "WITHOUT ROWID" not in blocks_sql()[0] and any("ix_blocks_engine_state" in s for s in blocks_sql())
-    assert upgrade(sqlite_db) == ("0002", "0005")
+    assert upgrade(sqlite_db) == ("0002", "0006")
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
@@ -113,7 +113,7 @@ def test_0004_counts_the_logs_events_by_type_so_that_stats_and_replay_agree(back
     try:
         with engine.connect() as conn:
             assert not [n for (n,) in conn.execute(select(counters.c.name)) if n.startswith("events_type:")]
-        assert upgrade(db) == ("0003", "0005")
+        assert upgrade(db) == ("0003", "0006")
         with engine.connect() as conn:
             by_type = {(e, t): n for e, t, n in conn.execute(
                 select(log.c.engine_id, log.c.type_name, func.count())
