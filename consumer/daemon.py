@@ -11,9 +11,10 @@ Tasks, supervised by one ``asyncio.TaskGroup`` (hypercorn ``asyncio/run.py``, ST
   so that recording and receiving use two cores;
 * the block index's follower (:class:`ledger.block_index.BlockIndexFollower`, every
   ``block_index_interval_s``; 0: none): off the writer's transactions, one window of the log per
-  transaction of its own, pausing as long as each window took, so that it never holds SQLite's
-  write lock more than half the time; it stops at shutdown after its current window. A watermark
-  past the log's head stops it (``block_index.ahead``), not the daemon;
+  transaction of its own, only while the log is quiet or the index is more than
+  :data:`~ledger.block_index.MAX_LAG_SEQS` behind (``step_when_quiet``), pausing as long as each
+  window took; it stops at shutdown after its current window. A watermark past the log's head
+  stops it (``block_index.ahead``), not the daemon;
 * the metrics/health HTTP server (``metrics_port``) and the shutdown watcher.
 
 Back-pressure policy (memory stays bounded whatever the publishers do): when the queue holds
@@ -299,7 +300,7 @@ class Daemon:
                 try:
                     while not self._stopping.is_set():
                         started = time.perf_counter()
-                        if not await asyncio.to_thread(follower.step):
+                        if not await asyncio.to_thread(follower.step_when_quiet):
                             break
                         await asyncio.sleep(time.perf_counter() - started)  # low priority: half the time at most
                 except IndexAhead as exc:

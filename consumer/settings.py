@@ -154,8 +154,9 @@ class ConsumerSettings(BaseSettings):
     block_index_interval_s: float = Field(1.0, ge=0)
     """How often the daemon's follower looks for log rows the block index (``inspect block``'s,
     ``ledger/block_index.py``) has not reached; it indexes them a window at a time, each in its own
-    transaction, pausing as long as a window took between windows (half the time at most); 0: no
-    follower here (run ``semkv-ledger index --follow`` elsewhere, e.g. once per PostgreSQL fleet)."""
+    transaction, when the log did not grow since its last look or the index is over 100,000 seqs
+    behind, pausing as long as a window took between windows; 0: no follower here (run
+    ``semkv-ledger index --follow`` elsewhere, e.g. once per PostgreSQL fleet)."""
     queue_max_batches: int = Field(1024, ge=1)
     """Messages waiting between the sources and the writer; a full queue stops the sources reading."""
     replay_timeout_s: float = Field(2.0, gt=0)

@@ -25,8 +25,11 @@ would need the writers' own watermark here instead of ``max(seq)``.
 
 Where it runs: ``semkv-ledger index`` (once, with a progress bar, or ``--follow``), and the consumer
 daemon's follower task (``block_index_interval_s``). On SQLite a window's write transaction takes the
-ledger's one write lock, so windows are small (:data:`WINDOW_SEQS`) and the decoding is done before
-the lock is taken; on PostgreSQL it takes no lock a writer waits on (the log is only read).
+ledger's one write lock, so the decoding is done before the lock is taken, a window gives up after
+waiting :data:`LOCK_WAIT_MS` for it, and a following follower indexes only while the log is quiet
+or the index is more than :data:`MAX_LAG_SEQS` behind (:meth:`BlockIndexFollower.step_when_quiet`),
+pausing as long as each window took; on PostgreSQL it takes no lock a writer waits on (the log is
+only read).
 
 Replay neither rebuilds nor compares the index (derived data, not a projection); tests hold it equal
 to a derivation from the whole log.
@@ -39,22 +42,22 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
-from sqlalchemy import Connection, Engine, bindparam, delete, func, or_, select, update
+from sqlalchemy import Connection, Engine, bindparam, delete, event, func, or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 
-from ledger.backends import RowsWrite
+from ledger.backends import RowsWrite, backend_named
 from ledger.db import Sql, sync_engine
-from ledger.errors import LedgerError, persistence_error
+from ledger.errors import LedgerError, lock_timed_out, persistence_error
 from ledger.prepared import Prepared
-from ledger.schema import BlockIndexRow, IndexWatermarkRow, LogRow
+from ledger.schema import BUCKET_BITS, BlockIndexRow, IndexWatermarkRow, LogRow
 from ledger.types import BlockHash, storage_hashes
 
 BLOCK_KINDS = ("block_stored", "block_removed", "block_updated")
 """Log kinds of the engine events that name blocks (what the index covers)."""
 WATERMARK = "block_index"
 WINDOW_SEQS = 10_000
-"""Log seqs per follower transaction: ~40k index rows of 4-block events, ~0.1 s of SQLite's write
-lock (tools/results/inspect-index-2026-12-05.md)."""
+"""Log seqs per follower transaction: ~40k index rows of 4-block events
+(tools/results/inspect-index-2026-12-05.md has the write lock's time per window)."""
 
 _LOG = LogRow.__table__
 _INDEX = BlockIndexRow.__table__
@@ -67,6 +70,15 @@ _WINDOW = Prepared(select(_LOG.c.seq, _LOG.c.body)
                    .order_by(_LOG.c.seq))
 _MOVE = Prepared(update(_MARKS).where(_MARKS.c.name == WATERMARK, _MARKS.c.seq == bindparam("was"))
                  .values(seq=bindparam("now")))
+LOCK_WAIT_MS = 1_000
+"""How long a window's write transaction waits for the write lock before it gives the window up
+for now (``CatchUp.lock_busy``) and tries again later: the follower yields to the writer, which
+waits 30 s (SQLite's busy timeout, ledger.backends.sqlite)."""
+MAX_LAG_SEQS = 100_000
+"""How far behind the log a follower lets the index fall while the writer is busy
+(:meth:`BlockIndexFollower.step_when_quiet`): ``inspect block`` searches at most this many log
+seqs past the watermark (~0.1 s; the whole 2.7M-row log took 2–4 s,
+tools/results/inspect-index-2026-12-05.md)."""
 _ROWS = RowsWrite(_INDEX, conflict="ignore")
 _MARK_ROW = RowsWrite(_MARKS, conflict="ignore")
 
@@ -119,12 +131,13 @@ def hashes_named(body: bytes) -> list[BlockHash]:
     return [event.block_hash]
 
 
-def index_rows(log_rows: Iterable[tuple[int, bytes]]) -> list[tuple[int, int]]:
-    """``(block_hash storage column, seq)`` index rows of ``(seq, body)`` block-event log rows, one
-    per distinct hash and row, sorted (a B-tree takes sorted keys with fewer page visits)."""
-    rows: list[tuple[int, int]] = []
+def index_rows(log_rows: Iterable[tuple[int, bytes]]) -> list[tuple[int, int, int]]:
+    """``(bucket, block_hash storage column, seq)`` index rows of ``(seq, body)`` block-event log
+    rows, one per distinct hash and row, sorted (the B-tree takes them in key order)."""
+    rows: list[tuple[int, int, int]] = []
     for seq, body in log_rows:
-        rows.extend((h, seq) for h in set(storage_hashes(hashes_named(bytes(body)))))
+        bucket = seq >> BUCKET_BITS
+        rows.extend((bucket, h, seq) for h in set(storage_hashes(hashes_named(bytes(body)))))
     rows.sort()
     return rows
 
@@ -189,6 +202,10 @@ class CatchUp:
     seconds: float = 0.0
     lock_seconds: float = 0.0
     """Seconds inside the write transactions (on SQLite: holding the ledger's write lock)."""
+    lock_wait_seconds: float = 0.0
+    """Seconds waiting to begin them (on SQLite: for the write lock)."""
+    lock_busy: int = 0
+    """Windows given up for now because the write lock stayed taken for :data:`LOCK_WAIT_MS`."""
 
 
 class BlockIndexFollower:
@@ -207,9 +224,21 @@ class BlockIndexFollower:
             raise ValueError(f"window_seqs must be at least 1, not {window_seqs}")
         self.db = db
         self.window_seqs = window_seqs
+        self._last_head = -1
+        """The log's head at the previous :meth:`step_when_quiet`."""
+        self._pending: tuple[int, int, list, list[tuple[int, int, int]]] | None = None
+        """(watermark, upto, log rows, index rows) of a window given up because the lock was busy."""
         # never create: a follower reconnecting after the ledger file was deleted must not make a new one
         self._reader: Engine = sync_engine(db, pool_size=1)
         self._writer: Engine = sync_engine(db, writer=True, create=False, pool_size=1)
+        wait, _ = backend_named(self._writer.dialect.name).lock_wait(LOCK_WAIT_MS)
+
+        @event.listens_for(self._writer, "connect")
+        def _yield_to_the_writer(dbapi_connection, _record) -> None:  # noqa: ANN001
+            cursor = dbapi_connection.cursor()
+            cursor.execute(wait)
+            cursor.close()
+            dbapi_connection.commit()  # psycopg: keep the session setting (SQLite: autocommit, a no-op)
 
     def close(self) -> None:
         self._reader.dispose()
@@ -241,7 +270,8 @@ class BlockIndexFollower:
 
     def step(self, done: CatchUp | None = None) -> bool:
         """Index the next window of the log after the watermark, in one transaction; False when
-        there was nothing to index (caught up) or another follower moved the watermark first.
+        there was nothing to index (caught up), another follower moved the watermark first, or the
+        write lock stayed taken for :data:`LOCK_WAIT_MS` (``done.lock_busy``).
 
         Raises:
             IndexAhead: the watermark is past the log's head.
@@ -255,21 +285,32 @@ class BlockIndexFollower:
                     raise IndexAhead(state.watermark, state.head)
                 if not state.lag:
                     return False
-                upto = min(state.head, state.watermark + self.window_seqs)
-                sql = Sql.of(conn)
-                try:
-                    window = sql.all(_WINDOW, {"after": state.watermark, "upto": upto}, binary=True)
-                except sql.errors as exc:
-                    raise sql.wrap(exc) from exc
+                pending, self._pending = self._pending, None
+                if pending is not None and pending[0] == state.watermark:  # read and decoded, then the lock was busy
+                    _, upto, window, rows = pending
+                else:
+                    upto = min(state.head, state.watermark + self.window_seqs)
+                    sql = Sql.of(conn)
+                    try:
+                        window = sql.all(_WINDOW, {"after": state.watermark, "upto": upto}, binary=True)
+                    except sql.errors as exc:
+                        raise sql.wrap(exc) from exc
+                    rows = index_rows(window)
                 conn.rollback()  # end the read before the write lock is taken
-            rows = index_rows(window)
-            started = time.perf_counter()
-            with self._writer.begin() as conn:
+            asked = time.perf_counter()
+            with self._writer.begin() as conn:  # BEGIN IMMEDIATE on SQLite: waits for the write lock
+                locked = time.perf_counter()
+                done.lock_wait_seconds += locked - asked
                 if not self._move(conn, state.watermark, upto, rows):
                     return False
-            done.lock_seconds += time.perf_counter() - started
+            done.lock_seconds += time.perf_counter() - locked
         except SQLAlchemyError as exc:
-            raise persistence_error(exc) from exc
+            error = persistence_error(exc)
+            if lock_timed_out(error):
+                done.lock_busy += 1
+                self._pending = (state.watermark, upto, window, rows)
+                return False
+            raise error from exc
         done.watermark, done.head = upto, state.head
         done.log_rows += len(window)
         done.index_rows += len(rows)
@@ -277,7 +318,7 @@ class BlockIndexFollower:
         return True
 
     @staticmethod
-    def _move(conn: Connection, was: int, now: int, rows: Sequence[tuple[int, int]]) -> bool:
+    def _move(conn: Connection, was: int, now: int, rows: Sequence[tuple[int, int, int]]) -> bool:
         """In the write transaction: move the watermark from ``was`` to ``now`` (compare-and-set)
         and insert ``rows``; False (nothing written) when the watermark is no longer ``was``."""
         sql = Sql.of(conn)
@@ -291,6 +332,22 @@ class BlockIndexFollower:
         except sql.errors as exc:
             raise sql.wrap(exc) from exc
         return True
+
+    def step_when_quiet(self, done: CatchUp | None = None, *, max_lag_seqs: int = MAX_LAG_SEQS) -> bool:
+        """:meth:`step`, but only when the log did not grow since the previous call (the writer is
+        quiet) or the index is more than ``max_lag_seqs`` behind; False otherwise (and as
+        :meth:`step`). Called every interval by a follower (the consumer's, ``index --follow``):
+        while a writer commits back to back the index waits, up to ``max_lag_seqs`` behind, which
+        bounds what ``inspect block`` searches past the watermark.
+
+        Raises:
+            IndexAhead, PersistenceError: as :meth:`step`.
+        """
+        state = self.state()
+        quiet, self._last_head = state.head == self._last_head, state.head
+        if not quiet and state.lag <= max_lag_seqs:
+            return False
+        return self.step(done)
 
     def catch_up(self, *, progress: Callable[[int, int], None] | None = None,
                  max_windows: int | None = None) -> CatchUp:
@@ -315,7 +372,7 @@ class BlockIndexFollower:
                 if now.watermark >= target:
                     done.watermark = now.watermark
                     break
-                continue  # another follower moved it: go on from where it is
+                continue  # the lock was busy, or another follower moved it: go on from where it is
             if progress is not None:
                 progress(done.watermark, max(target, done.head))
         done.seconds = time.perf_counter() - started

@@ -308,19 +308,22 @@ def inspect(
 def index(
     db: DbOption = DEFAULT_DB,
     follow: Annotated[bool, typer.Option("--follow", help="Then keep following the log until interrupted (SIGINT/SIGTERM), "
-                                         "paced as the consumer's follower: half the time at most.")] = False,
+                                         "as the consumer's follower does.")] = False,
     interval_s: Annotated[float, typer.Option(help="With --follow: seconds between looks at the log once caught up.",
                                               min=0.01)] = 1.0,
     window_seqs: Annotated[int, typer.Option(help="Log seqs per transaction.", min=1)] = 10_000,
+    max_lag_seqs: Annotated[int, typer.Option(help="With --follow: index while the log grows only when this many "
+                                              "seqs behind (else when it is quiet).", min=0)] = 100_000,
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Empty the index first, then build it again.")] = False,
     json_out: JsonOption = False,
 ) -> None:
     """Bring the block index (``inspect block``'s) up to the log's head, behind the writer.
 
     Reads the log after the index's watermark and writes each window's index rows with the new
-    watermark in one transaction, so an interrupted run resumes where it stopped; the writer is
-    never slowed by more than one window (on SQLite a window holds the write lock ~0.1 s). The
-    consumer daemon follows the log too (``block_index_interval_s``). A progress bar on stderr when
+    watermark in one transaction, so an interrupted run resumes where it stopped; on SQLite a window
+    holds the write lock ~0.1 s and gives up after waiting 1 s for it (tried again later). With
+    --follow it then indexes only while the log is quiet or the index is more than --max-lag-seqs
+    behind, as the consumer's follower (``block_index_interval_s``). A progress bar on stderr when
     stderr is a terminal and not with --json.
 
     Exit codes: 0 caught up (or followed until interrupted); 2 usage or database error, or an index
@@ -343,9 +346,9 @@ def index(
         with _progress_bar(enabled=not json_out and sys.stderr.isatty()) as bar:
             progress = None if bar is None else _mover(bar, bar.add_task("indexing the log", total=None))
             done = follower.catch_up(progress=progress)
-            while follow and not stop:  # paced like the consumer's follower: half the time at most
+            while follow and not stop:  # as the consumer's follower: when quiet or too far behind, paced
                 window_started = time.perf_counter()
-                if follower.step(done):
+                if follower.step_when_quiet(done, max_lag_seqs=max_lag_seqs):
                     time.sleep(time.perf_counter() - window_started)
                 else:
                     time.sleep(interval_s)

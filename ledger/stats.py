@@ -17,7 +17,7 @@ from ledger import events as ev
 from ledger.apply import EVENTS_OF_TYPE
 from ledger.backends import backend_named
 from ledger.block_index import BLOCK_KINDS, index_state
-from ledger.schema import (BlockIndexRow, BlockRow, CounterRow, DeadLetterRow, DonorRow, EngineRow, LeaseRow, LogRow,
+from ledger.schema import (BUCKET_BITS, BlockIndexRow, BlockRow, CounterRow, DeadLetterRow, DonorRow, EngineRow, LeaseRow, LogRow,
                            SourceRow)
 from ledger.types import BlockHash, format_hash, storage_hashes
 
@@ -86,7 +86,9 @@ BLOCK_HISTORY_WINDOW_SEQS = 100_000
 """The log after the index's watermark is searched this many seqs at a time, so that progress can
 be shown between windows."""
 BLOCK_INDEX_PAGE_SEQS = 256
-"""Seqs taken from the index per read (newest first) until ``limit`` rows are found."""
+"""Log rows read by seq per statement (newest first) until ``limit`` rows are found."""
+BLOCK_INDEX_BUCKETS_PER_READ = 512
+"""Index buckets (:data:`ledger.schema.BUCKET_BITS`) probed per statement."""
 
 
 @dataclasses.dataclass
@@ -124,8 +126,8 @@ def find_block(conn: Connection, block_hash: BlockHash, limit: int = 200,
       is the few seqs it has not reached; with an empty index, the whole log (seconds on millions
       of rows);
     * if fewer than ``limit`` rows were found there, the index gives the seqs at or below the
-      watermark naming the hash's storage column, newest first, :data:`BLOCK_INDEX_PAGE_SEQS` at a
-      time, and those log rows are read by seq.
+      watermark naming the hash's storage column (a probe per bucket of 65,536 seqs, newest
+      first), and those log rows are read by seq, :data:`BLOCK_INDEX_PAGE_SEQS` at a time.
 
     Either way the rows are decoded and kept only when an event really names the hash (the bytes
     can also occur elsewhere in a body; a wide hash shares its index column with any other of the
@@ -164,20 +166,24 @@ def _search_log(conn: Connection, block_hash: BlockHash, limit: int, after: int,
 
 def _from_index(conn: Connection, block_hash: BlockHash, wanted: int, through: int) -> list[dict[str, Any]]:
     """The newest ``wanted`` rows at or below seq ``through`` naming ``block_hash``, from the
-    index, oldest first."""
+    index (one probe of each bucket, newest buckets first, :data:`BLOCK_INDEX_BUCKETS_PER_READ`
+    buckets per statement), oldest first."""
     stored = storage_hashes([block_hash])[0]
-    seqs = (select(_INDEX.c.seq).where(_INDEX.c.block_hash == stored, _INDEX.c.seq <= bindparam("below"))
-            .order_by(_INDEX.c.seq.desc()).limit(BLOCK_INDEX_PAGE_SEQS))
+    seqs = (select(_INDEX.c.seq).where(_INDEX.c.bucket.in_(bindparam("buckets", expanding=True)),
+                                       _INDEX.c.block_hash == stored, _INDEX.c.seq <= through)
+            .order_by(_INDEX.c.seq.desc()))
     rows_at = select(_LOG).where(_LOG.c.seq.in_(bindparam("seqs", expanding=True))).order_by(_LOG.c.seq.desc())
     found: list[dict[str, Any]] = []
-    below = through
-    while len(found) < wanted:
-        page = conn.execute(seqs, {"below": below}).scalars().all()
-        if not page:
-            break
-        found += [row for row in _decoded(conn.execute(rows_at, {"seqs": page}).all())
-                  if block_hash in _hashes_of(row["body"])][:wanted - len(found)]
-        below = page[-1] - 1
+    newest = through >> BUCKET_BITS
+    for top in range(newest, -1, -BLOCK_INDEX_BUCKETS_PER_READ):
+        buckets = list(range(top, max(-1, top - BLOCK_INDEX_BUCKETS_PER_READ), -1))
+        page = conn.execute(seqs, {"buckets": buckets}).scalars().all()
+        for start in range(0, len(page), BLOCK_INDEX_PAGE_SEQS):
+            chunk = page[start:start + BLOCK_INDEX_PAGE_SEQS]
+            found += [row for row in _decoded(conn.execute(rows_at, {"seqs": chunk}).all())
+                      if block_hash in _hashes_of(row["body"])][:wanted - len(found)]
+            if len(found) >= wanted:
+                return found[::-1]
     return found[::-1]
 
 

@@ -10,9 +10,10 @@ follower costs the writer, measured in one run.
 3. After: the same commands and calls of this tree with the index complete, and with it
    ``--partial-seqs`` behind the head, and empty (watermark 0) (a follower one window behind: the tail searched).
 4. The writer (:class:`ledger.writer.LedgerWriter`, the recorder on its one thread, ``--writer-events``
-   engine events × 4 blocks, 1,024 per transaction, a new SQLite ledger per round) with and without
-   ``semkv-ledger index --follow`` running beside it in its own process (paced as the consumer's
-   follower), alternating, ``--repeats`` rounds each: block events/s of wall time and of the
+   engine events × 4 blocks, 1,024 per transaction, a new SQLite ledger per round) without a
+   follower and with ``semkv-ledger index --follow`` running beside it in its own process, as the
+   consumer's follower (quiet-first: ``--max-lag-seqs 100000``) and indexing whenever behind
+   (``--max-lag-seqs 0``), order reversed every round, ``--repeats`` rounds each: block events/s of wall time and of the
    writer process's CPU time, the follower's lag when the writer ended and its catch-up after.
 
 Usage: ``python tools/bench_inspect_index.py --ledger /tmp/ledger-2m7.db [--baseline main]
@@ -128,16 +129,23 @@ def state(db: str):
         engine.dispose()
 
 
-def writer_round(follow: bool, events: int, tmp: Path, round_: int) -> str:
+FOLLOWERS = {"off": None, "on, indexing whenever behind": 0, "on, quiet-first (the default)": 100_000}
+"""Writer variants: no follower, or ``index --follow`` with this ``--max-lag-seqs``."""
+
+
+def writer_round(variant: str, events: int, tmp: Path, round_: int) -> str:
     """One writer run on a new ledger, with or without a follower process beside it."""
-    path = tmp / f"writer-{round_}-{'on' if follow else 'off'}.db"
+    max_lag = FOLLOWERS[variant]
+    follow = max_lag is not None
+    path = tmp / f"writer-{round_}-{len(variant)}.db"
     db = f"sqlite:///{path}"
     upgrade(db)
     batches = make_batches(events, 1024)
     follower = None
     if follow:
         follower = subprocess.Popen([*cli(ROOT), "index", "--db", db, "--follow",
-                                     "--interval-s", "0.05", "--json"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                                     "--interval-s", "0.05", "--max-lag-seqs", str(max_lag), "--json"], cwd=ROOT,
+                                    stdout=subprocess.PIPE, text=True)
         time.sleep(1.5)  # its start-up (imports) before the writer begins
     cpu = time.process_time()
     wall = asyncio.run(run_writer(db, batches))
@@ -152,9 +160,10 @@ def writer_round(follow: bool, events: int, tmp: Path, round_: int) -> str:
         follower.send_signal(signal.SIGTERM)
         report = json.loads(follower.communicate(timeout=60)[0])
         caught = (f"lag {behind.lag:,} of {behind.head:,} seqs at the writer's end, caught up {caught_s:.1f} s later; "
-                  f"{report['windows']} windows, {report['lock_seconds']:.1f} s in write transactions")
+                  f"{report['windows']} windows; write lock held {report['lock_seconds']:.1f} s, waited for "
+                  f"{report['lock_wait_seconds']:.1f} s, given up {report['lock_busy']}×")
     blocks = events * BLOCKS_PER_EVENT
-    line = (f"| {round_} | {'on' if follow else 'off'} | {blocks:,} | {wall:.2f} | {blocks / wall:,.0f} | {cpu:.2f} "
+    line = (f"| {round_} | {variant} | {blocks:,} | {wall:.2f} | {blocks / wall:,.0f} | {cpu:.2f} "
             f"| {blocks / cpu:,.0f} | {caught or '—'} | {load()} |")
     print(line, flush=True)
     path.unlink()
@@ -190,8 +199,8 @@ def main() -> None:
                   "| round | follower | block events | wall s | block events/s (wall) | writer CPU s "
                   "| block events/s (CPU) | follower | load average |", "|---:|---|---:|---:|---:|---:|---:|---|---|"]
         for round_ in range(1, args.repeats + 1):
-            for follow in ((False, True) if round_ % 2 else (True, False)):
-                lines.append(writer_round(follow, args.writer_events, tmp, round_))
+            for variant in (list(FOLLOWERS) if round_ % 2 else list(FOLLOWERS)[::-1]):
+                lines.append(writer_round(variant, args.writer_events, tmp, round_))
     lines += ["", f"Ended {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, load average {load()}."]
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n")
@@ -209,6 +218,9 @@ def inspect_part(args: argparse.Namespace, tmp: Path) -> list[str]:
     hashes = {"first block": FIRST, "a block near the head": last_stored(args.events), "a hash never seen": NEVER}
     lines = [f"## `inspect block` on {args.ledger.name}: {head:,} log rows, {args.ledger.stat().st_size / 2**30:.2f} GiB",
              "", "| tree | what | wall | peak RSS | rows | load average |", "|---|---|---:|---:|---:|---|"]
+    wall, rss, _ = timed([*cli(ROOT), "--help"], ROOT)
+    lines.append(f"| this tree | `semkv-ledger --help` (the CLI's start-up alone, a yardstick) | {wall * 1e3:,.0f} ms "
+                 f"| {rss:,.0f} MB | — | {load()} |")
     lines += inspect_rows(f"before ({args.baseline}, log search)", baseline, source, hashes)
     shutil.copyfile(args.ledger, args.work)
     args.work.chmod(0o600)
@@ -221,7 +233,7 @@ def inspect_part(args: argparse.Namespace, tmp: Path) -> list[str]:
     lines += ["", f"`semkv-ledger index` of the whole log ({now()}, load {load()}): {wall:.1f} s wall, peak RSS "
               f"{rss:,.0f} MB; {report['log_rows']:,} block event rows → {report['index_rows']:,} index rows "
               f"= {report['log_rows'] / report['seconds']:,.0f} log rows/s, in {report['windows']} windows of "
-              f"10,000 seqs; {report['lock_seconds']:.1f} s inside write transactions "
+              f"10,000 seqs; write lock held {report['lock_seconds']:.1f} s "
               f"({report['lock_seconds'] / report['windows'] * 1e3:.0f} ms per window).", ""]
     lines += ["| tree | what | wall | peak RSS | rows | load average |", "|---|---|---:|---:|---:|---|"]
     lines += inspect_rows("after (index complete)", ROOT, db, hashes)

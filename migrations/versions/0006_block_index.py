@@ -1,7 +1,7 @@
 """block_index: block hash → log seq, kept behind the log by a follower, so that ``inspect block`` does not search the log
 
 Two tables (ledger/schema.py ``BlockIndexRow``, ``IndexWatermarkRow``): ``block_index`` (one B-tree
-of (block_hash, seq) on SQLite, WITHOUT ROWID) and ``index_watermarks`` with the row
+of (bucket = seq >> 16, block_hash, seq) on SQLite, WITHOUT ROWID) and ``index_watermarks`` with the row
 ``('block_index', 0)``: nothing indexed yet. Nothing is backfilled here, so the upgrade takes no
 time whatever the log's size (backfilling a 2M-row log inside a migration took 5 min 47 s at load
 ~11: tools/results/ledger-replay-2026-12-05.md §4): the follower of ``semkv-ledger consume`` and
@@ -30,9 +30,10 @@ def upgrade() -> None:
     with migration_progress("creating the block index (filled behind the log: semkv-ledger index)"):
         op.create_table(
             'block_index',
+            sa.Column('bucket', sa.Integer(), autoincrement=False, nullable=False),
             sa.Column('block_hash', sa.BigInteger(), autoincrement=False, nullable=False),
             sa.Column('seq', sa.BigInteger(), autoincrement=False, nullable=False),
-            sa.PrimaryKeyConstraint('block_hash', 'seq', name=op.f('pk_block_index')),
+            sa.PrimaryKeyConstraint('bucket', 'block_hash', 'seq', name=op.f('pk_block_index')),
             sqlite_with_rowid=False,
         )
         watermarks = op.create_table(

@@ -75,6 +75,19 @@ def ledger(request) -> str:
     return request.getfixturevalue(f"{request.param}_ledger")
 
 
+@pytest.fixture
+def small_buckets(monkeypatch) -> int:
+    """Buckets of 4 seqs and 2 buckets per read, so that these small ledgers span many buckets and
+    reads (the followers of the test run in this process)."""
+    from ledger import block_index, stats
+
+    monkeypatch.setattr(block_index, "BUCKET_BITS", 2)
+    monkeypatch.setattr(stats, "BUCKET_BITS", 2)
+    monkeypatch.setattr(stats, "BLOCK_INDEX_BUCKETS_PER_READ", 2)
+    monkeypatch.setattr(stats, "BLOCK_INDEX_PAGE_SEQS", 3)
+    return 2
+
+
 def whole_log_answer(db: str, block_hash, limit: int) -> list[int]:
     """Seqs of the log rows naming ``block_hash``, the newest ``limit``: every block event of the
     log decoded in Python (no index, no byte search)."""
@@ -98,7 +111,11 @@ def whole_log_index(db: str) -> set[tuple[int, int]]:
             rows = conn.execute(select(log.c.seq, log.c.body)).all()
     finally:
         engine.dispose()
-    return {(h, seq) for seq, body in rows for h in storage_hashes(_hashes_of(ev.BODY_DECODER.decode(bytes(body))))}
+    from ledger import block_index
+
+    bits = block_index.BUCKET_BITS  # as the followers of this process use it
+    return {(seq >> bits, h, seq) for seq, body in rows
+            for h in storage_hashes(_hashes_of(ev.BODY_DECODER.decode(bytes(body))))}
 
 
 def index_rows(db: str) -> set[tuple[int, int]]:
@@ -140,7 +157,8 @@ def head_of(db: str) -> int:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_inspect_answers_what_the_whole_log_answers_with_the_index_empty_partial_or_complete(ledger: str, data) -> None:
+def test_inspect_answers_what_the_whole_log_answers_with_the_index_empty_partial_or_complete(ledger: str, small_buckets,
+                                                                                            data) -> None:
     head = head_of(ledger)
     through = data.draw(st.sampled_from([0, head]) | st.integers(1, head), label="index through")
     block_hash = data.draw(st.sampled_from(HASHES), label="hash")
@@ -154,7 +172,8 @@ def test_inspect_answers_what_the_whole_log_answers_with_the_index_empty_partial
     assert (found.indexed_through, found.searched_seqs, found.index_ahead) == (through, head - through, False)
 
 
-def test_a_complete_index_is_the_whole_logs_derivation_and_is_read_without_searching_the_log(ledger: str) -> None:
+def test_a_complete_index_is_the_whole_logs_derivation_and_is_read_without_searching_the_log(ledger: str,
+                                                                                            small_buckets) -> None:
     with BlockIndexFollower(ledger, window_seqs=7) as follower:
         follower.rebuild()
         done = follower.catch_up()
@@ -167,6 +186,7 @@ def test_a_complete_index_is_the_whole_logs_derivation_and_is_read_without_searc
 
 
 def test_an_index_claiming_more_than_the_log_is_not_used_and_the_follower_refuses_it(ledger: str) -> None:
+    # the CLI's follower (another process) uses the real bucket size: so does this test
     head = head_of(ledger)
     with BlockIndexFollower(ledger) as follower:
         follower.rebuild()
@@ -186,7 +206,7 @@ def test_an_index_claiming_more_than_the_log_is_not_used_and_the_follower_refuse
     assert index_rows(ledger) == whole_log_index(ledger)
 
 
-def test_two_followers_at_once_build_the_same_index(ledger: str) -> None:
+def test_two_followers_at_once_build_the_same_index(ledger: str, small_buckets) -> None:
     with BlockIndexFollower(ledger) as follower:
         follower.rebuild()
     followers = [BlockIndexFollower(ledger, window_seqs=3) for _ in range(2)]
@@ -238,7 +258,7 @@ def test_the_follower_resumes_after_a_kill(backend: str, request, tmp_path) -> N
     finally:
         engine.dispose()
     assert 0 < killed_at < head  # really stopped midway
-    assert {seq for _, seq in index_rows(db)} <= set(range(1, killed_at + 1))  # nothing past its watermark
+    assert {seq for _, _, seq in index_rows(db)} <= set(range(1, killed_at + 1))  # nothing past its watermark
     with BlockIndexFollower(db) as follower:
         done = follower.catch_up()
     assert done.started_at == killed_at and done.watermark == head
@@ -281,11 +301,46 @@ def test_the_index_is_read_by_its_key_on_sqlite(sqlite_ledger: str) -> None:
 
     with sqlite3.connect(sqlite_ledger.removeprefix("sqlite:///")) as conn:
         plan = " ".join(str(r[3]) for r in conn.execute(
-            "EXPLAIN QUERY PLAN SELECT seq FROM block_index WHERE block_hash = ? AND seq <= ? ORDER BY seq DESC LIMIT 5",
-            (1, 100)))
-    assert "SEARCH block_index USING PRIMARY KEY" in plan and "SCAN" not in plan, plan
+            "EXPLAIN QUERY PLAN SELECT seq FROM block_index WHERE bucket IN (?, ?, ?) AND block_hash = ? AND seq <= ? "
+            "ORDER BY seq DESC", (2, 1, 0, 1, 100)))
+    assert "SEARCH block_index USING PRIMARY KEY (bucket=? AND block_hash=? AND seq<?)" in plan and "SCAN" not in plan, plan
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ledger", *args], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=120)
+
+
+def test_the_follower_yields_to_a_writer_holding_the_sqlite_lock_and_resumes_after(sqlite_db: str) -> None:
+    import sqlite3
+
+    from ledger.block_index import CatchUp
+
+    record(sqlite_db, *_history())
+    writer = sqlite3.connect(sqlite_db.removeprefix("sqlite:///"), isolation_level=None)
+    with BlockIndexFollower(sqlite_db) as follower:
+        writer.execute("BEGIN IMMEDIATE")  # another writer's transaction, as the recorder's
+        done = CatchUp()
+        try:
+            assert follower.step(done) is False and done.lock_busy == 1 and done.windows == 0
+            assert follower.state().watermark == 0
+        finally:
+            writer.execute("COMMIT")
+            writer.close()
+        assert follower.step(done) is True and done.windows == 1  # the window read before, written now
+        assert follower.state().watermark == head_of(sqlite_db)
+    assert index_rows(sqlite_db) == whole_log_index(sqlite_db)
+
+
+def test_a_following_follower_waits_while_the_log_grows_unless_too_far_behind(sqlite_db: str) -> None:
+    record(sqlite_db, *_history()[:5])
+    with BlockIndexFollower(sqlite_db, window_seqs=1_000) as follower:
+        assert follower.step_when_quiet(max_lag_seqs=1_000) is False  # first look: the log may be growing
+        assert follower.step_when_quiet(max_lag_seqs=1_000) is True  # quiet since: indexed
+        indexed = follower.state().watermark
+        record(sqlite_db, *_history()[5:10])
+        assert follower.step_when_quiet(max_lag_seqs=1_000) is False  # it grew: wait
+        assert follower.state().watermark == indexed
+        assert follower.step_when_quiet(max_lag_seqs=0) is True  # it grew, but too far behind: index
+        assert follower.state().watermark == head_of(sqlite_db)
+    assert index_rows(sqlite_db) == whole_log_index(sqlite_db)
