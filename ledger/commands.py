@@ -309,8 +309,7 @@ def index(
     db: DbOption = DEFAULT_DB,
     follow: Annotated[bool, typer.Option("--follow", help="Then keep following the log until interrupted (SIGINT/SIGTERM), "
                                          "as the consumer's follower does.")] = False,
-    interval_s: Annotated[float, typer.Option(help="With --follow: seconds between looks at the log once caught up.",
-                                              min=0.01)] = 1.0,
+    interval_s: Annotated[float, typer.Option(help="With --follow: seconds between looks at the log (> 0).")] = 1.0,
     window_seqs: Annotated[int, typer.Option(help="Log seqs per transaction.", min=1)] = 10_000,
     max_lag_seqs: Annotated[int, typer.Option(help="With --follow: index while the log grows only when this many "
                                               "seqs behind (else when it is quiet).", min=0)] = 100_000,
@@ -334,6 +333,8 @@ def index(
 
     from ledger.block_index import BlockIndexFollower
 
+    if interval_s <= 0:
+        raise ValueError(f"--interval-s must be above 0, not {interval_s}")
     started = time.perf_counter()
     with BlockIndexFollower(db, window_seqs=window_seqs) as follower:
         follower.check_schema()

@@ -133,12 +133,26 @@ FOLLOWERS = {"off": None, "on, indexing whenever behind": 0, "on, quiet-first (t
 """Writer variants: no follower, or ``index --follow`` with this ``--max-lag-seqs``."""
 
 
-def writer_round(variant: str, events: int, tmp: Path, round_: int) -> str:
-    """One writer run on a new ledger, with or without a follower process beside it."""
+def writer_round(variant: str, events: int, tmp: Path, round_: int, *, postgres: bool = False) -> str:
+    """One writer run on a new ledger (SQLite, or a scratch PostgreSQL database), with or without a
+    follower process beside it."""
+    from tools.harness.postgres import create_pg_database, drop_pg_database
+
+    path = tmp / f"writer-{round_}-{len(variant)}.db"
+    db = create_pg_database() if postgres else f"sqlite:///{path}"
+    try:
+        return _writer_round(variant, events, db, round_)
+    finally:
+        if postgres:
+            drop_pg_database(db)
+        else:
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+
+def _writer_round(variant: str, events: int, db: str, round_: int) -> str:
     max_lag = FOLLOWERS[variant]
     follow = max_lag is not None
-    path = tmp / f"writer-{round_}-{len(variant)}.db"
-    db = f"sqlite:///{path}"
     upgrade(db)
     batches = make_batches(events, 1024)
     follower = None
@@ -166,9 +180,6 @@ def writer_round(variant: str, events: int, tmp: Path, round_: int) -> str:
     line = (f"| {round_} | {variant} | {blocks:,} | {wall:.2f} | {blocks / wall:,.0f} | {cpu:.2f} "
             f"| {blocks / cpu:,.0f} | {caught or '—'} | {load()} |")
     print(line, flush=True)
-    path.unlink()
-    for suffix in ("-wal", "-shm"):
-        Path(f"{path}{suffix}").unlink(missing_ok=True)
     return line
 
 
@@ -187,6 +198,9 @@ def main() -> None:
     parser.add_argument("--writer-events", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-inspect", action="store_true", help="only the writer rounds")
+    parser.add_argument("--postgres-repeats", type=int, default=0,
+                        help="also the writer on a scratch PostgreSQL ledger (127.0.0.1:5432), off and indexing "
+                             "whenever behind, this many rounds (CPU: the client's only)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     lines = [f"Started {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC on {os.cpu_count()} CPUs, load average "
@@ -201,6 +215,15 @@ def main() -> None:
         for round_ in range(1, args.repeats + 1):
             for variant in (list(FOLLOWERS) if round_ % 2 else list(FOLLOWERS)[::-1]):
                 lines.append(writer_round(variant, args.writer_events, tmp, round_))
+        if args.postgres_repeats:
+            lines += ["", "## The writer with the follower off and on (PostgreSQL, 1,024 events per transaction)", "",
+                      "| round | follower | block events | wall s | block events/s (wall) | client CPU s "
+                      "| block events/s (client CPU) | follower | load average |",
+                      "|---:|---|---:|---:|---:|---:|---:|---|---|"]
+            variants = ["off", "on, indexing whenever behind"]
+            for round_ in range(1, args.postgres_repeats + 1):
+                for variant in (variants if round_ % 2 else variants[::-1]):
+                    lines.append(writer_round(variant, args.writer_events, tmp, round_, postgres=True))
     lines += ["", f"Ended {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, load average {load()}."]
     if args.out is not None:
         args.out.write_text("\n".join(lines) + "\n")
