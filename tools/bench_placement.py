@@ -9,7 +9,8 @@ time: ``PlacementAdvisor(live_index=False)`` (one statement per engine and strea
 code before issue #22's index) and ``PlacementAdvisor()`` (the index, caught up before every answer:
 ``refresh_s`` 0), once from tokens (Dynamo's hashes computed per engine) and once with the block
 hashes given; then the same over HTTP (``semkv-ledger serve``'s app under uvicorn on a loopback
-socket, one server per advisor, httpx with a kept connection). Garbage collection is off while
+socket, one server per advisor, httpx with a kept connection, the body encoded by msgspec inside the
+timing, as a router client would send it). Garbage collection is off while
 timing (in process). Both answers are compared (every engine's overlap); a difference stops the run.
 With ``--dynamo-python`` (default ``$SEMKV_DYNAMO_PYTHON``, set by ``tools/dynamo_cpu/setup_env.py
 --print-env``) the same blocks and in-process queries are also given to Dynamo 1.6.1's own
@@ -53,6 +54,7 @@ from tools.harness.builders import batch, stored  # noqa: E402
 
 TPB = 16
 BLOCKS_PER_EVENT = 256
+_JSON = {"content-type": "application/json"}
 
 
 async def populate(db: str, engines: int, prompts: list[list[list[int]]]) -> int:
@@ -192,7 +194,8 @@ def main() -> None:
                         answers = []
                         for name, client in clients.items():
                             t0 = time.perf_counter()
-                            response = client.post("/v1/placement", json=body)
+                            response = client.post("/v1/placement", content=msgspec.json.encode(body),
+                                                   headers=_JSON)
                             times[name].append(time.perf_counter() - t0)
                             answers.append({e["engine_id"]: e["live_blocks"] for e in response.json()["engines"]})
                         if answers[0] != answers[1]:
