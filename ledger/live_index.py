@@ -157,34 +157,56 @@ class LiveIndex:
         changes = [(kind, engine_id, (dp or 0, window or 0), ev.BODY_DECODER.decode(bytes(body)))
                    for seq, kind, engine_id, dp, window, body in rows if seq > self.cursor]
         with self._lock:
+            pending: dict[int, tuple[set[int], set[int]]] = {}
             for kind, engine_id, stream, body in changes:
-                self._apply(kind, engine_id, stream, body)
+                self._apply(kind, engine_id, stream, body, pending)
+            for slot, (added, removed) in pending.items():
+                self._table.remove(np.fromiter(removed, dtype=np.int64, count=len(removed)), slot)
+                self._table.add(np.fromiter(added, dtype=np.int64, count=len(added)), slot)
             self._engines = {e: (g, str(s)) for e, g, s in engines}
             self._schemes = dict(schemes)
             self.cursor = max(self.cursor, upto_seq)
         if complete:
             self.caught_up()
 
-    def _apply(self, kind: str, engine_id: str, stream: Stream, body: Any) -> None:
+    def _apply(self, kind: str, engine_id: str, stream: Stream, body: Any,
+               pending: dict[int, tuple[set[int], set[int]]]) -> None:
+        """One log row. 64-bit keys are gathered per slot in ``pending`` (keys added, keys removed;
+        a key's last change wins, as applying them in order would) for one batch of table changes
+        at the end: a table change costs tens of µs of numpy calls, a set change under 1 µs."""
         if kind == "generation_bumped":  # its live blocks are quarantined: not live any more
             for slot in self._engine_slots.get(engine_id, ()):
+                pending.pop(slot, None)  # what came before the bump is gone with it
                 self._table.clear(slot)
                 self._wide.pop(slot, None)
         elif kind == "block_stored":
-            self._store(engine_id, stream, index_keys(block.block_hash for block in body.blocks))
-        elif kind == "block_removed":
-            slot = self._slots.get((engine_id, stream))
-            if slot is not None:
-                narrow, wide = _split(index_keys(body.block_hashes))
-                self._table.remove(narrow, slot)
-                self._wide.get(slot, set()).difference_update(wide)
+            added, removed = pending.setdefault(self._slot(engine_id, stream), (set(), set()))
+            for key in index_keys(block.block_hash for block in body.blocks):
+                if type(key) is int:
+                    removed.discard(key)
+                    added.add(key)
+                else:
+                    self._wide.setdefault(self._slot(engine_id, stream), set()).add(key)
+        elif kind == "block_removed" and (engine_id, stream) in self._slots:
+            slot = self._slots[(engine_id, stream)]
+            added, removed = pending.setdefault(slot, (set(), set()))
+            for key in index_keys(body.block_hashes):
+                if type(key) is int:
+                    added.discard(key)
+                    removed.add(key)
+                else:
+                    self._wide.get(slot, set()).discard(key)
         # engine_registered: the engines table read with the rows says it exists
 
-    def _store(self, engine_id: str, stream: Stream, keys: list[IndexKey]) -> None:
+    def _slot(self, engine_id: str, stream: Stream) -> int:
         slot = self._slots.get((engine_id, stream))
         if slot is None:
             slot = self._slots[(engine_id, stream)] = len(self._slots)
             self._engine_slots.setdefault(engine_id, []).append(slot)
+        return slot
+
+    def _store(self, engine_id: str, stream: Stream, keys: list[IndexKey]) -> None:
+        slot = self._slot(engine_id, stream)
         narrow, wide = _split(keys)
         self._table.add(narrow, slot)
         if wide:

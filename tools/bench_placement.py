@@ -86,7 +86,9 @@ def overlaps(advice) -> dict:  # noqa: ANN001
 
 def serve(advisor: PlacementAdvisor) -> tuple[str, uvicorn.Server, threading.Thread]:
     """The placement app on a loopback socket (a thread): (base URL, server, thread)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP as `semkv-ledger serve` binds it (getaddrinfo): asyncio sets TCP_NODELAY only on
+    # such sockets, and without it a response's second write waits out the client's delayed ACK (~40 ms)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(advisor), log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
