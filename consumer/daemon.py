@@ -11,8 +11,9 @@ Tasks, supervised by one ``asyncio.TaskGroup`` (hypercorn ``asyncio/run.py``, ST
   so that recording and receiving use two cores;
 * the block index's follower (:class:`ledger.block_index.BlockIndexFollower`, every
   ``block_index_interval_s``; 0: none): off the writer's transactions, one window of the log per
-  transaction of its own, only while the log is quiet or the index is more than
-  :data:`~ledger.block_index.MAX_LAG_SEQS` behind (``step_when_quiet``), pausing as long as each
+  transaction of its own, never while batches wait for the writer, and then only while the log is
+  quiet or the index is more than :data:`~ledger.block_index.MAX_LAG_SEQS` behind
+  (``step_when_quiet``), pausing as long as each
   window took; it stops at shutdown after its current window. A watermark past the log's head
   stops it (``block_index.ahead``), not the daemon;
 * the metrics/health HTTP server (``metrics_port``) and the shutdown watcher.
@@ -299,6 +300,8 @@ class Daemon:
             while not self._stopping.is_set():
                 try:
                     while not self._stopping.is_set():
+                        if self._queue.qsize():
+                            break  # batches wait for the writer: ingest first, the index waits (its lag is searched)
                         started = time.perf_counter()
                         if not await asyncio.to_thread(follower.step_when_quiet):
                             break

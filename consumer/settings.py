@@ -154,8 +154,10 @@ class ConsumerSettings(BaseSettings):
     block_index_interval_s: float = Field(1.0, ge=0)
     """How often the daemon's follower looks for log rows the block index (``inspect block``'s,
     ``ledger/block_index.py``) has not reached; it indexes them a window at a time, each in its own
-    transaction, when the log did not grow since its last look or the index is over 100,000 seqs
-    behind, pausing as long as a window took between windows; 0: no follower here (run
+    transaction, when no batch waits for the writer and the log did not grow since its last look
+    (or the index is over 100,000 seqs behind), pausing as long as a window took between windows
+    (on SQLite it shares the ledger's write lock: a saturated writer is never made to wait for
+    it; ``inspect`` searches the log past the index instead); 0: no follower here (run
     ``semkv-ledger index --follow`` elsewhere, e.g. once per PostgreSQL fleet)."""
     queue_max_batches: int = Field(1024, ge=1)
     """Messages waiting between the sources and the writer; a full queue stops the sources reading."""
