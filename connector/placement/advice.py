@@ -63,7 +63,8 @@ from ledger.live_index import IndexKey, KeyArray, LiveIndex, index_keys, key_arr
 from ledger.placement_reads import EngineOverlap
 from ledger.types import I64_MAX, TWO_64, U64_MAX, BlockHash, BlockKeyScheme, normalize_hash
 
-__all__ = ["Advice", "EngineAdvice", "EngineLoad", "PlacementAdvisor", "SemanticAdvice", "canonical_hashes", "request_hashes"]
+__all__ = ["Advice", "EngineAdvice", "EngineLoad", "PlacementAdvisor", "SemanticAdvice", "canonical_hashes",
+           "request_hashes"]
 _I64_MIN = -(2**63)
 
 
