@@ -9,6 +9,13 @@ Tasks, supervised by one ``asyncio.TaskGroup`` (hypercorn ``asyncio/run.py``, ST
   first waiting message, in one ledger transaction (:meth:`ledger.writer.LedgerWriter.append`),
   run on SQLite by a child process (``writer_process``, the default; :mod:`ledger.writer_process`)
   so that recording and receiving use two cores;
+* the block index's follower (:class:`ledger.block_index.BlockIndexFollower`, every
+  ``block_index_interval_s``; 0: none): off the writer's transactions, one window of the log per
+  transaction of its own, never while batches wait for the writer, and then only while the log is
+  quiet or the index is more than :data:`~ledger.block_index.MAX_LAG_SEQS` behind
+  (``step_when_quiet``), pausing as long as each
+  window took; it stops at shutdown after its current window. A watermark past the log's head
+  stops it (``block_index.ahead``), not the daemon;
 * the metrics/health HTTP server (``metrics_port``) and the shutdown watcher.
 
 Back-pressure policy (memory stays bounded whatever the publishers do): when the queue holds
@@ -72,6 +79,7 @@ from consumer.curve import CurveError, CurveKeys, ZapAuthorizer, exposure_warnin
 from consumer.metrics import ConsumerMetrics, MetricsServer
 from consumer.settings import ConsumerSettings, SourceSettings
 from consumer.source import Item, Source
+from ledger.block_index import BlockIndexFollower, IndexAhead
 from ledger.errors import (ConfigurationError, LedgerError, LedgerUnwritable, PersistenceError, SchemaOutOfDate,
                            database_error_line, is_transient, one_line, url_for_humans)
 from ledger.decide import AppendResult, Loss
@@ -262,6 +270,9 @@ class Daemon:
             tasks = [group.create_task(self._supervise(s), name=f"semkv-source-{s.source_id}")
                      for s in self.sources]
             group.create_task(self._shutdown_when_asked(tasks), name="semkv-shutdown")
+            if self.settings.block_index_interval_s > 0:
+                group.create_task(self._follow_block_index(self.settings.block_index_interval_s),
+                                  name="semkv-block-index")
             self.log.info("daemon.started", db=url_for_humans(self.settings.db), sources=len(tasks),
                           metrics_port=self.metrics_port, writer=self._writer.mode if self._writer else None)
             self.ready.set()
@@ -278,6 +289,32 @@ class Daemon:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)
             delay = min(delay * 2, _SUPERVISE_BACKOFF_S[1])
+
+    async def _follow_block_index(self, interval_s: float) -> None:
+        """Keep the block index behind the log until shutdown (module docstring). Database errors
+        are logged and retried after ``interval_s``: the index is derived data, and ``inspect``
+        answers without it."""
+        follower = await asyncio.to_thread(BlockIndexFollower, self.settings.db)
+        log = self.log.bind(task="block_index")
+        try:
+            while not self._stopping.is_set():
+                try:
+                    while not self._stopping.is_set():
+                        if self._queue.qsize():
+                            break  # batches wait for the writer: ingest first, the index waits (its lag is searched)
+                        started = time.perf_counter()
+                        if not await asyncio.to_thread(follower.step_when_quiet):
+                            break
+                        await asyncio.sleep(time.perf_counter() - started)  # low priority: half the time at most
+                except IndexAhead as exc:
+                    log.error("block_index.ahead", error=str(exc))
+                    return
+                except PersistenceError as exc:
+                    log.warning("block_index.step_failed", error=str(exc), retry_in_s=interval_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), interval_s)
+        finally:
+            await asyncio.to_thread(follower.close)
 
     # -- shutdown -----------------------------------------------------------------------------
 

@@ -151,6 +151,14 @@ class ConsumerSettings(BaseSettings):
     """SQLite: run the ledger writer in a child process (``ledger/writer_process.py``), so the
     recorder and the receive/decode of the sources do not share one GIL (+~0.5 s at start-up, a
     second process in ``ps``); false: a thread of the daemon. PostgreSQL ignores it."""
+    block_index_interval_s: float = Field(1.0, ge=0)
+    """How often the daemon's follower looks for log rows the block index (``inspect block``'s,
+    ``ledger/block_index.py``) has not reached; it indexes them a window at a time, each in its own
+    transaction, when no batch waits for the writer and the log did not grow since its last look
+    (or the index is over 100,000 seqs behind), pausing as long as a window took between windows
+    (on SQLite it shares the ledger's write lock: a saturated writer is never made to wait for
+    it; ``inspect`` searches the log past the index instead); 0: no follower here (run
+    ``semkv-ledger index --follow`` elsewhere, e.g. once per PostgreSQL fleet)."""
     queue_max_batches: int = Field(1024, ge=1)
     """Messages waiting between the sources and the writer; a full queue stops the sources reading."""
     replay_timeout_s: float = Field(2.0, gt=0)

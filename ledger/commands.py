@@ -266,30 +266,100 @@ def inspect(
     """Show one item's history from the log.
 
     The ledger is only read: one it cannot write (a read-only mount, a snapshot) is opened read-only,
-    with a note on stderr. A block's history is a search of the log's block events (seconds on a
-    ledger of millions of rows): a progress bar on stderr when stderr is a terminal, not with --json.
+    with a note on stderr. A block's history comes from the block index up to its watermark and a
+    search of the log rows after it (``semkv-ledger index`` and the consumer keep the index; an
+    empty one means a search of the whole log, seconds on millions of rows): a progress bar on
+    stderr while the log is searched, when stderr is a terminal, not with --json; the tables say
+    how far the index went.
 
     Exit codes: 0 the item has log rows, 1 nothing found (no log row names it), 2 usage or
     database error.
     """
-    from ledger.stats import block_history, history
+    from ledger.stats import find_block, history
     from ledger.types import parse_hash
 
+    lookup = None
     with _reading(db) as conn, _progress_bar(enabled=kind == "block" and not json_out and sys.stderr.isatty()) as bar:
-        if kind == "block":  # a search of the log's block events: seconds on a large ledger
-            progress = None if bar is None else _mover(bar, bar.add_task("searching the log", total=None))
-            rows = block_history(conn, parse_hash(ident), limit, progress)
+        if kind == "block":
+            progress = None if bar is None else _mover(bar, bar.add_task("searching the log after the index", total=None))
+            lookup = find_block(conn, parse_hash(ident), limit, progress)
+            rows = lookup.rows
         else:
             rows = history(conn, kind, ident, limit)
+    if lookup is not None and lookup.index_ahead:
+        err_console.print("warning: the block index claims more of the log than there is: not used, the whole log was "
+                          "searched (rebuild it: `semkv-ledger index --rebuild`)", highlight=False, soft_wrap=True)
     if json_out:
         print(json.dumps({"kind": kind, "id": ident, "rows": [_log_row_json(r) for r in rows]}, default=_json_bytes))
     else:
         _print_history(kind, ident, rows)
+        if lookup is not None:
+            console.print(f"block index through seq {lookup.indexed_through:,}; log searched after it: "
+                          f"{lookup.searched_seqs:,} seqs", highlight=False)
         if not rows:  # exit 1 says it to scripts; say it to people, with where to look
             err_console.print(f"no log row names {kind} {ident!r}: `semkv-ledger stats --db …` lists the engines, "
                               "donors and counts this ledger holds", highlight=False, soft_wrap=True)
     if not rows:
         raise typer.Exit(1)
+
+
+@app.command()
+@user_errors
+def index(
+    db: DbOption = DEFAULT_DB,
+    follow: Annotated[bool, typer.Option("--follow", help="Then keep following the log until interrupted (SIGINT/SIGTERM), "
+                                         "as the consumer's follower does.")] = False,
+    interval_s: Annotated[float, typer.Option(help="With --follow: seconds between looks at the log (> 0).")] = 1.0,
+    window_seqs: Annotated[int, typer.Option(help="Log seqs per transaction.", min=1)] = 10_000,
+    max_lag_seqs: Annotated[int, typer.Option(help="With --follow: index while the log grows only when this many "
+                                              "seqs behind (else when it is quiet).", min=0)] = 100_000,
+    rebuild: Annotated[bool, typer.Option("--rebuild", help="Empty the index first, then build it again.")] = False,
+    json_out: JsonOption = False,
+) -> None:
+    """Bring the block index (``inspect block``'s) up to the log's head, behind the writer.
+
+    Reads the log after the index's watermark and writes each window's index rows with the new
+    watermark in one transaction, so an interrupted run resumes where it stopped; on SQLite a window
+    holds the write lock ~0.1 s and gives up after waiting 1 s for it (tried again later). With
+    --follow it then indexes only while the log is quiet or the index is more than --max-lag-seqs
+    behind, as the consumer's follower (``block_index_interval_s``). A progress bar on stderr when
+    stderr is a terminal and not with --json.
+
+    Exit codes: 0 caught up (or followed until interrupted); 2 usage or database error, or an index
+    whose watermark is past the log's head (rebuild it with --rebuild).
+    """
+    import signal
+    import time
+
+    from ledger.block_index import BlockIndexFollower
+
+    if interval_s <= 0:
+        raise ValueError(f"--interval-s must be above 0, not {interval_s}")
+    started = time.perf_counter()
+    with BlockIndexFollower(db, window_seqs=window_seqs) as follower:
+        follower.check_schema()
+        if rebuild:
+            follower.rebuild()
+        stop = []
+        if follow:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.append(True))
+        with _progress_bar(enabled=not json_out and sys.stderr.isatty()) as bar:
+            progress = None if bar is None else _mover(bar, bar.add_task("indexing the log", total=None))
+            done = follower.catch_up(progress=progress)
+            while follow and not stop:  # as the consumer's follower: when quiet or too far behind, paced
+                window_started = time.perf_counter()
+                if follower.step_when_quiet(done, max_lag_seqs=max_lag_seqs):
+                    time.sleep(time.perf_counter() - window_started)
+                else:
+                    time.sleep(interval_s)
+        done.seconds = time.perf_counter() - started
+    if json_out:
+        print(json.dumps(dataclasses.asdict(done)))
+        return
+    console.print(f"block index through seq {done.watermark:,} (log head {done.head:,}): {count(done.log_rows)} block "
+                  f"event rows indexed in {done.windows} window(s), {count(done.index_rows)} index rows"
+                  f", {done.seconds:.1f} s", highlight=False)
 
 
 def _log_row_json(row: dict[str, Any]) -> dict[str, Any]:

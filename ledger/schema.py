@@ -240,6 +240,47 @@ class ProjectionSnapshotRow(Base):
     taken_at: Mapped[float]
     body: Mapped[bytes]
 
+class BlockIndexRow(Base):
+    """The block index (:mod:`ledger.block_index`): one row per (block hash, log seq of a block event
+    naming it), keyed by ``bucket`` = ``seq >> BUCKET_BITS`` first. ``block_hash`` is the storage
+    column (:func:`ledger.types.storage_hashes`; a wide hash's first 8 bytes), so a reader keeps only
+    the rows whose body names the full hash.
+
+    Why the bucket first: a follower's window then fills the B-tree's newest bucket only, a few MB of
+    pages, instead of a random page of the whole tree per row (keyed by hash first, each 10,000-seq
+    window rewrote ~160 MB of pages into the WAL: 14k log rows/s on 2.7M rows,
+    tools/results/inspect-index-2026-12-05.md); a lookup probes each bucket (42 on 2.7M rows).
+
+    Derived data, kept BEHIND the log by a follower, never by the writer's transaction (one more
+    row per block event there halved the writer: tools/results/ledger-replay-2026-12-05.md §4).
+    Rows exist only up to the :class:`IndexWatermarkRow` ``block_index``; not a projection (replay
+    neither writes nor compares it)."""
+
+    __tablename__ = "block_index"
+
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    block_hash: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    seq: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+
+    # One B-tree on SQLite (the row is its key): a bucket's rows of one hash are one range of it.
+    __table_args__ = {"sqlite_with_rowid": False}
+
+
+BUCKET_BITS = 16
+"""``block_index.bucket`` = ``seq >> BUCKET_BITS``: 65,536 log seqs per bucket (migration 0006)."""
+
+
+class IndexWatermarkRow(Base):
+    """How far a follower-kept index has read the log: every log row with ``seq`` at or below
+    ``seq`` is indexed (``name`` ``block_index``: :class:`BlockIndexRow`). Written in the same
+    transaction as the index rows it covers."""
+
+    __tablename__ = "index_watermarks"
+
+    name: Mapped[str] = mapped_column(String(40), primary_key=True)
+    seq: Mapped[int]
+
+
 PROJECTION_TABLES = (
     EngineRow.__table__,
     StreamRow.__table__,

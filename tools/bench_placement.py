@@ -9,12 +9,16 @@ time: ``PlacementAdvisor(live_index=False)`` (one statement per engine and strea
 code before issue #22's index) and ``PlacementAdvisor()`` (the index, caught up before every answer:
 ``refresh_s`` 0), once from tokens (Dynamo's hashes computed per engine) and once with the block
 hashes given; then the same over HTTP (``semkv-ledger serve``'s app under uvicorn on a loopback
-socket, one server per advisor, httpx with a kept connection). Garbage collection is off while
+socket, one server per advisor, httpx with a kept connection, the body encoded by msgspec inside the
+timing, as a router client would send it). Garbage collection is off while
 timing (in process). Both answers are compared (every engine's overlap); a difference stops the run.
 With ``--dynamo-python`` (default ``$SEMKV_DYNAMO_PYTHON``, set by ``tools/dynamo_cpu/setup_env.py
 --print-env``) the same blocks and in-process queries are also given to Dynamo 1.6.1's own
 ``RadixTree`` in its venv (tools/dynamo_cpu/radix_bench.py: from tokens, its block hashing and
-``find_matches``; hashes given, ``find_matches`` alone), its scores checked equal to the index's.
+``find_matches``; hashes given, ``find_matches`` alone), its scores checked equal to the index's; and
+the HTTP rows are also asked of Dynamo's standalone KV indexer (``python -m dynamo.indexer``, fed the
+same blocks over ZMQ: :class:`DynamoIndexer`), the same bodies interleaved with ours, its answers
+checked equal to the live index's.
 
 Usage: ``python tools/bench_placement.py [--engines 8] [--prompts-per-engine 16]
 [--prompt-tokens 32768] [--queries 300] [--dynamo-python PATH]``; prints a markdown table of p50 /
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -41,6 +46,7 @@ import msgspec
 import socket
 import threading
 import uvicorn
+import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -53,6 +59,7 @@ from tools.harness.builders import batch, stored  # noqa: E402
 
 TPB = 16
 BLOCKS_PER_EVENT = 256
+_JSON = {"content-type": "application/json"}
 
 
 async def populate(db: str, engines: int, prompts: list[list[list[int]]]) -> int:
@@ -84,7 +91,9 @@ def overlaps(advice) -> dict:  # noqa: ANN001
 
 def serve(advisor: PlacementAdvisor) -> tuple[str, uvicorn.Server, threading.Thread]:
     """The placement app on a loopback socket (a thread): (base URL, server, thread)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP as `semkv-ledger serve` binds it (getaddrinfo): asyncio sets TCP_NODELAY only on
+    # such sockets, and without it a response's second write waits out the client's delayed ACK (~40 ms)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(advisor), log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -115,6 +124,76 @@ def dynamo_radix_tree(python: str, prompts: list[list[list[int]]], queries: list
     if done.returncode != 0:
         raise SystemExit(f"Dynamo's RadixTree run failed: {done.stderr.strip()[-2000:]}")
     return json.loads(done.stdout)
+
+
+class DynamoIndexer:
+    """Dynamo 1.6.1's standalone KV indexer (``python -m dynamo.indexer``, HTTP-only mode: it
+    subscribes to each worker's ZMQ KV event endpoint itself; no distributed runtime) in its venv,
+    fed the same stored blocks as the ledger over ZMQ in vLLM's KV event format (Dynamo's listener
+    computes each block's local hash from its token ids), asked ``POST /query`` with a request's
+    token ids. Options and routes: ``python -m dynamo.indexer --help`` of the installed wheel."""
+
+    def __init__(self, python: str, prompts: list[list[list[int]]]) -> None:
+        self.context = zmq.Context()
+        self.publishers = [self.context.socket(zmq.PUB) for _ in prompts]
+        ports = [pub.bind_to_random_port("tcp://127.0.0.1") for pub in self.publishers]
+        http = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        http.bind(("127.0.0.1", 0))
+        port = http.getsockname()[1]
+        http.close()
+        workers = ",".join(f"{w}=tcp://127.0.0.1:{p}" for w, p in enumerate(ports))
+        self.process = subprocess.Popen(
+            [python, "-m", "dynamo.indexer", "--workers", workers, "--block-size", str(TPB), "--port", str(port),
+             "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, transport=_nodelay())
+        self._wait(lambda: self.client.get("/health").status_code == 200, "its /health")
+        time.sleep(1.0)  # its ZMQ subscribers connect after /health: a message before that is lost
+        for worker, engine in enumerate(prompts):
+            self._publish(worker, engine)
+        for worker, engine in enumerate(prompts):  # every worker's last prompt whole: all of it arrived
+            self._wait(lambda: self.scores(engine[-1]).get(worker) == len(engine[-1]) // TPB, f"worker {worker}")
+
+    def _publish(self, worker: int, engine: list[list[int]]) -> None:
+        seq = 0
+        for prompt in engine:
+            chain = [h - 2**64 if h >= 2**63 else h for h in dynamo_block_hashes(prompt, TPB)]
+            for start in range(0, len(chain), BLOCKS_PER_EVENT):
+                event = ["BlockStored", chain[start:start + BLOCKS_PER_EVENT], chain[start - 1] if start else None,
+                         prompt[start * TPB:(start + BLOCKS_PER_EVENT) * TPB], TPB, None, "GPU"]
+                self.publishers[worker].send_multipart(
+                    [b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [event], 0])])
+                seq += 1
+
+    def _wait(self, ready, what: str, timeout_s: float = 120.0) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if ready():
+                    return
+            time.sleep(0.2)
+        raise SystemExit(f"Dynamo's standalone indexer: {what} not ready in {timeout_s:.0f} s")
+
+    def query(self, tokens: list[int]) -> httpx.Response:
+        return self.client.post("/query", content=msgspec.json.encode({"token_ids": tokens, "model_name": "default"}),
+                                headers=_JSON)
+
+    def scores(self, tokens: list[int]) -> dict[int, int]:
+        """Per worker, the leading blocks it holds (the answer counts tokens)."""
+        return {int(w): tokens_matched // TPB
+                for w, by_rank in self.query(tokens).json()["scores"].items() for tokens_matched in by_rank.values()}
+
+    def close(self) -> None:
+        self.client.close()
+        self.process.terminate()
+        self.process.wait(10)
+        for pub in self.publishers:
+            pub.close(0)
+        self.context.term()
+
+
+def _nodelay() -> httpx.HTTPTransport:
+    return httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
 
 
 def check_dynamo_agrees(scores: list[dict[str, int]], answers: list) -> None:  # noqa: ANN001
@@ -181,10 +260,13 @@ def main() -> None:
                     dynamo_rows[f"{label}, from tokens"] = percentiles(dynamo["from_tokens_s"])
                     dynamo_rows[f"{label}, block hashes given"] = percentiles(dynamo["hashes_given_s"])
             servers = {name: serve(advisor) for name, advisor in (("ledger tables", direct), ("live index", indexed))}
-            clients = {name: httpx.Client(base_url=url, timeout=60) for name, (url, _, _) in servers.items()}
+            clients = {name: httpx.Client(base_url=url, timeout=60, transport=_nodelay())
+                       for name, (url, _, _) in servers.items()}
+            indexer = DynamoIndexer(args.dynamo_python, prompts) if args.dynamo_python else None
             try:
                 for label, length in (("2K tokens", 2048), (f"{args.prompt_tokens // 1024}K tokens", args.prompt_tokens)):
                     times = {name: [] for name in servers}
+                    dynamo_times = []
                     for _ in range(args.queries):
                         prompt = rng.choice(rng.choice(prompts))
                         body = {"token_ids": prompt[: length - TPB] + [rng.randrange(50_000) for _ in range(TPB)],
@@ -192,13 +274,26 @@ def main() -> None:
                         answers = []
                         for name, client in clients.items():
                             t0 = time.perf_counter()
-                            response = client.post("/v1/placement", json=body)
+                            response = client.post("/v1/placement", content=msgspec.json.encode(body),
+                                                   headers=_JSON)
                             times[name].append(time.perf_counter() - t0)
                             answers.append({e["engine_id"]: e["live_blocks"] for e in response.json()["engines"]})
                         if answers[0] != answers[1]:
                             raise SystemExit(f"the two HTTP answers differ: {answers}")
+                        if indexer is not None:
+                            t0 = time.perf_counter()
+                            response = indexer.query(body["token_ids"])
+                            dynamo_times.append(time.perf_counter() - t0)
+                            theirs = {int(w): t // TPB for w, ranks in response.json()["scores"].items()
+                                      for t in ranks.values()}
+                            if any(blocks != theirs.get(int(e.split("-")[1]), 0) for e, blocks in answers[1].items()):
+                                raise SystemExit(f"Dynamo's indexer and the live index differ: {theirs} {answers[1]}")
                     rows.append(row(f"{label}, from tokens, over HTTP", times))
+                    if dynamo_times:
+                        dynamo_rows[f"{label}, from tokens, over HTTP"] = percentiles(dynamo_times)
             finally:
+                if indexer is not None:
+                    indexer.close()
                 for client in clients.values():
                     client.close()
                 for _, server, thread in servers.values():
@@ -208,7 +303,7 @@ def main() -> None:
             indexed.close()
             direct.close()
     print("\n| query | ledger tables p50 / p99 (ms) | live index p50 / p99 (ms) | p99 ratio | "
-          "Dynamo RadixTree p50 / p99 (ms) | live index / Dynamo p99 |")
+          "Dynamo p50 / p99 (ms) | live index / Dynamo p99 |")
     print("|---|---:|---:|---:|---:|---:|")
     for case, before, after in rows:
         theirs = dynamo_rows.get(case)

@@ -30,6 +30,18 @@ baseline. Engines are ranked by ``max(live_blocks, donor_blocks)``, then by sema
 engines with an unknown overlap last. When no engine has any evidence (every score 0 or
 unknown) the order is only ``engine_id`` order: the answer says so (``informed`` False and a
 warning) instead of presenting the first engine as the best.
+
+**Load**, where the caller knows it (``engine_load``: per engine, the KV blocks its running
+requests hold and the tokens waiting for prefill, as a router tracks them; the ledger sees cached
+blocks, which stay after requests end, so it cannot tell load itself): when every engine's load is
+given, engines are ranked by Dynamo's own routing cost instead, lowest first, with the reuse our
+evidence finds (``max(live, donor)`` blocks) as its overlap — ``overlap_weight × prefill blocks +
+decode blocks``, prefill blocks ``(prefill_tokens + num_tokens − reusable tokens) / tokens_per_block``,
+decode blocks ``active_blocks + ceil(num_tokens / tokens_per_block)`` (Dynamo's
+``DefaultWorkerSelector::select_worker``, ai-dynamo/dynamo lib/llm/src/kv_router/scheduler.rs @
+db19bd2a; its ``overlap_score_weight`` defaults to 1.0). Each engine's ``cost`` is in the answer
+and ``load_aware`` is True; with load for some engines only, the ranking stays by evidence and a
+warning names the others.
 Nothing here changes anything: it is advice for a router, never a promise (docs/modes.md).
 """
 
@@ -37,18 +49,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from array import array
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from connector.block_keys import block_hash_chain, dynamo_block_hashes
 from connector.namespace import Namespace, content_keys
 from ledger.client import LedgerClient
 from ledger.errors import LedgerError
-from ledger.live_index import IndexKey, LiveIndex, index_keys
+from ledger.live_index import IndexKey, KeyArray, LiveIndex, index_keys, key_array
 from ledger.placement_reads import EngineOverlap
 from ledger.types import I64_MAX, TWO_64, U64_MAX, BlockHash, BlockKeyScheme, normalize_hash
 
-__all__ = ["Advice", "EngineAdvice", "PlacementAdvisor", "SemanticAdvice", "canonical_hashes", "request_hashes"]
+__all__ = ["Advice", "EngineAdvice", "EngineLoad", "PlacementAdvisor", "SemanticAdvice", "canonical_hashes",
+           "request_hashes"]
 _I64_MIN = -(2**63)
 
 
@@ -72,11 +88,25 @@ class EngineAdvice:
     semantic_tokens: int = 0
     block_key_scheme: str | None = None
     overlap: str = "known"
+    cost: float | None = None
+    """Dynamo's routing cost of this engine with its load and this reuse (lower is better; see the
+    module docstring), or None when the caller gave no load for it."""
 
     def score(self) -> tuple[int, int, int, int]:
         """Sort key, best first: known before unknown, then blocks (live or donor), live, semantic."""
         live = self.live_blocks or 0
         return (self.live_blocks is None, -max(live, self.donor_blocks), -live, -self.semantic_tokens)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What an engine is busy with, as the caller (a router) knows it.
+
+    ``active_blocks``: KV blocks held by its running requests (decode load, blocks);
+    ``prefill_tokens``: tokens waiting for or in prefill (tokens)."""
+
+    active_blocks: int = 0
+    prefill_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,6 +139,8 @@ class Advice:
     informed: bool = True
     """Some engine has evidence (live, donor or semantic tokens): the order means something."""
     warnings: tuple[str, ...] = ()
+    load_aware: bool = False
+    """Ranked by each engine's ``cost`` (every engine's load was given), not by evidence alone."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -127,6 +159,8 @@ class PlacementAdvisor:
         refresh_s: catch the index up with the ledger before an answer when it is older than
             this (seconds; 0: before every answer). An index that cannot be caught up within its
             ``max_staleness_s`` (2 s) is not used: answers then read the ledger itself.
+        overlap_weight: the weight of prefill blocks in the load-aware cost (Dynamo's
+            ``overlap_score_weight``; higher favours reuse, lower spreads load).
 
     Raises (from :meth:`advise` and :meth:`ledger_seq`): :class:`~ledger.errors.PersistenceError`
     when the ledger cannot be read; ValueError for malformed input (negative token ids,
@@ -136,8 +170,9 @@ class PlacementAdvisor:
 
     def __init__(self, db: str, *, discovery: Any = None, tokens_per_block: int = 32,
                  semantic_timeout_s: float = 0.05, max_semantic: int = 8, live_index: bool = True,
-                 refresh_s: float = 0.0) -> None:
+                 refresh_s: float = 0.0, overlap_weight: float = 1.0) -> None:
         self.db = db
+        self.overlap_weight = overlap_weight
         self.discovery = discovery
         self.tokens_per_block = tokens_per_block
         self.semantic_timeout_s = semantic_timeout_s
@@ -159,27 +194,33 @@ class PlacementAdvisor:
     def advise(self, token_ids: Sequence[int], *, text: str | None = None, namespace: str | None = None,
                cache_salt: str | None = None, lora_task_id: int | None = None, model_id: str = "",
                tokens_per_block: int | None = None, max_semantic: int | None = None,
-               block_hashes: Sequence[int | str | bytes] | None = None) -> Advice:
+               block_hashes: Sequence[int | str | bytes] | None = None,
+               engine_load: Mapping[str, EngineLoad] | None = None) -> Advice:
         """Rank the fleet's engines for one request (see the module docstring).
 
         ``block_hashes``: the request's block hashes as the engines compute them (one per full
         block, in order; ints in [-2**63, 2**64), or 32-byte / 64-hex wide hashes), used for
         every engine instead of computing them; None: computed per engine's scheme.
+        ``engine_load``: per ``engine_id``, its load as the caller knows it; given for every
+        engine, the ranking is by cost (see the module docstring).
 
         Raises:
-            ValueError: a negative token id, ``tokens_per_block`` < 1, a malformed block hash, or more
-                block hashes than ``token_ids`` has whole blocks.
+            ValueError: a negative token id (where token ids are hashed: by an engine's scheme or
+                for a namespace's content keys), ``tokens_per_block`` < 1, a malformed block hash, or
+                more block hashes than ``token_ids`` has whole blocks, a negative load.
         """
         started = time.perf_counter()
         tpb = tokens_per_block or self.tokens_per_block
         tokens = token_ids if type(token_ids) is list else list(map(int, token_ids))
-        if tpb < 1 or (tokens and min(tokens) < 0):
-            raise ValueError("token ids must be >= 0 and tokens_per_block >= 1")
+        if tpb < 1:
+            raise ValueError("tokens_per_block must be >= 1")
+        if engine_load and any(min(load.active_blocks, load.prefill_tokens) < 0 for load in engine_load.values()):
+            raise ValueError("engine_load: active_blocks and prefill_tokens must be >= 0")
         given_keys = None if block_hashes is None else engine_hash_keys(block_hashes)
         if given_keys is not None and len(given_keys) > len(tokens) // tpb:  # an overlap longer than the prompt
             raise ValueError(f"block_hashes: {len(given_keys)} hashes for {len(tokens) // tpb} whole blocks of "
                              f"{tpb} tokens in token_ids ({len(tokens)} tokens)")
-        keys = content_keys(Namespace(namespace, {}), tokens, tpb) if namespace else []
+        keys = content_keys(Namespace(namespace, {}), _checked(tokens), tpb) if namespace else []
 
         given: list[BlockHash] = []  # the caller's hashes in canonical form, made once if the ledger is read
 
@@ -197,32 +238,43 @@ class PlacementAdvisor:
         by_engine: dict[str, int] = {}
         for s in semantic:
             by_engine[s.engine_id] = max(by_engine.get(s.engine_id, 0), s.reusable_token_count)
-        ranked = sorted((EngineAdvice(e.engine_id, e.generation, e.status, e.fresh and e.live_blocks is not None,
-                                      e.live_blocks, None if e.live_blocks is None else e.live_blocks * tpb,
-                                      e.donor_id, e.donor_blocks, e.donor_blocks * tpb,
-                                      by_engine.get(e.engine_id, 0), e.block_key_scheme,
-                                      "unknown" if e.live_blocks is None else "known") for e in engines),
-                        key=lambda a: (*a.score(), a.engine_id))
+        loads = engine_load or {}
+        advice = [EngineAdvice(e.engine_id, e.generation, e.status, e.fresh and e.live_blocks is not None,
+                               e.live_blocks, None if e.live_blocks is None else e.live_blocks * tpb,
+                               e.donor_id, e.donor_blocks, e.donor_blocks * tpb,
+                               by_engine.get(e.engine_id, 0), e.block_key_scheme,
+                               "unknown" if e.live_blocks is None else "known",
+                               self._cost(loads[e.engine_id], e, len(tokens), tpb) if e.engine_id in loads else None)
+                  for e in engines]
+        load_aware = bool(advice) and all(a.cost is not None for a in advice)
+        ranked = sorted(advice, key=(lambda a: (a.live_blocks is None, a.cost, a.engine_id)) if load_aware
+                        else (lambda a: (*a.score(), a.engine_id)))
         informed = any(a.score()[1:] != (0, 0, 0) for a in ranked)
         return Advice(tuple(ranked), tuple(semantic), seq, tpb, len(tokens), time.perf_counter() - started,
-                      informed, _warnings(ranked, informed))
+                      informed, _warnings(ranked, informed, load_aware, bool(loads)), load_aware)
+
+    def _cost(self, load: EngineLoad, overlap: EngineOverlap, num_tokens: int, tpb: int) -> float:
+        """Dynamo's routing cost of ``overlap``'s engine under ``load`` (see the module docstring)."""
+        reusable_tokens = min(num_tokens, max(overlap.live_blocks or 0, overlap.donor_blocks) * tpb)
+        prefill_blocks = (load.prefill_tokens + num_tokens - reusable_tokens) / tpb
+        return self.overlap_weight * prefill_blocks + load.active_blocks + -(-num_tokens // tpb)
 
     def _overlaps(self, hashes_for: Any, namespace: str | None, keys: Sequence[bytes],
-                  given_keys: list[IndexKey] | None) -> tuple[int, Sequence[EngineOverlap]]:
+                  given_keys: KeyArray | list[IndexKey] | None) -> tuple[int, Sequence[EngineOverlap]]:
         """``(ledger seq, per-engine overlaps)``: live overlaps from the index when it is usable,
         donor spans (with a namespace) from one read of the ledger; else both from one read.
         ``given_keys``: the caller's block hashes as index keys, for every engine."""
         if not self._index_usable():
             snapshot = self._ledger.placement(hashes_for, namespace, keys)
             return snapshot.seq, snapshot.engines
-        per_scheme: dict[str | None, list[IndexKey] | None] = {}
+        per_scheme: dict[str | None, KeyArray | list[IndexKey] | None] = {}
 
-        def keys_for(scheme: str | None) -> list[IndexKey] | None:
+        def keys_for(scheme: str | None) -> KeyArray | list[IndexKey] | None:
             if given_keys is not None:
                 return given_keys
             if scheme not in per_scheme:
                 hashes = hashes_for(scheme)
-                per_scheme[scheme] = None if hashes is None else index_keys(hashes)
+                per_scheme[scheme] = None if hashes is None else key_array(hashes)
             return per_scheme[scheme]
 
         assert self.index is not None
@@ -275,14 +327,25 @@ def canonical_hashes(block_hashes: Sequence[int | str | bytes]) -> list[BlockHas
     return [h % TWO_64 if type(h) is int and _I64_MIN <= h <= U64_MAX else normalize_hash(h) for h in block_hashes]
 
 
-def engine_hash_keys(block_hashes: Sequence[int | str | bytes]) -> list[IndexKey]:
-    """The caller's block hashes as :class:`~ledger.live_index.LiveIndex` keys, in one pass:
-    ``index_keys(canonical_hashes(block_hashes))`` at half its cost for 64-bit integers (the
-    engines' hashes; 2,048 of them is a 32K-token prompt at 16 tokens per block).
+def engine_hash_keys(block_hashes: Sequence[int | str | bytes]) -> KeyArray | list[IndexKey]:
+    """The caller's block hashes as :class:`~ledger.live_index.LiveIndex` keys, in one pass: as
+    ``key_array(canonical_hashes(block_hashes))``, an int64 array when every hash is a 64-bit
+    integer all signed or all unsigned (what engines publish; 2,048 of them, a 32K-token prompt at
+    16 tokens per block, in ~0.07 ms), else ``index_keys(canonical_hashes(block_hashes))``.
 
     Raises:
         ValueError: as :func:`canonical_hashes`.
     """
+    for typecode in ("Q", "q"):  # unsigned, then signed: the same int64 bits either way
+        try:
+            keys = np.frombuffer(array(typecode, block_hashes), dtype=np.int64)
+        except OverflowError:
+            continue
+        except TypeError:  # a str or bytes hash (or not a hash at all: refused below)
+            break
+        if not ((keys == 0) | (keys == 1)).any():  # array() takes bools as 0 and 1: those go the exact way
+            return keys
+        break
     return [(h if h <= I64_MAX else h - TWO_64) if type(h) is int and _I64_MIN <= h <= U64_MAX
             else index_keys([normalize_hash(h)])[0] for h in block_hashes]
 
@@ -293,20 +356,31 @@ def request_hashes(scheme: str | None, tokens: Sequence[int], tokens_per_block: 
     cannot be computed here (unknown scheme, vLLM, TensorRT-LLM v2, or Dynamo with a cache salt
     or LoRA task, which its hashes do not mix in here)."""
     if scheme == BlockKeyScheme.TRTLLM_V1:
-        return block_hash_chain(tokens, tokens_per_block, cache_salt=cache_salt, lora_task_id=lora_task_id)
+        return block_hash_chain(_checked(tokens), tokens_per_block, cache_salt=cache_salt, lora_task_id=lora_task_id)
     if scheme == BlockKeyScheme.DYNAMO and cache_salt is None and lora_task_id is None:
-        return dynamo_block_hashes(tokens, tokens_per_block)  # type: ignore[return-value]
+        return dynamo_block_hashes(tokens, tokens_per_block)  # type: ignore[return-value]  # refuses ids < 0 itself
     return None
 
 
-def _warnings(ranked: Sequence[EngineAdvice], informed: bool) -> tuple[str, ...]:
+def _checked(tokens: Sequence[int]) -> Sequence[int]:
+    """``tokens``, refused (ValueError) when an id is negative."""
+    if tokens and min(tokens) < 0:
+        raise ValueError("token ids must be >= 0")
+    return tokens
+
+
+def _warnings(ranked: Sequence[EngineAdvice], informed: bool, load_aware: bool, load_given: bool) -> tuple[str, ...]:
     out = []
+    if load_given and not load_aware:
+        unloaded = [a.engine_id for a in ranked if a.cost is None]
+        out.append(f"engine_load not given for {len(unloaded)} engine(s) ({', '.join(unloaded[:8])}): ranked by "
+                   "evidence alone, without load")
     unknown = [a.engine_id for a in ranked if a.overlap == "unknown"]
     if unknown:
         out.append(f"overlap unknown for {len(unknown)} engine(s) ({', '.join(unknown[:8])}): their block-key "
                    "scheme is not known or cannot be computed here; configure block_key_scheme for their "
                    "sources or pass block_hashes")
-    if not informed and ranked:
+    if not informed and ranked and not load_aware:
         out.append("no engine holds any block of this request (or none is known): the order is engine_id "
                    "order, not evidence")
     return tuple(out)

@@ -83,6 +83,9 @@ def serve(
                                                            help="Let providers see request/donor text.")] = None,
     tokens_per_block: Annotated[int, typer.Option(help="The fleet's KV block size (tokens, at least 1).")] = 32,
     semantic_timeout_s: Annotated[float, typer.Option(help="Deadline of the semantic part of an answer (s).")] = 0.05,
+    overlap_weight: Annotated[float, typer.Option(help="Weight of prefill blocks in the load-aware cost, used when a "
+                                                  "request gives every engine's load (Dynamo's overlap_score_weight: "
+                                                  "higher favours reuse, lower spreads load; at least 0).")] = 1.0,
     log_level: Annotated[str, typer.Option(help="Level of the JSON log lines on stderr (uvicorn's included): "
                                            "critical, error, warning, info, debug or trace.")] = "info",
 ) -> None:
@@ -98,6 +101,8 @@ def serve(
         _fail(f"--port {port}: not a TCP port: give 0 to 65535 (0: any free port)")
     if tokens_per_block < 1:
         _fail(f"--tokens-per-block {tokens_per_block}: must be at least 1")
+    if not overlap_weight >= 0:  # NaN too
+        _fail(f"--overlap-weight {overlap_weight}: must be at least 0")
     _require_http_extra()
     import structlog
     import uvicorn
@@ -122,7 +127,7 @@ def serve(
             overrides = {"providers": provider or None, "allow_prompt_text": allow_prompt_text}
             discovery = DiscoveryService(load_discovery_settings(overrides), db=db)
         advisor = PlacementAdvisor(db, discovery=discovery, tokens_per_block=tokens_per_block,
-                                   semantic_timeout_s=semantic_timeout_s)
+                                   semantic_timeout_s=semantic_timeout_s, overlap_weight=overlap_weight)
     except Exception as exc:  # noqa: BLE001 - settings, ledger and driver errors are the user's; the rest re-raised
         sock.close()
         if discovery is not None:

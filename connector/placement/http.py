@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from pydantic import BaseModel, ConfigDict, Field
 
 from connector.discovery.types import DonorRecord, readonly_tokens
-from connector.placement.advice import Advice, PlacementAdvisor
+from connector.placement.advice import Advice, EngineLoad, PlacementAdvisor
 from ledger.errors import LedgerError
 
 __all__ = ["PlacementRequest", "create_app", "docs_page"]
@@ -45,6 +45,13 @@ _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 _U31 = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+
+
+class EngineLoadIn(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One engine's load as the router knows it (:class:`~connector.placement.advice.EngineLoad`)."""
+
+    active_blocks: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
+    prefill_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
 
 
 class PlacementRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -69,6 +76,11 @@ class PlacementRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     hashes computed from ``token_ids`` by each engine's scheme (the only way to get an overlap
     for vLLM and TensorRT-LLM v2 engines). An integer outside [-2**63, 2**64) is refused by
     :func:`~connector.placement.advice.canonical_hashes` (msgspec bounds stop at 64 signed bits)."""
+    engine_load: Annotated[dict[Annotated[str, msgspec.Meta(max_length=200)], EngineLoadIn],
+                           msgspec.Meta(max_length=4096)] | None = None
+    """Per ``engine_id``, its load as the router knows it; given for every engine, engines are
+    ranked by Dynamo's routing cost with our evidence as the overlap (``cost`` per engine,
+    ``load_aware`` true)."""
 
 
 _PLACEMENT_DECODER = msgspec.json.Decoder(PlacementRequest)
@@ -117,7 +129,10 @@ def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: Co
         return advisor.advise(body.token_ids, text=body.text, namespace=body.namespace,
                               cache_salt=body.cache_salt, lora_task_id=body.lora_task_id,
                               model_id=body.model_id, tokens_per_block=body.tokens_per_block,
-                              max_semantic=body.max_semantic, block_hashes=body.block_hashes)
+                              max_semantic=body.max_semantic, block_hashes=body.block_hashes,
+                              engine_load=None if body.engine_load is None else
+                              {engine_id: EngineLoad(load.active_blocks, load.prefill_tokens)
+                               for engine_id, load in body.engine_load.items()})
 
     @app.post("/v1/placement", summary="Rank engines for a request",
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True, eq=False)
 class RowsWrite:
     """Rows written into ``table``: ``conflict`` ``None`` a plain insert, ``"update"`` an upsert of
-    every non-key column (projections), ``"add"`` adds ``value`` to the existing row (counters).
+    every non-key column (projections), ``"add"`` adds ``value`` to the existing row (counters),
+    ``"ignore"`` keeps the existing row (the block index: two followers may write the same rows).
     Rows are tuples of every column in the table's column order."""
 
     table: Table

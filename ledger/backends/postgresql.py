@@ -123,6 +123,8 @@ def _insert(spec: RowsWrite) -> tuple[Prepared, list[str], set[str]]:
             n: stmt.excluded[n] for n in names if n not in keys})
     elif spec.conflict == "add":
         stmt = stmt.on_conflict_do_update(index_elements=keys, set_={"value": table.c.value + stmt.excluded.value})
+    elif spec.conflict == "ignore":
+        stmt = stmt.on_conflict_do_nothing(index_elements=keys)
     return Prepared(stmt), names, floats
 
 

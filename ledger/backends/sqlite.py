@@ -322,6 +322,8 @@ def _insert(spec: RowsWrite) -> Prepared:
             c.name: stmt.excluded[c.name] for c in table.columns if c.name not in keys})
     elif spec.conflict == "add":
         stmt = stmt.on_conflict_do_update(index_elements=keys, set_={"value": table.c.value + stmt.excluded.value})
+    elif spec.conflict == "ignore":
+        stmt = stmt.on_conflict_do_nothing(index_elements=keys)
     _binds_in_order(stmt, [c.name for c in table.columns])
     return Prepared(stmt)
 

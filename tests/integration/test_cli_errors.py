@@ -218,6 +218,9 @@ OTHER_ROWS: dict[str, Row] = {
     "serve-port_out_of_range": Row(  # as consume --metrics-port: one line, not click's usage box
         lambda s: ["serve", "--db", s.migrated, "--port", "70000", "--no-discovery"],
         lambda s: ["--port 70000", "65535"], forbids=("serve.started", "Usage:")),
+    "serve-negative_overlap_weight": Row(
+        lambda s: ["serve", "--db", s.migrated, "--port", "0", "--no-discovery", "--overlap-weight", "-1"],
+        lambda s: ["--overlap-weight -1.0", "at least 0"], forbids=("serve.started", "Usage:")),
     "serve-without_the_discovery_extra": Row(
         lambda s: ["serve", "--db", s.migrated, "--port", "0", "--no-discovery"],
         lambda s: ["semkv-ledger[discovery]", "uvicorn"], env=lambda s: _without_http_modules(s),

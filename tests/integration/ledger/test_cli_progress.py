@@ -130,7 +130,7 @@ def test_replay_is_quiet_off_a_terminal_and_with_json(ledger: str) -> None:
 def test_inspect_block_draws_its_search_on_a_terminal_only(ledger: str, log_rows: int) -> None:
     code, stdout, terminal = run_with_terminal_stderr("inspect", "block", "1001", "--db", ledger)
     assert code == 0, terminal
-    assert "searching the log" in terminal and BAR in terminal and f"{log_rows}/{log_rows}" in terminal
+    assert "searching the log after the index" in terminal and BAR in terminal and f"{log_rows}/{log_rows}" in terminal
     assert "block_stored" in stdout and "block_removed" in stdout
     piped = run_piped("inspect", "block", "1001", "--db", ledger)
     assert piped.returncode == 0 and piped.stderr == "", piped.stderr
@@ -143,14 +143,14 @@ def test_migrate_draws_0003s_rebuild_on_a_terminal(ledger_at_0002: str, log_rows
     code, stdout, terminal = run_with_terminal_stderr("migrate", "--db", ledger_at_0002)
     assert code == 0, terminal
     assert REBUILD_STEP in terminal and BAR in terminal and f"{log_rows}/{log_rows}" in terminal
-    assert stdout.strip() == f"ledger {ledger_at_0002}: upgraded 0002 → 0005"
+    assert stdout.strip() == f"ledger {ledger_at_0002}: upgraded 0002 → 0006"
     assert run_piped("replay", "--db", ledger_at_0002, "--json").returncode == 0  # and the rebuild was right
 
 
 def test_migrate_is_quiet_off_a_terminal(ledger_at_0002: str) -> None:
     result = run_piped("migrate", "--db", ledger_at_0002)
     assert result.returncode == 0 and result.stderr == "", result.stderr
-    assert result.stdout.strip() == f"ledger {ledger_at_0002}: upgraded 0002 → 0005"
+    assert result.stdout.strip() == f"ledger {ledger_at_0002}: upgraded 0002 → 0006"
 
 
 class RecordingListener:
@@ -172,10 +172,11 @@ class RecordingListener:
 
 def test_0003_reports_its_steps_to_whoever_listens(ledger_at_0002: str, log_rows: int) -> None:
     listener = RecordingListener()
-    assert upgrade(ledger_at_0002, progress=listener) == ("0002", "0005")
+    assert upgrade(ledger_at_0002, progress=listener) == ("0002", "0006")
     assert [step[0] for step in listener.steps] == ["emptying the projections", REBUILD_STEP,
                                                     "writing the rebuilt projections",
-                                                    "counting the log's engine events by type"]  # 0004
+                                                    "counting the log's engine events by type",  # 0004
+                                                    "creating the block index (filled behind the log: semkv-ledger index)"]
     assert listener.steps[1][2] == (log_rows, log_rows)
 
 
