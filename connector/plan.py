@@ -69,6 +69,10 @@ class LoadPlan:
     """Prefill seconds the profitability gate predicted this load saves (None: not predicted;
     :mod:`connector.profit`); the worker compares it with the load's real time
     (``semkv_ttft_delta_seconds``)."""
+    asynchronous: bool = False
+    """Loaded off the engine's thread, every layer before the engine computes on the blocks (vLLM with
+    ``load_async``: the request waits in ``WAITING_FOR_REMOTE_KVS`` until the worker reports it in
+    ``get_finished``); False: synchronous, layer by layer during the forward or all before it."""
 
     @property
     def donor_block_end(self) -> int:

@@ -146,9 +146,10 @@ class StagedReader:
         self.ref, self.header, self._data, self.source = ref, header, data, source
         self.path = Path(ref)  # for messages, like DonorReader.path
 
-    def read_layer(self, layer_idx: int, *, verify: bool = True) -> np.ndarray:
+    def read_layer(self, layer_idx: int, *, verify: bool = True, into: bytearray | None = None) -> np.ndarray:
         """Layer ``layer_idx``: ``num_blocks * kv_factor * block_elems`` elements as uint8 bytes (a
-        read-only use of the staged array; the worker copies it into the pool).
+        read-only use of the staged array; the worker copies it into the pool). ``into`` is
+        accepted for the file reader's signature and not used: the bytes are in memory already.
 
         Raises:
             ChecksumMismatch: the layer does not match the manifest.

@@ -256,6 +256,17 @@ class ConnectorSettings(BaseSettings):
     always loads before the forward, whatever this says: an exception inside its forward fails the whole
     batch and stores the batch's blocks for reuse, so every check that can fail must run before it
     (connector/README.md, "What a promise means")."""
+    load_async: bool = False
+    """vLLM: answer a hit ``(n, True)`` (vLLM's asynchronous load): the request waits in
+    ``WAITING_FOR_REMOTE_KVS`` while a thread of the worker loads every layer — the same checks as a
+    synchronous load: the ledger read again before each layer's copy, each layer's checksum verified before
+    any of its bytes is copied — and reports it in ``get_finished``; only then does vLLM schedule it. A
+    failed load is reported as a failed receive: vLLM recomputes the request
+    (``kv_load_failure_policy="recompute"``) or fails it (``"fail"``), and the connector promises that
+    request nothing again. Other requests' forwards go on meanwhile, where a synchronous load holds up the
+    whole step; a lone request waits at least one more engine step (tools/results/vllm-cpu-2026-12-05.md
+    has both side by side). Off (the default): synchronous loads. TensorRT-LLM ignores it (its loads are
+    always synchronous here)."""
     per_layer_block_check: bool | None = None
     """Re-check donor block liveness (policy ``engine``) before every layer, not only before layer 0.
     Unset (the default): on when the worker loads layer by layer (vLLM's default), where the forward

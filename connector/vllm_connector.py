@@ -38,9 +38,21 @@ Only this module and :mod:`connector._vllm` know vLLM. They translate, and nothi
   it (``kv_load_failure_policy="fail"``, vLLM's default) or recomputes the blocks (``"recompute"``);
   either way no token is ever computed on partially loaded KV (DESIGN §2 rule 8).
 
-Loads are synchronous (``load_is_async`` False): vLLM then calls ``start_load_kv`` before the
+Loads are synchronous by default (``load_is_async`` False): vLLM then calls ``start_load_kv`` before the
 forward, and each attention layer waits in ``wait_for_layer_load`` until its blocks are copied and
 revalidated (the donor's block liveness included: ``per_layer_block_check``, on by default here).
+With ``load_async`` a hit is answered ``(n, True)``: vLLM allocates the blocks and parks the request
+in ``WAITING_FOR_REMOTE_KVS`` (``vllm/v1/core/sched/scheduler.py``, vLLM 0.32.0), so the request is
+not among the step's scheduled requests: the adapter ships its plan itself in that step's
+``build_connector_meta`` (marked :attr:`~connector.plan.LoadPlan.asynchronous`), the worker loads it
+on a thread of its own (:meth:`~connector.worker.SemKvWorker.load_async`: the same ledger check
+before each layer's copy and checksum before each layer's bytes) and names the request in
+``get_finished``'s received ids once every layer is copied; vLLM schedules it only then. A failed
+load is named in ``failed_recving`` as well (``get_transfer_results``), and vLLM recomputes the
+request from token 0 (or fails it, ``kv_load_failure_policy="fail"``); the adapter answers that
+request's next lookup ``(0, False)``, so it is not promised the same load again. vLLM keeps an
+aborted request's blocks until its load is reported (``delay_free_blocks`` for
+``WAITING_FOR_REMOTE_KVS``), so no block is freed under a copy.
 Saves follow the TensorRT-LLM path: ``request_finished`` registers the donor and returns True (vLLM
 keeps the blocks), the worker gathers the bytes after the next forward and reports the request in
 ``get_finished``, and vLLM frees the blocks.
@@ -48,13 +60,15 @@ keeps the blocks), the worker gathers the bytes after the next forward and repor
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import types
 from collections.abc import Iterable
 from typing import Any
 
-from connector._vllm import VLLM_VERSION, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from connector._vllm import (TRANSFER_RESULTS_AVAILABLE, VLLM_VERSION, KVConnectorBase_V1, KVConnectorMetadata,
+                             KVConnectorRole, KVConnectorTransferResults)
 from connector.block_keys import vllm_event_block_hash
 from connector.engine_contract import VLLM
 from connector.metrics import serve_metrics
@@ -73,10 +87,13 @@ EXTRA_SETTINGS_KEY = "semkv_settings"
 
 
 class SemKvVllmMetadata(KVConnectorMetadata):
-    """One step's :class:`~connector.plan.ConnectorMetadata` in vLLM's metadata type (picklable)."""
+    """One step's :class:`~connector.plan.ConnectorMetadata` in vLLM's metadata type (picklable).
+    ``unplanned``: requests answered ``(n, True)`` whose plan the core did not ship (none should
+    be): the worker reports them as failed receives, or vLLM would wait for them forever."""
 
-    def __init__(self, inner: ConnectorMetadata) -> None:
+    def __init__(self, inner: ConnectorMetadata, unplanned: tuple[str, ...] = ()) -> None:
         self.inner = inner
+        self.unplanned = unplanned
 
 
 # ==================================================================================== translation
@@ -287,6 +304,17 @@ class SemKvVllmConnector(KVConnectorBase_V1):
             self.scheduler = SemKvScheduler(self.deployment, settings=settings, engine=VLLM)
             self._requests: dict[str, Any] = {}
             self._promised: dict[str, int] = {}
+            self._load_async = bool(settings.load_async) and TRANSFER_RESULTS_AVAILABLE
+            if settings.load_async and not TRANSFER_RESULTS_AVAILABLE:
+                log.warning("semkv: load_async needs vLLM's get_transfer_results (failed_recving, vLLM 0.32); "
+                            "loads stay synchronous on vLLM %s", VLLM_VERSION)
+            self._async_lookups: dict[str, int] = {}
+            """Requests answered ``(n, True)`` -> the ``num_computed_tokens`` their lookup started at."""
+            self._async_allocated: dict[str, tuple[list[int], int]] = {}
+            """Asynchronous promises allocated in this step: (block ids, computed position), shipped by
+            the step's ``build_connector_meta`` (vLLM does not schedule the request in that step)."""
+            self._async_failed: set[str] = set()
+            """Requests whose asynchronous load failed: vLLM recomputes them; promised nothing again."""
         else:
             from connector.scheduler import process_rank
             from connector.worker import SemKvWorker
@@ -296,24 +324,46 @@ class SemKvVllmConnector(KVConnectorBase_V1):
                 serve_metrics(self.worker.metrics, settings.metrics_port + 1 + process_rank())
             self._layer_index: dict[str, int] = {}
             self._errored_blocks: set[int] = set()
+            self._failed_recving: set[str] = set()
+            """Asynchronous loads that failed, for the next ``get_transfer_results``."""
+            self._saves_shipped: set[str] = set()
+            """Requests whose save instruction reached this worker: the only ids ``get_finished`` may
+            name as sent (see there)."""
+            self._unplanned: set[str] = set()
+            """Requests waiting for an asynchronous load that has no plan (:class:`SemKvVllmMetadata`)."""
 
     # ------------------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens past ``num_computed_tokens`` (vLLM's local prefix hit) loaded from a donor; never raises."""
-        self._requests[request.request_id] = request
+        """Tokens past ``num_computed_tokens`` (vLLM's local prefix hit) loaded from a donor, and
+        whether they load asynchronously (``load_async``); never raises. A request whose
+        asynchronous load failed gets ``(0, False)`` (vLLM recomputes it)."""
+        rid = request.request_id
+        self._requests[rid] = request
+        if rid in self._async_failed:
+            self._promised[rid] = 0
+            return 0, False
         tokens, load_async = self.scheduler.get_num_new_matched_tokens(VllmRequest(request), num_computed_tokens)
-        self._promised[request.request_id] = tokens
+        self._promised[rid] = tokens
+        if tokens and self._load_async:
+            self._async_lookups[rid] = int(num_computed_tokens)
+            return tokens, True
+        self._async_lookups.pop(rid, None)
         return tokens, load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Bind the allocated blocks to the promise; a promise vLLM did not take is released."""
         view = VllmRequest(request)
-        if num_external_tokens == 0:
+        if num_external_tokens == 0:  # also an asynchronous load's second call, after it was loaded
+            self._async_lookups.pop(request.request_id, None)
             if self._promised.pop(request.request_id, 0):
                 self.scheduler.release(view, "not_allocated")
             return
         block_ids = blocks.get_block_ids()
-        self.scheduler.update_state_after_alloc(view, list(block_ids[0]) if len(block_ids) == 1 else [])
+        ids = list(block_ids[0]) if len(block_ids) == 1 else []
+        self.scheduler.update_state_after_alloc(view, ids)
+        computed = self._async_lookups.pop(request.request_id, None)
+        if computed is not None:
+            self._async_allocated[request.request_id] = (ids, computed)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """This step's load plans and save instructions.
@@ -333,9 +383,32 @@ class SemKvVllmConnector(KVConnectorBase_V1):
                 request_id=req_id, new_block_ids=list(block_ids[0]) if len(block_ids) == 1 else [],
                 computed_position=int(num_computed) - external,
                 block_hashes=VllmRequest(request).block_hashes if request is not None else []))
+        # asynchronous promises allocated in this step: their first (and only) report to the core;
+        # when vLLM schedules them later, their plan has shipped and is not shipped again
+        waiting, self._async_allocated = self._async_allocated, {}
+        for req_id, (block_ids, computed) in waiting.items():
+            request = self._requests.get(req_id)
+            self._promised.pop(req_id, None)
+            new.append(types.SimpleNamespace(
+                request_id=req_id, new_block_ids=block_ids, computed_position=computed,
+                block_hashes=VllmRequest(request).block_hashes if request is not None else []))
         meta = self.scheduler.build_connector_meta(types.SimpleNamespace(
             new_requests=new, cached_requests=[], semkv_work=self._work(scheduler_output)))
-        return SemKvVllmMetadata(meta)
+        unplanned: tuple[str, ...] = ()
+        if waiting:
+            meta = dataclasses.replace(meta, loads=tuple(
+                dataclasses.replace(plan, asynchronous=True) if plan.request_id in waiting else plan
+                for plan in meta.loads))
+            planned = {plan.request_id for plan in meta.loads}
+            unplanned = tuple(rid for rid in waiting if rid not in planned)
+            for rid in unplanned:
+                log.error("semkv: request %s waits for an asynchronous load that has no plan; reported failed", rid)
+        return SemKvVllmMetadata(meta, unplanned)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Note the requests whose asynchronous load failed (vLLM recomputes them): their next
+        lookup is answered ``(0, False)``."""
+        self._async_failed.update(getattr(connector_output, "failed_recving", None) or ())
 
     def _work(self, scheduler_output: Any) -> tuple[int, int]:
         """The step's ``(tokens scheduled, longest prompt still in prefill)`` for the profitability
@@ -351,8 +424,9 @@ class SemKvVllmConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Release the lease; register a finished request as a donor (True: keep blocks until saved)."""
-        self._requests.pop(request.request_id, None)
-        self._promised.pop(request.request_id, None)
+        for book in (self._requests, self._promised, self._async_lookups, self._async_allocated):
+            book.pop(request.request_id, None)
+        self._async_failed.discard(request.request_id)
         return self.scheduler.request_finished(VllmRequest(request), list(block_ids)), None
 
     # ------------------------------------------------------------------------------ worker side
@@ -375,10 +449,17 @@ class SemKvVllmConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, SemKvVllmMetadata):
             return
-        self.worker.bind_connector_meta(meta.inner)
+        inner = meta.inner
+        self._saves_shipped.update(str(save.request_id) for save in inner.saves)
+        self._unplanned.update(getattr(meta, "unplanned", ()))
+        background = tuple(plan for plan in inner.loads if plan.asynchronous)
+        if background:  # loaded on the worker's loader thread, reported by get_finished
+            inner = dataclasses.replace(inner, loads=tuple(plan for plan in inner.loads if not plan.asynchronous))
+        self.worker.bind_connector_meta(inner)
         if not self._guarded(lambda: self.worker.start_load_kv(_current_stream())):
             # the core stops at the first failed plan and fails the step's others unstarted
-            self._errored_blocks.update(b for plan in meta.inner.loads for b in plan.target_block_ids)
+            self._errored_blocks.update(b for plan in inner.loads for b in plan.target_block_ids)
+        self.worker.load_async(background)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Revalidate and copy this layer's blocks of every active plan before attention reads them."""
@@ -394,9 +475,30 @@ class SemKvVllmConnector(KVConnectorBase_V1):
         self.worker.wait_for_save(_current_stream())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """``(requests whose donor bytes are gathered, None)``: vLLM may free their blocks now."""
+        """``(requests whose donor bytes are gathered, requests whose asynchronous load ended)``:
+        vLLM may free the first ones' blocks now, and schedule (or, failed, recompute) the others.
+        The failed loads go to the next :meth:`get_transfer_results`' ``failed_recving``."""
         done, _ = self.worker.get_finished(sorted(finished_req_ids), [])
-        return (set(done) or None), None
+        # vLLM passes EVERY finished request, donors or not, and frees a non-donor's blocks at once
+        # (request_finished answered False); the core gives up waiting for a save instruction after
+        # _SAVE_REPORT_TIMEOUT_S and reports the id, and vLLM asserts that an id named as sent is
+        # still one of its requests (Scheduler._update_from_kv_xfer_finished, vLLM 0.32.0): its
+        # engine core died on it. Only ids whose save instruction came are named, each once.
+        sent = {rid for rid in done if rid in self._saves_shipped}
+        self._saves_shipped.difference_update(sent)
+        ended, failed = self.worker.finished_async_loads()
+        unplanned, self._unplanned = self._unplanned, set()
+        self._failed_recving.update(plan.request_id for plan in failed)
+        self._failed_recving.update(unplanned)
+        return (sent or None), (set(ended) | unplanned or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32's per-step report: :meth:`get_finished` and the asynchronous loads that failed
+        (``failed_recving``: vLLM recomputes those requests, or fails them)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_recving = self._failed_recving, set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Target blocks of plans that failed this step: vLLM fails or recomputes their requests."""

@@ -208,3 +208,52 @@ def test_scheduler_role_builds_on_the_core_and_ships_metadata(tmp_path, sqlite_d
         assert len(connector.build_connector_meta(output).inner.saves) == 1
     finally:
         connector.shutdown()
+
+
+def test_worker_names_as_sent_only_finished_requests_that_were_saves(tmp_path, sqlite_db, monkeypatch) -> None:
+    """vLLM passes every finished request to ``get_finished``; one that was not a donor is freed by
+    vLLM at once, and naming it as sent later killed the engine core (``assert req_id in
+    self.requests``, vLLM 0.32). The core's wait for a save instruction that never comes is cut to 0
+    here: the non-donor's id is still never named; the donor's is, once."""
+    from connector._vllm import KVConnectorRole
+    from connector.plan import ConnectorMetadata, SaveInstruction
+    from connector.vllm_connector import SemKvVllmConnector, SemKvVllmMetadata
+
+    monkeypatch.setattr("connector.worker._SAVE_REPORT_TIMEOUT_S", 0.0)
+    config = vllm_config()
+    config.kv_transfer_config = types.SimpleNamespace(kv_connector_extra_config={"semkv_settings": {
+        "db": sqlite_db, "mode": "exact_equivalent", "engine_id": "vllm-b", "store_dir": str(tmp_path / "store")}})
+    connector = SemKvVllmConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    try:
+        save = SaveInstruction(request_id="donor", donor_id="d1", block_ids=(0, 1), num_blocks=2, tokens_per_block=TPB,
+                               namespace="ns", layout="not this pool's")  # dropped unread: reportable at once
+        connector.bind_connector_metadata(SemKvVllmMetadata(ConnectorMetadata(saves=(save,))))
+        connector.start_load_kv(None)
+        connector.wait_for_save()
+        sent = [connector.get_finished({"donor", "not-a-donor"})[0] for _ in range(3)]
+        assert sent == [{"donor"}, None, None]
+        assert connector.get_transfer_results({"late-non-donor"}).finished_sending == set()
+    finally:
+        connector.shutdown()
+
+
+def test_a_request_waiting_for_an_unplanned_asynchronous_load_is_reported_failed(tmp_path, sqlite_db) -> None:
+    """A request answered ``(n, True)`` whose plan did not ship (the scheduler names it ``unplanned``)
+    would wait in vLLM's ``WAITING_FOR_REMOTE_KVS`` forever: the worker reports it received and
+    failed (vLLM recomputes it), once."""
+    from connector._vllm import KVConnectorRole
+    from connector.plan import ConnectorMetadata
+    from connector.vllm_connector import SemKvVllmConnector, SemKvVllmMetadata
+
+    config = vllm_config()
+    config.kv_transfer_config = types.SimpleNamespace(kv_connector_extra_config={"semkv_settings": {
+        "db": sqlite_db, "mode": "exact_equivalent", "engine_id": "vllm-b", "store_dir": str(tmp_path / "store")}})
+    connector = SemKvVllmConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    try:
+        connector.bind_connector_metadata(SemKvVllmMetadata(ConnectorMetadata(), unplanned=("r9",)))
+        connector.start_load_kv(None)
+        first, second = connector.get_transfer_results(set()), connector.get_transfer_results(set())
+        assert (first.finished_recving, first.failed_recving) == ({"r9"}, {"r9"})
+        assert (second.finished_recving, second.failed_recving) == (set(), set())
+    finally:
+        connector.shutdown()

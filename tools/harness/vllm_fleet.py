@@ -19,13 +19,19 @@ ENGINE_SERVER = REPO / "tools" / "vllm_cpu" / "engine_server.py"
 STARTUP_TIMEOUT_S = 300.0
 
 
+def _toml_value(value: bool | int | float | str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
 def connector_toml(path: Path, *, db: str, engine_id: str, store_dir: Path, policy: str = "engine",
-                   metrics_port: int | None = None, **extra: int | float | str) -> Path:
+                   metrics_port: int | None = None, **extra: bool | int | float | str) -> Path:
     """A connector config for one engine (exact_equivalent; generous deadline on a 2-core CPU).
     With ``metrics_port``, the scheduler serves it and the worker ``metrics_port + 1``; ``extra``
     settings are written as given."""
     lines = [f"metrics_port = {metrics_port}"] if metrics_port else []
-    lines += [f"{key} = {value!r}" if isinstance(value, str) else f"{key} = {value}" for key, value in extra.items()]
+    lines += [f"{key} = {_toml_value(value)}" for key, value in extra.items()]
     path.write_text("".join(line + "\n" for line in lines) + f'''db = "{db}"
 mode = "exact_equivalent"
 engine_id = "{engine_id}"
@@ -41,8 +47,11 @@ class Engine:
 
     def __init__(self, python: str, model: Path, log_path: Path, *, semkv_config: Path | None = None,
                  events_port: int | None = None, replay_port: int | None = None, num_blocks: int = 256,
-                 max_model_len: int = 4096, prefix_caching: bool = True) -> None:
-        args = [python, str(ENGINE_SERVER), "--model", str(model), "--num-blocks", str(num_blocks),
+                 max_model_len: int = 4096, prefix_caching: bool = True, repo: Path = REPO) -> None:
+        """``repo``: the checkout whose connector and engine server the engine runs (another
+        revision's ``git worktree`` for a benchmark's baseline)."""
+        server = repo / ENGINE_SERVER.relative_to(REPO)
+        args = [python, str(server), "--model", str(model), "--num-blocks", str(num_blocks),
                 "--max-model-len", str(max_model_len)]
         if semkv_config is not None:
             args += ["--semkv-config", str(semkv_config)]
@@ -54,7 +63,7 @@ class Engine:
             args += ["--replay-endpoint", f"tcp://127.0.0.1:{replay_port}"]
         if not prefix_caching:
             args.append("--no-prefix-caching")
-        env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING",
+        env = dict(os.environ, PYTHONPATH=str(repo), HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING",
                    TOKENIZERS_PARALLELISM="false")
         env.pop("TRTLLM_SEMKV_CONFIG", None)
         self.log_path = log_path
