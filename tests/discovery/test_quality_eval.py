@@ -4,6 +4,8 @@ weights: these tests check the mechanics, the trained model's numbers are in the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -14,6 +16,16 @@ from tools.quality_lm import QUICK_LM, QualityLM, WordVocab, blended_forward, re
 
 CFG = ModelConfig(vocab_size=512, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
                   max_context=512, seed=3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # as tools/quality_eval.py runs: two contended intra-op threads on a busy 2-core machine (pytest under
+    # nice at load 10) made one of these tests run past the 300 s timeout; on one thread it takes 2 s
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
