@@ -108,7 +108,9 @@ def reuse_plan(pair: Pair, prompt_len: int, min_run: int) -> tuple[list[tuple[in
 
 @dataclasses.dataclass
 class PairResult:
-    """One pair: ``reused`` tokens of ``prompt`` tokens; per variant Δlogprob, F1, ROUGE-L, recompute share."""
+    """One pair: ``reused`` tokens of ``prompt`` tokens; per variant Δlogprob (signed mean, and mean |Δ|
+    per token), KL(exact ‖ variant) of the next-token distribution (nats, mean over continuation
+    positions), F1, ROUGE-L, recompute share."""
 
     pair_id: str
     cls: str
@@ -121,6 +123,8 @@ class PairResult:
     rouge: dict[str, float]
     recompute: dict[str, float]
     exact_logprob: float
+    abs_dlogprob: dict[str, float] = dataclasses.field(default_factory=dict)
+    kl: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _adapter(lm: QualityLM, digest: str | None, cache: dict) -> torch.nn.Module:
@@ -173,12 +177,14 @@ def _first_tokens(plan, t: int, fraction: float) -> torch.Tensor:
 
 
 def _run(model, ids, prompt_len, gen, keep=None, given=None, **kw):
-    """(continuation log-probs [C], greedy tokens [gen], token-layers computed over the prompt)."""
+    """(continuation log-probs [C], next-token log-distributions [C, vocab], greedy tokens [gen],
+    token-layers computed over the prompt)."""
     blend = blended_forward(model, ids, keep, given, **kw)
     rows = blend.rows.tolist()
     at = {p: i for i, p in enumerate(rows)}
     logp = torch.log_softmax(blend.logits, dim=-1)
-    cont = [logp[at[p - 1], ids[p]].item() for p in range(prompt_len, ids.shape[0])]
+    dist = logp[[at[p - 1] for p in range(prompt_len, ids.shape[0])]]
+    cont = dist.gather(1, ids[prompt_len:, None])[:, 0].tolist()
     keys = [k[:prompt_len] for k in blend.keys]
     values = [v[:prompt_len] for v in blend.values]
     token = int(blend.logits[at[prompt_len - 1]].argmax())
@@ -193,7 +199,7 @@ def _run(model, ids, prompt_len, gen, keep=None, given=None, **kw):
         keys, values = step.keys, step.values
         out.append(int(step.logits[-1].argmax()))
     prompt_work = blend.layer_rows - (ids.shape[0] - prompt_len) * model.cfg.num_layers
-    return np.array(cont), out, prompt_work
+    return np.array(cont), dist, out, prompt_work
 
 
 def variant_names(fractions: list[float]) -> list[str]:
@@ -209,7 +215,7 @@ def evaluate_pair(lm: QualityLM, pair: Pair, *, cont: int, gen: int, min_run: in
     plan, source = reuse_plan(pair, prompt_len, min_run)
     layers = target_model.cfg.num_layers
     full_work = prompt_len * layers
-    ref_lp, ref_gen, _ = _run(target_model, ids, prompt_len, gen)
+    ref_lp, ref_dist, ref_gen, _ = _run(target_model, ids, prompt_len, gen)
     exact = blended_forward(target_model, ids[:prompt_len])
     donor = blended_forward(donor_model, torch.tensor(lm.vocab.encode(pair.donor.pieces)))
     t = prompt_len
@@ -235,8 +241,10 @@ def evaluate_pair(lm: QualityLM, pair: Pair, *, cont: int, gen: int, min_run: in
                      float(ref_lp.mean()))
     reused_work = max(1, int(keep.sum()) * layers)
     for name, kw in runs.items():
-        lp, out, work = _run(target_model, ids, prompt_len, gen, **kw)
+        lp, dist, out, work = _run(target_model, ids, prompt_len, gen, **kw)
         res.dlogprob[name] = float(lp.mean() - ref_lp.mean())
+        res.abs_dlogprob[name] = float(np.abs(lp - ref_lp).mean())
+        res.kl[name] = float((ref_dist.exp() * (ref_dist - dist)).sum(-1).mean())
         res.f1[name], res.rouge[name] = token_f1(out, ref_gen), rouge_l(out, ref_gen)
         res.recompute[name] = (work - (full_work - reused_work)) / reused_work  # share of reused token-layers recomputed
     return res
@@ -268,6 +276,8 @@ def summarize(results: list[PairResult], variants: list[str], seed: int = 0, by_
                          "reused": float(np.mean([r.reused / r.prompt for r in rs])),
                          "recompute": float(np.mean([r.recompute[v] for r in with_reuse])) if with_reuse else 0.0,
                          "dlogprob": d, "ppl_ratio": tuple(math.exp(-x) for x in (d[0], d[2], d[1])),
+                         "abs_d": _interval(np.array([r.abs_dlogprob[v] for r in rs]), seed),
+                         "kl": _interval(np.array([r.kl[v] for r in rs]), seed),
                          "f1": _interval(np.array([r.f1[v] for r in rs]), seed),
                          "rouge": _interval(np.array([r.rouge[v] for r in rs]), seed),
                          "max_abs_d": float(max(abs(r.dlogprob[v]) for r in rs)),
@@ -325,14 +335,17 @@ def write_report(path: Path, args, lm: QualityLM, mq: dict, rows: list[dict], re
              "## Quality per class", "",
              f"Per pair: the target's last {args.cont} tokens are the continuation; greedy continuations of "
              f"{args.gen} tokens. Δlogprob in nats/token (variant − exact; 0 = no change, negative = worse); "
-             "PPL ratio = exp(−Δ) (> 1 = worse); F1 and ROUGE-L of the greedy continuation against exact "
+             "PPL ratio = exp(−Δ) (> 1 = worse); mean abs Δ = mean |Δ| per token (shifts in both directions do not "
+             "cancel); KL = KL(exact ‖ variant) of the next-token distribution, nats, mean over continuation positions; F1 and ROUGE-L of the greedy continuation against exact "
              "recompute's (1 = identical). `reused` = share of prompt tokens given donor K/V; `recompute` = "
              "share of the reused token-layers computed anyway. Means with 95 % bootstrap intervals.", "",
-             "| class | span source | variant | n | reused | recompute | Δlogprob | PPL ratio | token F1 | ROUGE-L | max abs Δ |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| class | span source | variant | n | reused | recompute | Δlogprob | PPL ratio | mean abs Δ | KL | "
+             "token F1 | ROUGE-L | max abs Δ |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['cls']} | {r['source']} | {r['variant']} | {r['n']} | {r['reused']:.2f} | "
-                     f"{r['recompute']:.2f} | {_fmt(r['dlogprob'])} | {_fmt(r['ppl_ratio'])} | {_fmt(r['f1'], 2)} | "
+                     f"{r['recompute']:.2f} | {_fmt(r['dlogprob'])} | {_fmt(r['ppl_ratio'])} | {_fmt(r['abs_d'], 4)} | "
+                     f"{_fmt(r['kl'], 4)} | {_fmt(r['f1'], 2)} | "
                      f"{_fmt(r['rouge'], 2)} | {r['max_abs_d']:.2g} |")
     by_con = summarize(results, variants, by_construction=True)
     shown = [v for v in variants if v in ("reuse", "no_rerotate") or v.endswith(f"@{max(args.fraction_list):g}")]

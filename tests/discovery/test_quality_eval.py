@@ -112,6 +112,8 @@ def test_evaluate_pair_control_is_exact_and_moved_kv_changes_the_output(model: H
         res = evaluate_pair(lm, pairs[name], cont=8, gen=6, min_run=4, fractions=[0.25])
         assert res.reused > 0
         assert abs(res.dlogprob["control"]) < 1e-5 and res.f1["control"] == res.rouge["control"] == 1.0
+        assert res.abs_dlogprob["control"] < 1e-5 and abs(res.kl["control"]) < 1e-6
+        assert res.kl["reuse"] > 1e-6 and res.abs_dlogprob["reuse"] >= abs(res.dlogprob["reuse"])
         assert res.recompute["control"] == 0.0 and res.recompute["first@0.25"] >= 0.25
         # the document follows another prefix in the target: its donor K/V are not the target's
         assert abs(res.dlogprob["reuse"]) > 1e-4, name
