@@ -25,7 +25,9 @@ no serving path. For each pair of :func:`tools.discovery_pairs.build_pairs`, on 
   the first ``ceil(f × len)`` tokens of each reused segment recomputed (EPIC's LegoLink, Hu et al.,
   arXiv:2410.15332 §4, given the same budget as ``dev@f``).
 * **Metrics** per pair and variant vs ``exact``: Δlogprob = mean log p(continuation token) under
-  the variant minus under exact (nats/token; PPL ratio = exp(−Δ)); greedy continuations of
+  the variant minus under exact (nats/token; PPL ratio = exp(−Δ)), the mean of |Δ| per token (shifts
+  both ways do not cancel) and KL(exact ‖ variant) of the next-token distribution over the
+  continuation positions (nats); greedy continuations of
   ``--gen`` tokens from the prompt, compared by token F1 (multiset overlap) and ROUGE-L F1 (LCS,
   Lin 2004, β = 1), computed here (``rouge_score`` is not installed; they act on token ids).
   Per class: means with 95 % bootstrap percentile intervals (``scipy.stats.bootstrap``, 2,000
