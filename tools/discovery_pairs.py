@@ -105,6 +105,9 @@ class PairSet:
     seed: int
     ctx: int
     vocab_size: int
+    rest: PairCorpus | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The corpus after the pairs: prose and tool schemas that no pair holds (tools/quality_eval.py
+    trains its model on it, so the model never saw the text it is evaluated on)."""
 
     def by_class(self, cls: str) -> list[Pair]:
         return [p for p in self.pairs if p.cls == cls]
@@ -281,4 +284,4 @@ def build_pairs(per_class: int = 125, *, seed: int = 0, ctx: int = 256, vocab_si
             _BUILDERS[cls](b, i)
     order = {c: k for k, c in enumerate(PAIR_CLASSES)}
     pairs = sorted(b.pairs, key=lambda p: (order[p.cls], p.pair_id))
-    return PairSet(tuple(pairs), seed, ctx, vocab_size)
+    return PairSet(tuple(pairs), seed, ctx, vocab_size, rest=b.corpus)
