@@ -265,8 +265,10 @@ class ConnectorSettings(BaseSettings):
     (``kv_load_failure_policy="recompute"``) or fails it (``"fail"``), and the connector promises that
     request nothing again. Other requests' forwards go on meanwhile, where a synchronous load holds up the
     whole step; a lone request waits at least one more engine step (tools/results/vllm-cpu-2026-12-05.md
-    has both side by side). Off (the default): synchronous loads. TensorRT-LLM ignores it (its loads are
-    always synchronous here)."""
+    has both side by side). One loader thread runs the asynchronous loads one after another; each layer's
+    liveness re-check follows ``per_layer_block_check`` as a synchronous load's does. A vLLM without
+    ``get_transfer_results`` (before 0.32) loads synchronously instead, with a warning at start. Off (the
+    default): synchronous loads. TensorRT-LLM ignores it (its loads are always synchronous here)."""
     per_layer_block_check: bool | None = None
     """Re-check donor block liveness (policy ``engine``) before every layer, not only before layer 0.
     Unset (the default): on when the worker loads layer by layer (vLLM's default), where the forward

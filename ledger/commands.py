@@ -328,31 +328,33 @@ def index(
     Exit codes: 0 caught up (or followed until interrupted); 2 usage or database error, or an index
     whose watermark is past the log's head (rebuild it with --rebuild).
     """
+    import math
     import signal
+    import threading
     import time
 
     from ledger.block_index import BlockIndexFollower
 
-    if interval_s <= 0:
-        raise ValueError(f"--interval-s must be above 0, not {interval_s}")
+    if not (math.isfinite(interval_s) and interval_s > 0):
+        raise ValueError(f"--interval-s must be a number of seconds above 0, not {interval_s}")
     started = time.perf_counter()
     with BlockIndexFollower(db, window_seqs=window_seqs) as follower:
         follower.check_schema()
         if rebuild:
             follower.rebuild()
-        stop = []
+        stop = threading.Event()  # a signal ends a pause at once (a sleep would last to its end)
         if follow:
             for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: stop.append(True))
+                signal.signal(sig, lambda *_: stop.set())
         with _progress_bar(enabled=not json_out and sys.stderr.isatty()) as bar:
             progress = None if bar is None else _mover(bar, bar.add_task("indexing the log", total=None))
             done = follower.catch_up(progress=progress)
-            while follow and not stop:  # as the consumer's follower: when quiet or too far behind, paced
+            while follow and not stop.is_set():  # as the consumer's follower: when quiet or too far behind, paced
                 window_started = time.perf_counter()
                 if follower.step_when_quiet(done, max_lag_seqs=max_lag_seqs):
-                    time.sleep(time.perf_counter() - window_started)
+                    stop.wait(time.perf_counter() - window_started)
                 else:
-                    time.sleep(interval_s)
+                    stop.wait(interval_s)
         done.seconds = time.perf_counter() - started
     if json_out:
         print(json.dumps(dataclasses.asdict(done)))

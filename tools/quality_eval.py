@@ -395,16 +395,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cont", type=int, default=32, help="held-out continuation tokens per target")
     ap.add_argument("--gen", type=int, default=32, help="greedy tokens generated per variant")
     ap.add_argument("--min-run", type=int, default=4, help="shortest aligned run reused where a pair has no spans")
-    ap.add_argument("--quick", action="store_true", help="tiny model, 2 pairs per class, short runs (smoke test)")
-    ap.add_argument("--out", type=Path, default=None, help="results file (default tools/results/quality-DATE.md)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model, at most 2 pairs per class, --cont and --gen 8, the first two fractions "
+                         "(smoke test; default file tools/results/quality-DATE-quick.md)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results file (default tools/results/quality-DATE-HHMM.md, HHMM the start, UTC)")
     args = ap.parse_args(argv)
-    fractions = [float(x) for x in args.fractions.split(",") if x]
+    try:
+        fractions = [float(x) for x in args.fractions.split(",") if x]
+    except ValueError:
+        ap.error(f"--fractions {args.fractions!r}: comma-separated numbers in (0, 1)")
+    if args.per_class < 1 or not fractions or not all(0 < f < 1 for f in fractions) or args.cont < 1 or args.gen < 1 \
+            or args.min_run < 1:
+        ap.error("--per-class, --cont, --gen and --min-run must be >= 1 and --fractions one or more values in (0, 1)")
     if args.quick:
         args.per_class, args.cont, args.gen, fractions = min(args.per_class, 2), 8, 8, fractions[:2]
     args.fraction_list = fractions
-    if args.per_class < 1 or not fractions or not all(0 < f < 1 for f in fractions) or args.cont < 1 or args.gen < 1:
-        ap.error("--per-class, --cont and --gen must be >= 1 and --fractions one or more values in (0, 1)")
     now = dt.datetime.now(dt.UTC)
+    out = args.out or RESULTS / f"quality-{now:%Y-%m-%d}{'-quick' if args.quick else now.strftime('-%H%M')}.md"
+    if not out.parent.is_dir():  # before the run, not after its quarter of an hour
+        ap.error(f"--out {out}: no directory {out.parent}")
     times = {"date": now.strftime("%Y-%m-%d"), "start": now.strftime("%H:%M"), "load_start": _load()}
     torch.manual_seed(0)
     lm = load_or_train(QUICK_LM if args.quick else LMConfig(), log=lambda s: print(s, file=sys.stderr, flush=True))
@@ -422,7 +432,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(results, variants)
     end = dt.datetime.now(dt.UTC)
     times |= {"end": end.strftime("%H:%M"), "load_end": _load()}
-    out = args.out or RESULTS / f"quality-{times['date']}{'-quick' if args.quick else ''}.md"
     write_report(out, args, lm, mq, rows, results, times, variants)
     digest = hashlib.sha256(out.read_bytes()).hexdigest()[:12]
     print(f"wrote {out} ({digest})")

@@ -39,9 +39,11 @@ evidence finds (``max(live, donor)`` blocks) as its overlap — ``overlap_weight
 decode blocks``, prefill blocks ``(prefill_tokens + num_tokens − reusable tokens) / tokens_per_block``,
 decode blocks ``active_blocks + ceil(num_tokens / tokens_per_block)`` (Dynamo's
 ``DefaultWorkerSelector::select_worker``, ai-dynamo/dynamo lib/llm/src/kv_router/scheduler.rs @
-db19bd2a; its ``overlap_score_weight`` defaults to 1.0). Each engine's ``cost`` is in the answer
-and ``load_aware`` is True; with load for some engines only, the ranking stays by evidence and a
-warning names the others.
+db19bd2a; its ``overlap_score_weight`` defaults to 1.0). An engine whose overlap is unknown is
+costed as reusing nothing (an upper bound: it ranks no better than that, still flagged unknown).
+Each engine's ``cost`` is in the answer and ``load_aware`` is True; with load for some engines
+only, the ranking stays by evidence and a warning names the others; load for an engine the
+ledger does not know is not used, with a warning.
 Nothing here changes anything: it is advice for a router, never a promise (docs/modes.md).
 """
 
@@ -66,6 +68,11 @@ from ledger.types import I64_MAX, TWO_64, U64_MAX, BlockHash, BlockKeyScheme, no
 __all__ = ["Advice", "EngineAdvice", "EngineLoad", "PlacementAdvisor", "SemanticAdvice", "canonical_hashes",
            "request_hashes"]
 _I64_MIN = -(2**63)
+MAX_OVERLAP_WEIGHT = 1e6
+MAX_LOAD = 2**40
+"""The largest ``active_blocks`` / ``prefill_tokens`` of an :class:`EngineLoad`."""
+"""The largest ``overlap_weight``: with loads up to 2**40 blocks or tokens a cost stays finite (an
+infinite one is NaN beside zero prefill, and orders nothing)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,7 +167,8 @@ class PlacementAdvisor:
             this (seconds; 0: before every answer). An index that cannot be caught up within its
             ``max_staleness_s`` (2 s) is not used: answers then read the ledger itself.
         overlap_weight: the weight of prefill blocks in the load-aware cost (Dynamo's
-            ``overlap_score_weight``; higher favours reuse, lower spreads load).
+            ``overlap_score_weight``; higher favours reuse, lower spreads load), in
+            [0, :data:`MAX_OVERLAP_WEIGHT`] (ValueError otherwise).
 
     Raises (from :meth:`advise` and :meth:`ledger_seq`): :class:`~ledger.errors.PersistenceError`
     when the ledger cannot be read; ValueError for malformed input (negative token ids,
@@ -171,6 +179,8 @@ class PlacementAdvisor:
     def __init__(self, db: str, *, discovery: Any = None, tokens_per_block: int = 32,
                  semantic_timeout_s: float = 0.05, max_semantic: int = 8, live_index: bool = True,
                  refresh_s: float = 0.0, overlap_weight: float = 1.0) -> None:
+        if not 0 <= overlap_weight <= MAX_OVERLAP_WEIGHT:  # NaN and inf too: a cost must stay a number
+            raise ValueError(f"overlap_weight must be in [0, {MAX_OVERLAP_WEIGHT:g}], not {overlap_weight!r}")
         self.db = db
         self.overlap_weight = overlap_weight
         self.discovery = discovery
@@ -214,8 +224,9 @@ class PlacementAdvisor:
         tokens = token_ids if type(token_ids) is list else list(map(int, token_ids))
         if tpb < 1:
             raise ValueError("tokens_per_block must be >= 1")
-        if engine_load and any(min(load.active_blocks, load.prefill_tokens) < 0 for load in engine_load.values()):
-            raise ValueError("engine_load: active_blocks and prefill_tokens must be >= 0")
+        if engine_load and not all(type(n) is int and 0 <= n <= MAX_LOAD for load in engine_load.values()
+                                   for n in (load.active_blocks, load.prefill_tokens)):
+            raise ValueError(f"engine_load: active_blocks and prefill_tokens must be integers in [0, {MAX_LOAD}]")
         given_keys = None if block_hashes is None else engine_hash_keys(block_hashes)
         if given_keys is not None and len(given_keys) > len(tokens) // tpb:  # an overlap longer than the prompt
             raise ValueError(f"block_hashes: {len(given_keys)} hashes for {len(tokens) // tpb} whole blocks of "
@@ -247,11 +258,12 @@ class PlacementAdvisor:
                                self._cost(loads[e.engine_id], e, len(tokens), tpb) if e.engine_id in loads else None)
                   for e in engines]
         load_aware = bool(advice) and all(a.cost is not None for a in advice)
-        ranked = sorted(advice, key=(lambda a: (a.live_blocks is None, a.cost, a.engine_id)) if load_aware
+        # by cost alone: an engine whose overlap is unknown is costed as reusing nothing, an upper bound
+        ranked = sorted(advice, key=(lambda a: (a.cost, *a.score(), a.engine_id)) if load_aware
                         else (lambda a: (*a.score(), a.engine_id)))
         informed = any(a.score()[1:] != (0, 0, 0) for a in ranked)
         return Advice(tuple(ranked), tuple(semantic), seq, tpb, len(tokens), time.perf_counter() - started,
-                      informed, _warnings(ranked, informed, load_aware, bool(loads)), load_aware)
+                      informed, _warnings(ranked, informed, load_aware, loads), load_aware)
 
     def _cost(self, load: EngineLoad, overlap: EngineOverlap, num_tokens: int, tpb: int) -> float:
         """Dynamo's routing cost of ``overlap``'s engine under ``load`` (see the module docstring)."""
@@ -369,12 +381,17 @@ def _checked(tokens: Sequence[int]) -> Sequence[int]:
     return tokens
 
 
-def _warnings(ranked: Sequence[EngineAdvice], informed: bool, load_aware: bool, load_given: bool) -> tuple[str, ...]:
+def _warnings(ranked: Sequence[EngineAdvice], informed: bool, load_aware: bool,
+              loads: Mapping[str, EngineLoad]) -> tuple[str, ...]:
     out = []
-    if load_given and not load_aware:
+    if loads and not load_aware:
         unloaded = [a.engine_id for a in ranked if a.cost is None]
         out.append(f"engine_load not given for {len(unloaded)} engine(s) ({', '.join(unloaded[:8])}): ranked by "
                    "evidence alone, without load")
+    strangers = sorted(set(loads).difference(a.engine_id for a in ranked))
+    if strangers:
+        out.append(f"engine_load names {len(strangers)} engine(s) the ledger does not know "
+                   f"({', '.join(strangers[:8])}): their load was not used")
     unknown = [a.engine_id for a in ranked if a.overlap == "unknown"]
     if unknown:
         out.append(f"overlap unknown for {len(unknown)} engine(s) ({', '.join(unknown[:8])}): their block-key "

@@ -85,7 +85,7 @@ def serve(
     semantic_timeout_s: Annotated[float, typer.Option(help="Deadline of the semantic part of an answer (s).")] = 0.05,
     overlap_weight: Annotated[float, typer.Option(help="Weight of prefill blocks in the load-aware cost, used when a "
                                                   "request gives every engine's load (Dynamo's overlap_score_weight: "
-                                                  "higher favours reuse, lower spreads load; at least 0).")] = 1.0,
+                                                  "higher favours reuse, lower spreads load; 0 to 1e6).")] = 1.0,
     log_level: Annotated[str, typer.Option(help="Level of the JSON log lines on stderr (uvicorn's included): "
                                            "critical, error, warning, info, debug or trace.")] = "info",
 ) -> None:
@@ -101,8 +101,10 @@ def serve(
         _fail(f"--port {port}: not a TCP port: give 0 to 65535 (0: any free port)")
     if tokens_per_block < 1:
         _fail(f"--tokens-per-block {tokens_per_block}: must be at least 1")
-    if not overlap_weight >= 0:  # NaN too
-        _fail(f"--overlap-weight {overlap_weight}: must be at least 0")
+    from connector.placement.advice import MAX_OVERLAP_WEIGHT
+
+    if not 0 <= overlap_weight <= MAX_OVERLAP_WEIGHT:  # NaN and inf too
+        _fail(f"--overlap-weight {overlap_weight}: must be a number from 0 to {MAX_OVERLAP_WEIGHT:g}")
     _require_http_extra()
     import structlog
     import uvicorn

@@ -48,10 +48,12 @@ _U31 = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
 class EngineLoadIn(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """One engine's load as the router knows it (:class:`~connector.placement.advice.EngineLoad`)."""
+    """One engine's load as the router knows it."""
 
-    active_blocks: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
-    prefill_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
+    active_blocks: Annotated[int, msgspec.Meta(ge=0, le=2**40, description=(
+        "KV blocks held by the engine's running requests (its decode load), in blocks"))] = 0
+    prefill_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**40, description=(
+        "tokens waiting for or in prefill on the engine, in tokens"))] = 0
 
 
 class PlacementRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -77,7 +79,10 @@ class PlacementRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     for vLLM and TensorRT-LLM v2 engines). An integer outside [-2**63, 2**64) is refused by
     :func:`~connector.placement.advice.canonical_hashes` (msgspec bounds stop at 64 signed bits)."""
     engine_load: Annotated[dict[Annotated[str, msgspec.Meta(max_length=200)], EngineLoadIn],
-                           msgspec.Meta(max_length=4096)] | None = None
+                           msgspec.Meta(max_length=4096, description=(
+                               "per engine_id, its load as the router knows it; given for every engine, engines "
+                               "are ranked by Dynamo's routing cost with the ledger's evidence as the overlap "
+                               "(`cost` per engine, `load_aware` true)"))] | None = None
     """Per ``engine_id``, its load as the router knows it; given for every engine, engines are
     ranked by Dynamo's routing cost with our evidence as the overlap (``cost`` per engine,
     ``load_aware`` true)."""

@@ -70,8 +70,6 @@ def test_load_for_some_engines_only_is_said_and_not_used(advisor: PlacementAdvis
     advice = advisor.advise(PROMPT, engine_load={"hot": EngineLoad(active_blocks=100)})
     assert not advice.load_aware and order(advice) == ["hot", "warm", "cold"]
     assert any("engine_load not given for 2 engine(s) (warm, cold)" in w for w in advice.warnings)
-    with pytest.raises(ValueError, match="engine_load"):
-        advisor.advise(PROMPT, engine_load={"hot": EngineLoad(active_blocks=-1)})
 
 
 def test_no_evidence_but_load_is_a_ranking(advisor: PlacementAdvisor) -> None:
@@ -90,3 +88,33 @@ def test_http_takes_engine_load_and_refuses_bad_load(advisor: PlacementAdvisor) 
         for bad in ({"hot": {"active_blocks": -1}}, {"hot": {"queue": 1}}, {"hot": 3}):
             response = client.post("/v1/placement", json={"token_ids": PROMPT, "engine_load": bad})
             assert response.status_code == 422, bad
+
+
+def test_an_engine_of_unknown_overlap_is_ranked_by_its_cost_with_no_reuse(sqlite_db: str,
+                                                                          advisor: PlacementAdvisor) -> None:
+    # an engine nobody described (maps tagged BlockStored): its hashes cannot be computed, its overlap is unknown
+    append(sqlite_db, batch(0, stored(*dynamo_block_hashes(PROMPT, TPB)[:1], num_tokens=TPB, type_name="BlockStored"),
+                            engine_id="mystery"))
+    busy = {"hot": EngineLoad(10_000), "warm": EngineLoad(10_000), "cold": EngineLoad(10_000), "mystery": EngineLoad()}
+    advice = advisor.advise(PROMPT, engine_load=busy)
+    assert advice.load_aware and order(advice)[0] == "mystery"  # 8 + 8 (no reuse assumed) beats any 10,000
+    assert advice.engines[0].overlap == "unknown" and advice.engines[0].cost == 16
+    assert any("overlap unknown" in w and "mystery" in w for w in advice.warnings)
+
+
+def test_load_for_engines_the_ledger_does_not_know_is_said(advisor: PlacementAdvisor) -> None:
+    loads = {e: EngineLoad() for e in ("hot", "warm", "cold", "ghost")}
+    advice = advisor.advise(PROMPT, engine_load=loads)
+    assert advice.load_aware and any("does not know (ghost)" in w for w in advice.warnings)
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan"), -1.0, 1e7])
+def test_an_overlap_weight_that_orders_nothing_is_refused(sqlite_db: str, weight: float) -> None:
+    with pytest.raises(ValueError, match="overlap_weight"):
+        PlacementAdvisor(sqlite_db, tokens_per_block=TPB, overlap_weight=weight)
+
+
+@pytest.mark.parametrize("load", [EngineLoad(float("nan")), EngineLoad(1.5), EngineLoad(0, -1), EngineLoad(2**41)])
+def test_a_load_that_is_not_a_count_is_refused(advisor: PlacementAdvisor, load: EngineLoad) -> None:
+    with pytest.raises(ValueError, match="engine_load"):
+        advisor.advise(PROMPT, engine_load={"hot": load, "warm": EngineLoad(), "cold": EngineLoad()})

@@ -220,7 +220,10 @@ OTHER_ROWS: dict[str, Row] = {
         lambda s: ["--port 70000", "65535"], forbids=("serve.started", "Usage:")),
     "serve-negative_overlap_weight": Row(
         lambda s: ["serve", "--db", s.migrated, "--port", "0", "--no-discovery", "--overlap-weight", "-1"],
-        lambda s: ["--overlap-weight -1.0", "at least 0"], forbids=("serve.started", "Usage:")),
+        lambda s: ["--overlap-weight -1.0", "from 0 to 1e+06"], forbids=("serve.started", "Usage:")),
+    "serve-infinite_overlap_weight": Row(  # an infinite weight makes every cost inf or NaN: no order
+        lambda s: ["serve", "--db", s.migrated, "--port", "0", "--no-discovery", "--overlap-weight", "inf"],
+        lambda s: ["--overlap-weight inf", "from 0 to 1e+06"], forbids=("serve.started", "Usage:")),
     "serve-without_the_discovery_extra": Row(
         lambda s: ["serve", "--db", s.migrated, "--port", "0", "--no-discovery"],
         lambda s: ["semkv-ledger[discovery]", "uvicorn"], env=lambda s: _without_http_modules(s),

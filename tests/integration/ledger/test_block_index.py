@@ -6,6 +6,7 @@ build the index a derivation from the whole log gives."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -344,3 +345,32 @@ def test_a_following_follower_waits_while_the_log_grows_unless_too_far_behind(sq
         assert follower.step_when_quiet(max_lag_seqs=0) is True  # it grew, but too far behind: index
         assert follower.state().watermark == head_of(sqlite_db)
     assert index_rows(sqlite_db) == whole_log_index(sqlite_db)
+
+
+def test_index_follow_stops_at_a_signal_without_waiting_out_its_interval(sqlite_db: str) -> None:
+    """``index --follow --interval-s 600`` stopped by SIGTERM while it waits ends then (a sleep lasted to
+    its end: a systemd stop timed out into SIGKILL), with its summary and exit 0."""
+    record(sqlite_db, *_history())
+    proc = subprocess.Popen([sys.executable, "-m", "ledger", "index", "--db", sqlite_db, "--follow", "--interval-s",
+                             "600", "--json"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    engine = sync_engine(sqlite_db)
+    try:
+        head = head_of(sqlite_db)
+        while True:  # caught up: now it waits its interval
+            with engine.connect() as conn:
+                if index_state(conn).watermark == head:
+                    break
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+    finally:
+        engine.dispose()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)  # far less than the 600 s interval
+    assert proc.returncode == 0, err
+    assert json.loads(out)["watermark"] == head
+
+
+@pytest.mark.parametrize("interval", ["inf", "nan", "0", "-1"])
+def test_index_refuses_an_interval_that_is_not_a_positive_number(sqlite_db: str, interval: str) -> None:
+    done = _cli("index", "--db", sqlite_db, "--follow", "--interval-s", interval)
+    assert done.returncode == 2 and "--interval-s" in done.stderr and "Traceback" not in done.stderr
