@@ -30,7 +30,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ledger.backends.base import ReadOnlyOpen
 from ledger.cli import app
-from ledger.db import DEFAULT_DB
+from ledger.db import DEFAULT_DB, write_refusal
 from ledger.errors import LedgerError, database_error_line, is_database_error, one_line, url_for_humans
 from ledger.views import count, id_column, output_console
 
@@ -316,14 +316,15 @@ def index(
     rebuild: Annotated[bool, typer.Option("--rebuild", help="Empty the index first, then build it again.")] = False,
     json_out: JsonOption = False,
 ) -> None:
-    """Bring the block index (``inspect block``'s) up to the log's head, behind the writer.
+    """Bring the block index that inspect block reads up to the log's head, behind the writer.
 
     Reads the log after the index's watermark and writes each window's index rows with the new
     watermark in one transaction, so an interrupted run resumes where it stopped; on SQLite a window
     holds the write lock ~0.1 s and gives up after waiting 1 s for it (tried again later). With
     --follow it then indexes only while the log is quiet or the index is more than --max-lag-seqs
-    behind, as the consumer's follower (``block_index_interval_s``). A progress bar on stderr when
-    stderr is a terminal and not with --json.
+    behind, as the consumer's follower (its block_index_interval_s setting). A progress bar on stderr
+    when stderr is a terminal and not with --json. A ledger this process cannot write is refused in
+    one line (inspect reads it read-only and searches the log past the index).
 
     Exit codes: 0 caught up (or followed until interrupted); 2 usage or database error, or an index
     whose watermark is past the log's head (rebuild it with --rebuild).
@@ -337,6 +338,10 @@ def index(
 
     if not (math.isfinite(interval_s) and interval_s > 0):
         raise ValueError(f"--interval-s must be a number of seconds above 0, not {interval_s}")
+    refusal = write_refusal(db)
+    if refusal is not None:  # say so up front, not as the driver's "attempt to write a readonly database"
+        raise LedgerError(f"cannot index the ledger {url_for_humans(db)}: it cannot be written here ({refusal}); "
+                          "`inspect block` reads it read-only and searches the log past the index")
     started = time.perf_counter()
     with BlockIndexFollower(db, window_seqs=window_seqs) as follower:
         follower.check_schema()
