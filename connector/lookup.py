@@ -267,10 +267,14 @@ class MissDiagnosis:
         self.ledger, self.store = ledger, store
 
     def explain(self, namespace: Any, keys: list[bytes], start_block: int, probe: str | None,
-                policy: Any) -> tuple[str, str | None]:
-        """``(reason, namespace field or None)`` for a lookup that found no usable donor."""
+                policy: Any, as_of_seq: int | None = None) -> tuple[str, str | None]:
+        """``(reason, namespace field or None)`` for a lookup that found no usable donor.
+        ``as_of_seq``: the log seq the lookup saw (its donor view's cursor); donors registered after
+        it are not why it missed — the diagnosis runs later, when e.g. the request's own donor may
+        be registered (None: every donor counts)."""
         if start_block < len(keys):
-            donors = self.ledger.donors_for_key(namespace.digest, keys[start_block], limit=1)
+            donors = [d for d in self.ledger.donors_for_key(namespace.digest, keys[start_block], limit=8)
+                      if as_of_seq is None or d.registered_seq <= as_of_seq][:1]
             if donors:
                 donor = donors[0]
                 stale = self.ledger.donor_freshness(donor.donor_id, namespace=namespace.digest,

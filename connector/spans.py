@@ -235,16 +235,20 @@ class SpanFinder:
     # ------------------------------------------------------------------ telemetry (background)
     def explain_later(self, ns: Namespace, keys: list[bytes], start_block: int, head: list[int]) -> None:
         """Count a ``no_donor`` miss under the reason the ledger and the store explain (queued; the
-        probe key of the prompt's ``head`` is hashed there, off the engine's path)."""
-        self._background.submit(lambda: self._explain(ns, keys, start_block, probe_key(head)))
+        probe key of the prompt's ``head`` is hashed there, off the engine's path), as of what the
+        lookup saw: the donor view's cursor when the view answered."""
+        view = self.ready_view()
+        as_of = view.cursor if view is not None else None
+        self._background.submit(lambda: self._explain(ns, keys, start_block, probe_key(head), as_of))
 
     def discover_later(self, ns: Namespace, prompt: list[int], start_block: int, max_blocks: int) -> None:
         """``discovery_only`` / ``placement``: hash and look up ``prompt`` in the background and count
         what a materializing lookup would have found (telemetry only)."""
         self._background.submit(lambda: self._discover(ns, prompt, start_block, max_blocks))
 
-    def _explain(self, ns: Namespace, keys: list[bytes], start_block: int, probe: str | None) -> None:
-        reason, field = self._diagnosis.explain(ns, keys, start_block, probe, self.policy)
+    def _explain(self, ns: Namespace, keys: list[bytes], start_block: int, probe: str | None,
+                 as_of_seq: int | None = None) -> None:
+        reason, field = self._diagnosis.explain(ns, keys, start_block, probe, self.policy, as_of_seq)
         self.metrics.record_miss(reason, field)
 
     def _discover(self, ns: Namespace, tokens: list[int], start_block: int, max_blocks: int) -> None:
