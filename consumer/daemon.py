@@ -338,7 +338,8 @@ class Daemon:
                 waiter.cancel()
         self.request_stop()
         deadline = time.monotonic() + self.settings.shutdown_timeout_s
-        await asyncio.wait(source_tasks, timeout=self.settings.shutdown_timeout_s)
+        if source_tasks:  # asyncio.wait refuses an empty set (a daemon built with no source)
+            await asyncio.wait(source_tasks, timeout=self.settings.shutdown_timeout_s)
         assert self._writer_task is not None
         try:
             await asyncio.wait_for(self._queue.put(_STOP), max(0.0, deadline - time.monotonic()))

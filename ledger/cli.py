@@ -14,6 +14,7 @@ connection, file or port error, printed as ONE line ``error: …`` on stderr (da
 from __future__ import annotations
 
 import os
+import re
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -88,6 +89,21 @@ def _register_plugins() -> None:
             print(f"warning: semkv-ledger commands of {ep.value!r} unavailable: {exc}", file=sys.stderr)
             continue
         register(app)
+    _plain_help_texts(app)
+
+
+_RST_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def _plain_help_texts(typer_app: typer.Typer) -> None:
+    """Docstrings are reStructuredText for the API docs; ``--help`` shows them as plain text, so a
+    command's help loses its RST markup: ``literal`` → `literal`, :func:`name` → name."""
+    import inspect
+
+    for info in typer_app.registered_commands:
+        text = info.help if info.help is not None else inspect.getdoc(info.callback)
+        if text:
+            info.help = _RST_ROLE.sub(r"\1", text).replace("``", "`")
 
 
 def main() -> None:

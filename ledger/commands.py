@@ -252,7 +252,7 @@ def stats(db: DbOption = DEFAULT_DB, json_out: JsonOption = False) -> None:
         print_stats(console, data)
 
 
-@app.command()
+@app.command(context_settings={"ignore_unknown_options": True})  # a signed block hash (-667…) is an argument
 @user_errors
 def inspect(
     kind: Annotated[str, typer.Argument(help="engine, donor or block")],

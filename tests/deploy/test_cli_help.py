@@ -34,6 +34,13 @@ def help_text(*args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_shows_no_rst_markup(command: str | None) -> None:
+    # docstrings are reStructuredText for the API docs; a terminal shows ``x`` and :func:`y` as is
+    text = help_text(*([command] if command else []))
+    assert "``" not in text and ":func:`" not in text and ":class:`" not in text, text
+
+
 def test_every_command_summary_is_one_line() -> None:
     for name, command in _commands().items():
         summary = (command.help or "").strip().split("\n\n")[0]  # type: ignore[attr-defined]

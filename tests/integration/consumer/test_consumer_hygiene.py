@@ -135,3 +135,14 @@ async def test_a_metrics_server_off_loopback_is_logged_as_exposed(tmp_path, host
     assert event["log_level"] == "warning" and event["host"] == host and event["port"] == port
     assert f"listens on {host}:{port} (not loopback)" in event["message"]
     assert "/metrics and /healthz" in event["message"]
+
+
+async def test_a_daemon_without_sources_stops_cleanly(tmp_path):
+    """The CLI refuses a consumer with no source, but the ``Daemon`` API takes one (an embedding
+    that adds none): its stop waited on the empty set of source tasks and raised ValueError."""
+    db, _ = migrated_db(tmp_path)
+    settings = settings_for(db, {"engine_id": ENGINE, "endpoint": "tcp://127.0.0.1:1"}).model_copy(
+        update={"sources": []})
+    async with DaemonRun(settings) as run:
+        stats = await run.stop()
+    assert stats.clean_exit

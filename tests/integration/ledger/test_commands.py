@@ -117,3 +117,17 @@ def test_an_item_with_no_history_says_so_and_where_to_look(sqlite_db: str) -> No
     assert quiet.returncode == 1 and quiet.stderr == "" and json.loads(quiet.stdout)["rows"] == []
     wide = cli("inspect", "block", "0x" + bytes(range(32)).hex(), "--db", sqlite_db)  # a wide hash written with 0x
     assert wide.returncode == 1 and "is not a block hash" not in wide.stderr and "outside" not in wide.stderr
+
+
+def test_a_signed_block_hash_is_an_argument_not_an_option(sqlite_db: str) -> None:
+    # The ledger shows 64-bit hashes as signed integers (SQLite's INTEGER); pasting one back
+    # (`inspect block -81985529216486896`) was refused as "No such option: -8".
+    from tools.harness.builders import batch, record, stored
+
+    big = 0xFEDCBA9876543210
+    record(sqlite_db, [batch(0, stored(big), engine_id="engine-a")])
+    found = cli("inspect", "block", str(big - 2**64), "--db", sqlite_db, "--json")
+    assert found.returncode == 0, found.stderr
+    assert [row["kind"] for row in json.loads(found.stdout)["rows"]] == ["block_stored"]
+    typo = cli("inspect", "block", "0x10", "--dbx", sqlite_db)
+    assert typo.returncode == 2 and "--dbx" in typo.stderr
