@@ -11,6 +11,7 @@ vLLM cases drive the same scheduler and worker core the vLLM adapter wraps, in v
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -136,16 +137,22 @@ class VllmOrder:
         close_connector(self.scheduler, self.worker)
 
 
-@pytest.fixture
-def vllm(fleet: Fleet) -> Iterator[VllmOrder]:
-    a = fleet.engine("A")
-    a.generate(DOC)
+@contextlib.contextmanager
+def vllm_order(fleet: Fleet) -> Iterator[VllmOrder]:
+    """A's donor of DOC in the ledger and the store; B's connector over B's pool."""
+    fleet.engine("A").generate(DOC)
     fleet.sync()
     order = VllmOrder(fleet)
     try:
         yield order
     finally:
         order.close()
+
+
+@pytest.fixture
+def vllm(fleet: Fleet) -> Iterator[VllmOrder]:
+    with vllm_order(fleet) as order:
+        yield order
 
 
 def donor_file(fleet: Fleet) -> Path:

@@ -18,7 +18,14 @@ import torch
 from connector._trtllm import RequestData, SchedulerOutput
 from connector.harness import LlmRequest
 from connector.plan import LoadPlan
-from tests.connector.test_failure_injection import DOC, PROMPT, VllmOrder, donor_file, fail_copy_at
+from tests.connector.test_failure_injection import (
+    DOC,
+    PROMPT,
+    VllmOrder,
+    donor_file,
+    fail_copy_at,
+    vllm_order,
+)
 from tools.harness.fleet import MODEL, Fleet
 
 TPB = MODEL.tokens_per_block
@@ -56,13 +63,8 @@ def run_async(order: VllmOrder, rid: int, after_meta: Callable[[], None] | None 
 def order(fleet: Fleet) -> Iterator[VllmOrder]:
     """A's donor of DOC in the ledger and the store; B's connector over B's pool (as the ``vllm``
     fixture of test_failure_injection.py)."""
-    fleet.engine("A").generate(DOC)
-    fleet.sync()
-    order = VllmOrder(fleet)
-    try:
+    with vllm_order(fleet) as order:
         yield order
-    finally:
-        order.close()
 
 
 def doc_blocks(order: VllmOrder, targets: list[int]) -> torch.Tensor:

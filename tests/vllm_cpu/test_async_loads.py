@@ -10,14 +10,13 @@ SQLite ledger, donor store), documents are CPython standard-library sources, 102
 from __future__ import annotations
 
 import sqlite3
-import sysconfig
 import time
 from pathlib import Path
 
 import pytest
 
 from tools.harness.consume_process import Consumer, consumer_toml, free_port, metric_sum, scrape, wait_for
-from tools.harness.vllm_fleet import Engine, connector_toml
+from tools.harness.vllm_fleet import Engine, FleetReads, connector_toml
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -26,7 +25,7 @@ BLOCK = 32
 DOC_SOURCES = ("calendar.py", "tokenize.py")
 
 
-class AsyncFleet:
+class AsyncFleet(FleetReads):
     def __init__(self, root: Path, python: str, model: Path) -> None:
         self.db_path = root / "ledger.db"
         db, store = f"sqlite:///{self.db_path}", root / "donors"
@@ -41,14 +40,6 @@ class AsyncFleet:
         self.docs = [self.tokens(name)[:DOC_TOKENS] for name in DOC_SOURCES]
         self.questions = [self.a.call(op="encode", text=f"\n# Question {i}: what does this module define?\n")
                           ["token_ids"] for i in range(3)]
-
-    def tokens(self, stdlib_name: str) -> list[int]:
-        text = Path(sysconfig.get_paths()["stdlib"], stdlib_name).read_text(encoding="utf-8")
-        return self.a.call(op="encode", text=text)["token_ids"]
-
-    def sql(self, query: str, *args: object) -> list[tuple]:
-        with sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True) as conn:
-            return conn.execute(query, args).fetchall()
 
     def donate(self, doc: list[int]) -> str:
         """A serves ``doc`` + a question; A's donor once it is saved (its blocks live in the ledger).

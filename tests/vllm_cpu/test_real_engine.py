@@ -11,14 +11,12 @@ The tests run in file order on one fleet: each control uses a document of its ow
 
 from __future__ import annotations
 
-import sqlite3
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 from tools.harness.consume_process import Consumer, consumer_toml, free_port, metric_sum, scrape, wait_for
-from tools.harness.vllm_fleet import Engine, LossyRelay, connector_toml
+from tools.harness.vllm_fleet import Engine, FleetReads, LossyRelay, connector_toml
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -28,7 +26,7 @@ DOC_SOURCES = ("json/decoder.py", "textwrap.py", "heapq.py", "string.py")
 FILLER_SOURCES = ("argparse.py", "dataclasses.py", "enum.py", "functools.py", "difflib.py", "shutil.py")
 
 
-class Fleet:
+class Fleet(FleetReads):
     def __init__(self, root: Path, python: str, model: Path) -> None:
         self.root, self.python, self.model = root, python, model
         self.db_path = root / "ledger.db"
@@ -56,15 +54,6 @@ class Fleet:
                       max_model_len=2048,
                       semkv_config=connector_toml(self.root / "A.toml", db=self.db, engine_id="A",
                                                   store_dir=self.store))
-
-    def tokens(self, stdlib_name: str) -> list[int]:
-        text = Path(sysconfig.get_paths()["stdlib"], stdlib_name).read_text(encoding="utf-8")
-        return self.a.call(op="encode", text=text)["token_ids"]
-
-    # -- ledger reads (the SQLite file itself, read-only) -------------------------------------
-    def sql(self, query: str, *args: object) -> list[tuple]:
-        with sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True) as conn:
-            return conn.execute(query, args).fetchall()
 
     def saved_donor(self, engine_id: str, min_blocks: int) -> str | None:
         """The newest live, saved donor of ``engine_id`` with at least ``min_blocks`` blocks whose

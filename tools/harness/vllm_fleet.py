@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import queue
+import sqlite3
 import subprocess
+import sysconfig
 import threading
 from pathlib import Path
 
@@ -40,6 +42,22 @@ store_dir = "{store_dir}"
 lookup_timeout_s = 1.0
 ''')
     return path
+
+
+class FleetReads:
+    """What the vLLM CPU fleets of tests/vllm_cpu read: a CPython standard-library source as engine
+    A's token ids, and the SQLite ledger file itself (read-only). Needs ``self.a`` and ``self.db_path``."""
+
+    a: Engine
+    db_path: Path
+
+    def tokens(self, stdlib_name: str) -> list[int]:
+        text = Path(sysconfig.get_paths()["stdlib"], stdlib_name).read_text(encoding="utf-8")
+        return self.a.call(op="encode", text=text)["token_ids"]
+
+    def sql(self, query: str, *args: object) -> list[tuple]:
+        with sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True) as conn:
+            return conn.execute(query, args).fetchall()
 
 
 class Engine:
