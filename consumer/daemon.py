@@ -524,6 +524,8 @@ class Daemon:
         self.stats.add(result)
         m.transactions.inc()
         m.commit_seconds.observe(elapsed_s)
+        if result.log_lock_wait_s is not None:
+            m.log_lock_wait_seconds.observe(result.log_lock_wait_s)
         m.batches_committed.inc(result.batches)
         m.events_applied.inc(result.events_applied)
         m.events_duplicate.inc(result.events_duplicate)

@@ -120,6 +120,10 @@ class ConsumerMetrics:
                                         _LOSS, registry=r)
         self.commit_seconds = Histogram("semkv_consumer_commit_seconds", "Duration of one ledger transaction",
                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.log_lock_wait_seconds = Histogram(
+            "semkv_consumer_log_lock_wait_seconds",
+            "Wait of one ledger transaction for the log lock, behind other writers' commits (PostgreSQL only)",
+            buckets=_LATENCY_BUCKETS, registry=r)
         self.lag_seconds = Histogram("semkv_consumer_lag_seconds", "Engine batch ts to ledger commit",
                                      buckets=_LAG_BUCKETS, registry=r)
         self.lag_last_seconds = Gauge("semkv_consumer_lag_last_seconds",

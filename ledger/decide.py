@@ -89,6 +89,11 @@ class AppendResult:
     max_event_ts: float | None = None
     losses: list[Loss] = dataclasses.field(default_factory=list)
     """Each gap and generation bump, in the order logged (``gaps``/``generation_bumps`` count them)."""
+    log_lock_wait_s: float | None = None
+    """Seconds this transaction waited for the backend's log lock (PostgreSQL's ``LOCK TABLE log``,
+    :meth:`ledger.backends.base.Backend.lock_log`): the time spent behind other writers' commits.
+    None where the backend takes no such lock (SQLite: its one writer takes the write lock at
+    ``BEGIN IMMEDIATE``, before the transaction is handed to the recorder); summed by :meth:`merge`."""
 
     def merge(self, other: AppendResult) -> None:
         """Add ``other``'s counts and losses to these (a subclass's own fields are its own)."""
@@ -96,6 +101,9 @@ class AppendResult:
             mine, theirs = getattr(self, field.name), getattr(other, field.name)
             if field.name == "losses":
                 mine.extend(theirs)
+            elif field.name == "log_lock_wait_s":
+                if theirs is not None:
+                    setattr(self, field.name, (mine or 0.0) + theirs)
             elif isinstance(mine, int) and field.name not in ("first_seq", "last_seq"):
                 setattr(self, field.name, mine + theirs)
 

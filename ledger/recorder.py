@@ -105,13 +105,17 @@ def transact(conn: Connection | Sql, fn: Callable[[Decider], T], *, now: float |
     """
     sql = conn if isinstance(conn, Sql) else Sql.of(conn)
     try:
-        sql.backend.lock_log(sql)
+        started = time.perf_counter()
+        locks = sql.backend.lock_log(sql)
+        waited = time.perf_counter() - started
         proj = Projection(changes=Pending())
         _load_engines(sql, proj, engine_ids)
         _load_by_id(sql, proj, "donors", donor_ids)
         _load_by_id(sql, proj, "leases", lease_ids)
         decider = Decider(proj, _next_seq(sql), time.time() if now is None else now, _digest_lookup(sql),
                           _earlier_digests(sql))
+        if locks:
+            decider.result.log_lock_wait_s = waited
         value = fn(decider)
         write(sql, proj, decider.entries)
         return value

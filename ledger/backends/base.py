@@ -144,9 +144,11 @@ class Backend:
 
     # -- the recorder's statement shapes -------------------------------------------------------
 
-    def lock_log(self, sql: Sql) -> None:
+    def lock_log(self, sql: Sql) -> bool:
         """Serialise this write transaction with every other writer of the log (rows become
-        visible in ``seq`` order)."""
+        visible in ``seq`` order). Returns whether a lock was taken here (False: the backend's
+        transactions are already serialised when they begin)."""
+        return False
 
     def blocks_by_hashes(self, sql: Sql, stream: dict[str, Any], hashes: set[int]) -> list[tuple]:
         """The ``blocks`` rows of one stream (``engine_id``, ``attention_dp_rank``,

@@ -87,8 +87,9 @@ class PostgreSQLBackend(Backend):
         # session level (the client's connections are autocommit): SET LOCAL would end with the first COMMIT
         return f"SET lock_timeout = {ms}", "RESET lock_timeout"
 
-    def lock_log(self, sql: Sql) -> None:
+    def lock_log(self, sql: Sql) -> bool:
         sql.driver("LOCK TABLE log IN SHARE ROW EXCLUSIVE MODE")
+        return True
 
     def blocks_by_hashes(self, sql: Sql, stream: dict[str, Any], hashes: set[int]) -> list[tuple]:
         return sql.all(_BLOCKS_BY_HASHES, {**stream, "hashes": list(hashes)})

@@ -48,3 +48,44 @@ def test_concurrent_writers_for_different_engines_lose_nothing(postgres_db: str)
     assert seqs == list(range(1, len(seqs) + 1))  # no holes, no duplicates in the global sequence
     assert live == engines * batches_each * blocks_each
     assert_replay_equal(postgres_db)
+
+
+def test_a_transaction_reports_its_wait_for_the_log_lock(postgres_db: str, sqlite_db: str) -> None:
+    """``AppendResult.log_lock_wait_s``: how long the transaction waited behind another writer's
+    commit (here a session holding ``LOCK TABLE log`` for 0.5 s after the append began); None on
+    SQLite (no log lock)."""
+    import threading
+
+    import psycopg
+
+    locked, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with psycopg.connect(postgres_db) as conn:
+            conn.execute("LOCK TABLE log IN SHARE ROW EXCLUSIVE MODE")
+            locked.set()
+            release.wait(10)
+
+    async def main(db: str) -> tuple[float | None, float | None]:
+        writer = await LedgerWriter.open(db)
+        try:
+            alone = (await writer.append([batch(0, stored(1), engine_id="engine-a")])).log_lock_wait_s
+            if db != postgres_db:
+                return alone, None
+            thread = threading.Thread(target=holder)
+            thread.start()
+            try:
+                await asyncio.to_thread(locked.wait, 10)
+                behind = asyncio.create_task(writer.append([batch(1, stored(2), engine_id="engine-a")]))
+                await asyncio.sleep(0.5)
+            finally:
+                release.set()
+                await asyncio.to_thread(thread.join)
+            return alone, (await behind).log_lock_wait_s
+        finally:
+            await writer.close()
+
+    alone, behind = asyncio.run(main(postgres_db))
+    assert alone is not None and alone < 0.5
+    assert behind is not None and behind >= 0.4
+    assert asyncio.run(main(sqlite_db)) == (None, None)
