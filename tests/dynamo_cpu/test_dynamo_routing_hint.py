@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from connector.block_keys import dynamo_block_hashes
-from connector.placement.advice import PlacementAdvisor
-from connector.placement.dynamo_hint import dynamo_hint, nvext_hint
+from connector.placement.advice import EngineLoad, PlacementAdvisor
+from connector.placement.dynamo_hint import dynamo_hint, frontend_engine_load, nvext_hint
 from tools.harness.consume_process import Consumer, consumer_toml, free_port, wait_for
 from tools.harness.dynamo_fleet import BLOCK_SIZE, MODEL_NAME, DynamoFleet, _Process, seeded_prompts
 
@@ -92,11 +92,18 @@ def prompt_tokens(fleet: DynamoFleet, seed: int) -> list[int]:
 def test_the_hinted_worker_serves_what_the_ledger_said_it_holds(hint_fleet: HintFleet) -> None:
     """The prompt's blocks are on dynamo-1, which is busy decoding long requests: Dynamo alone sends
     the prompt to idle dynamo-0 (nothing cached); with the ledger's hint it goes to dynamo-1, which
-    serves as cached exactly the ledger's overlap. So the hint is what moved the request."""
+    serves as cached exactly the ledger's overlap. So the hint is what moved the request. The
+    frontend's per-worker load gauges show dynamo-1 busy, and the by-cost hint (Dynamo's trade-off on
+    the ledger's overlap) names idle dynamo-0, as Dynamo itself does."""
     fleet, instance_of = hint_fleet.fleet, hint_fleet.instance_of
     tokens = prompt_tokens(fleet, 2201)
     full = len(tokens) // BLOCK_SIZE
-    # Setup: the prompt's blocks on dynamo-1 only (a targeted request, then the ledger catches up).
+    # Setup: dynamo-0 has served something else (the ledger learns of an engine from its first
+    # message, and the hint names nobody while a worker is unheard of); the prompt's blocks on
+    # dynamo-1 only (a targeted request, then the ledger catches up).
+    elsewhere = prompt_tokens(fleet, 2204)
+    fleet.complete(elsewhere, max_tokens=1, nvext={"backend_instance_id": instance_of["dynamo-0"]})
+    wait_for(lambda: hint_fleet.live_blocks(elsewhere, "dynamo-0"), SYNC_TIMEOUT_S, "the ledger to hear of dynamo-0")
     placed = fleet.complete(tokens, max_tokens=1, nvext={"backend_instance_id": instance_of["dynamo-1"]})
     assert hint_fleet.engine_of(placed) == "dynamo-1"
     wait_for(lambda: hint_fleet.live_blocks(tokens, "dynamo-1") == full, SYNC_TIMEOUT_S,
@@ -109,14 +116,26 @@ def test_the_hinted_worker_serves_what_the_ledger_said_it_holds(hint_fleet: Hint
 
     # dynamo-1 busy: three long requests decoding there (each ~1,000 prompt tokens, 300 output
     # tokens: ~6 s each on the mocker), so Dynamo's own cost prefers idle dynamo-0.
+    others = fleet.tokenize(list(seeded_prompts(2203, 3, min_chars=3000)))
+    busy_blocks = sum(len(other) // BLOCK_SIZE for other in others)  # ~ what the router counts for them
     busy = [threading.Thread(target=fleet.complete, args=(other,),
                              kwargs={"max_tokens": BUSY_OUTPUT_TOKENS,
                                      "nvext": {"backend_instance_id": instance_of["dynamo-1"]}})
-            for other in fleet.tokenize(list(seeded_prompts(2203, 3, min_chars=3000)))]
+            for other in others]
     for thread in busy:
         thread.start()
     try:
-        time.sleep(0.5)  # the long requests reach the router
+        engine_of = {i: e for e, i in instance_of.items()}
+        def all_busy() -> dict[str, EngineLoad] | None:
+            load = frontend_engine_load(fleet.metrics_text(), engine_of)
+            return load if load.get("dynamo-1", EngineLoad()).active_blocks >= 0.9 * busy_blocks else None
+
+        loads = wait_for(all_busy, 30, f"Dynamo's frontend to report dynamo-1 busy (~{busy_blocks} blocks)", 0.05)
+        assert loads.get("dynamo-0", EngineLoad()).active_blocks == 0, loads  # the gauges are per worker
+        by_cost = dynamo_hint(hint_fleet.advisor.advise(tokens, engine_load={e: loads.get(e, EngineLoad())
+                                                                          for e in instance_of}),
+                              instance_of, by_cost=True)
+        assert by_cost is not None and by_cost.engine_id == "dynamo-0", (by_cost, loads, busy_blocks)  # Dynamo's trade-off: the idle one
         answered = fleet.complete(tokens, max_tokens=1, nvext=nvext_hint(hint))
         alone = fleet.complete(tokens, max_tokens=1)
     finally:

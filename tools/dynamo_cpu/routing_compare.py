@@ -1,6 +1,6 @@
 """Dynamo's routing with and without semkv-ledger's evidence, on one seeded workload (issue 22).
 
-Two passes over the SAME requests (seeded prompts, tokenized once by the fleet's tokenizer and sent
+Passes over the SAME requests (seeded prompts, tokenized once by the fleet's tokenizer and sent
 as token ids, in the same order, ``--concurrency`` at a time), each on a FRESH fleet of the same
 shape (``--workers`` mocker workers of NVIDIA Dynamo 1.6.1, ``--num-gpu-blocks`` blocks each, the
 frontend with ``--router-mode kv``, file discovery on loopback: :class:`tools.harness.dynamo_fleet.DynamoFleet`)
@@ -8,12 +8,18 @@ and a fresh SQLite ledger fed by ``semkv-ledger consume`` (every default setting
 ``block_key_scheme = "dynamo"``):
 
 * ``dynamo``: Dynamo's router alone. Before each request the ledger's advice is asked anyway
-  (:class:`~connector.placement.advice.PlacementAdvisor`, live index) and recorded, so both passes
-  pay the same client-side cost and the pass shows how often Dynamo's choice is in the advice's top set;
+  (:class:`~connector.placement.advice.PlacementAdvisor`, live index) and recorded, so every pass
+  pays the same client-side cost and the pass shows how often Dynamo's choice is in the advice's top set;
 * ``semkv-hint``: the same, and when the advice singles out one engine
   (:func:`connector.placement.dynamo_hint.dynamo_hint`) the request names its worker in
   ``nvext.backend_instance_id``; other requests are left to Dynamo's router. A hinted request that
-  Dynamo refuses is sent again without the hint (counted).
+  Dynamo refuses is sent again without the hint (counted);
+* ``semkv-cost`` (with ``--cost-pass``): before each request the frontend's per-worker load
+  (``/metrics``: :func:`connector.placement.dynamo_hint.frontend_engine_load`) goes into a load-aware
+  advice, and the ONE engine of lowest routing cost (the advisor's model of Dynamo's cost, the
+  ledger's overlap) is named (``dynamo_hint(..., by_cost=True)``); ties are left to Dynamo. This is
+  Dynamo's trade-off on the ledger's evidence, what its remote-indexer input would have given;
+* ``dynamo-tuned`` (with ``--dynamo-tuned-args``): Dynamo alone, its frontend given those flags.
 
 Nothing waits for the ledger to catch up with the workers' events (the test group does:
 tests/dynamo_cpu/test_dynamo_fleet.py): the advice is what a router-side caller would get at that
@@ -57,7 +63,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from connector.placement.advice import PlacementAdvisor  # noqa: E402
-from connector.placement.dynamo_hint import dynamo_hint, nvext_hint  # noqa: E402
+from connector.placement.dynamo_hint import dynamo_hint, frontend_engine_load, nvext_hint  # noqa: E402
 from tools.harness.consume_process import Consumer, consumer_toml, free_port, wait_for  # noqa: E402
 from tools.harness.dynamo_fleet import BLOCK_SIZE, DynamoFleet, seeded_prompts  # noqa: E402
 
@@ -83,10 +89,11 @@ class Row:
     failed: str | None = None
 
 
-def run_pass(name: str, hint: bool, token_ids: list[list[int]], args: argparse.Namespace, workdir: Path,
+def run_pass(name: str, hint: str | None, token_ids: list[list[int]], args: argparse.Namespace, workdir: Path,
              concurrency: int, frontend_args: tuple[str, ...] = ()) -> list[Row]:
     """One pass on a fresh fleet (its frontend given ``frontend_args`` too) and ledger, ``concurrency``
-    requests in flight; its rows in request order."""
+    requests in flight; its rows in request order. ``hint``: None (Dynamo alone), ``"evidence"``
+    (the best-reuse hint) or ``"cost"`` (the lowest-cost hint, load from the frontend's /metrics)."""
     root = workdir / name
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -107,12 +114,13 @@ def run_pass(name: str, hint: bool, token_ids: list[list[int]], args: argparse.N
 
         def one(i: int) -> Row:
             tokens = token_ids[i]
+            load = frontend_engine_load(fleet.metrics_text(), engine_of) if hint == "cost" else None
             with lock:  # one advisor (its live index) for every thread
-                advice = advisor.advise(tokens)
+                advice = advisor.advise(tokens, engine_load=load)
             known = {a.engine_id: a.live_blocks for a in advice.engines if a.fresh and a.live_blocks is not None}
             best = max(known.values(), default=0)
             top = sorted(e for e, blocks in known.items() if blocks == best)
-            decisive = dynamo_hint(advice, instance_of)
+            decisive = dynamo_hint(advice, instance_of, by_cost=hint == "cost")
             chosen = decisive if hint else None
             started = time.perf_counter()
             refused = False
@@ -203,6 +211,7 @@ def loadavg() -> str:
 
 
 PASS_TITLES = {"dynamo": "Dynamo's router alone (`dynamo`)", "semkv-hint": "with semkv-ledger's hint (`semkv-hint`)",
+               "semkv-cost": "Dynamo's cost, semkv-ledger's overlap (`semkv-cost`)",
                "dynamo-tuned": "Dynamo alone, tuned (`dynamo-tuned`)"}
 
 
@@ -232,7 +241,7 @@ def table(args: argparse.Namespace, passes: dict[str, list[Row]]) -> list[str]:
         line("**TTFT** p50 / p95 / mean (mocker, ms)", lambda n, x: f"{x['ttft_p50']:.1f} / {x['ttft_p95']:.1f} / {x['ttft_mean']:.1f}"),
         line("client latency p50 / p95 (ms)", lambda n, x: f"{x['latency_p50']:.1f} / {x['latency_p95']:.1f}"),
         line("advice informed (the ledger saw some overlap)", lambda n, x: str(x["informed"])),
-        line("advice singles out one engine (a hint)", lambda n, x: str(x["decisive"])),
+        line("a hint names one engine (by evidence; in `semkv-cost` by cost)", lambda n, x: str(x["decisive"])),
         line("… routed to that engine", as_hint),
         line("routed to the advice's top set (all / of Dynamo's own choices)",
              lambda n, x: f"{x['to_top']} / {x['to_top_unhinted'][0]} of {x['to_top_unhinted'][1]}"),
@@ -270,6 +279,7 @@ def report(args: argparse.Namespace, runs: dict[int, dict[str, list[Row]]], time
         f"Run {times[0]} – {times[1]} UTC: `tools/dynamo_cpu/routing_compare.py --requests {args.requests} "
         f"--workers {args.workers} --num-gpu-blocks {args.num_gpu_blocks} --concurrency "
         f"{' '.join(map(str, args.concurrency))} --seed {args.seed} --max-tokens {args.max_tokens}"
+        + (" --cost-pass" if args.cost_pass else "")
         + (f" --dynamo-tuned-args='{args.dynamo_tuned_args}'" if args.dynamo_tuned_args else "")
         + f"`; commit {git_commit()} (plus the working tree of this change).",
         f"Load average at start {loads[0]}, at end {loads[1]} ({os.cpu_count()} CPUs, {platform.platform()}; "
@@ -306,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--dynamo-tuned-args", default="",
                         help="frontend flags of a third pass, Dynamo alone tuned (e.g. '--router-prefill-load-scale 4')")
+    parser.add_argument("--cost-pass", action="store_true",
+                        help="a pass hinted by Dynamo's cost with the ledger's overlap (load from the frontend's /metrics)")
     parser.add_argument("--dynamo-python", default=os.environ.get("SEMKV_DYNAMO_PYTHON"))
     parser.add_argument("--dynamo-model", default=os.environ.get("SEMKV_DYNAMO_MODEL"))
     parser.add_argument("--workdir", type=Path, default=None,
@@ -324,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     loads = [loadavg()]
     prompts = list(seeded_prompts(args.seed, args.requests))
     token_ids = DynamoFleet(workdir / "tokenizer", args.dynamo_python, Path(args.dynamo_model)).tokenize(prompts)
-    plan = [("dynamo", False, ()), ("semkv-hint", True, ())]
+    plan: list[tuple[str, str | None, tuple[str, ...]]] = [("dynamo", None, ()), ("semkv-hint", "evidence", ())]
+    if args.cost_pass:
+        plan.append(("semkv-cost", "cost", ()))
     if args.dynamo_tuned_args:
-        plan.append(("dynamo-tuned", False, tuple(shlex.split(args.dynamo_tuned_args))))
+        plan.append(("dynamo-tuned", None, tuple(shlex.split(args.dynamo_tuned_args))))
     runs: dict[int, dict[str, list[Row]]] = {}
     for concurrency in args.concurrency:
         runs[concurrency] = {name: run_pass(name, hint, token_ids, args, workdir / f"c{concurrency}", concurrency, extra)

@@ -251,6 +251,14 @@ class DynamoFleet:
                               capture_output=True, text=True, env=self.env, timeout=120, check=True)
         return json.loads(done.stdout)
 
+    def metrics_text(self) -> str:
+        """The frontend's ``/metrics`` (Prometheus text; per-worker load gauges
+        ``dynamo_frontend_worker_active_decode_blocks`` / ``..._active_prefill_tokens``)."""
+        assert self._http is not None, "start() first"
+        response = self._http.get("/metrics")
+        response.raise_for_status()
+        return response.text
+
     def complete(self, prompt: str | list[int], max_tokens: int = 4, nvext: dict | None = None) -> dict:
         """POST /v1/completions through the frontend's router (``prompt``: text, or token ids as the
         OpenAI API allows); the JSON response, with ``nvext.worker_id.decode_worker_id`` (the
