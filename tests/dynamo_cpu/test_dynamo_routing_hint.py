@@ -122,20 +122,21 @@ def test_the_hinted_worker_serves_what_the_ledger_said_it_holds(hint_fleet: Hint
                              kwargs={"max_tokens": BUSY_OUTPUT_TOKENS,
                                      "nvext": {"backend_instance_id": instance_of["dynamo-1"]}})
             for other in others]
+    engine_of = {i: e for e, i in instance_of.items()}
+
+    def all_busy() -> dict[str, EngineLoad] | None:
+        load = frontend_engine_load(fleet.metrics_text(), engine_of)
+        return load if load.get("dynamo-1", EngineLoad()).active_blocks >= 0.9 * busy_blocks else None
+
     for thread in busy:
         thread.start()
     try:
-        engine_of = {i: e for e, i in instance_of.items()}
-        def all_busy() -> dict[str, EngineLoad] | None:
-            load = frontend_engine_load(fleet.metrics_text(), engine_of)
-            return load if load.get("dynamo-1", EngineLoad()).active_blocks >= 0.9 * busy_blocks else None
-
         loads = wait_for(all_busy, 30, f"Dynamo's frontend to report dynamo-1 busy (~{busy_blocks} blocks)", 0.05)
         assert loads.get("dynamo-0", EngineLoad()).active_blocks == 0, loads  # the gauges are per worker
-        by_cost = dynamo_hint(hint_fleet.advisor.advise(tokens, engine_load={e: loads.get(e, EngineLoad())
-                                                                          for e in instance_of}),
-                              instance_of, by_cost=True)
-        assert by_cost is not None and by_cost.engine_id == "dynamo-0", (by_cost, loads, busy_blocks)  # Dynamo's trade-off: the idle one
+        loaded = hint_fleet.advisor.advise(tokens, engine_load={e: loads.get(e, EngineLoad()) for e in instance_of})
+        by_cost = dynamo_hint(loaded, instance_of, by_cost=True)
+        # Dynamo's trade-off on the ledger's overlap: the idle worker, as Dynamo alone chooses below
+        assert by_cost is not None and by_cost.engine_id == "dynamo-0", (by_cost, loads, busy_blocks)
         answered = fleet.complete(tokens, max_tokens=1, nvext=nvext_hint(hint))
         alone = fleet.complete(tokens, max_tokens=1)
     finally:
