@@ -136,6 +136,8 @@ class DynamoFleet:
     model: Path
     num_workers: int = 4
     num_gpu_blocks: int = 256
+    frontend_args: tuple[str, ...] = ()
+    """More flags for ``dynamo.frontend`` (e.g. ``--use-remote-indexer``)."""
     workers: list[Worker] = field(default_factory=list)
     frontend: _Process | None = None
     http_port: int = 0
@@ -158,7 +160,8 @@ class DynamoFleet:
             self.http_port = free_port()
             self.frontend = _Process([self.python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
                                       "--http-port", str(self.http_port), "--router-mode", "kv",
-                                      "--discovery-backend", "file", "--kv-cache-block-size", str(BLOCK_SIZE)],
+                                      "--discovery-backend", "file", "--kv-cache-block-size", str(BLOCK_SIZE),
+                                      *self.frontend_args],
                                      self.env, self.root / "frontend.log")
             self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=60.0)
             wait_for(self._serves_model, STARTUP_TIMEOUT_S, "the frontend to serve the model")
@@ -248,10 +251,19 @@ class DynamoFleet:
                               capture_output=True, text=True, env=self.env, timeout=120, check=True)
         return json.loads(done.stdout)
 
-    def complete(self, prompt: str | list[int], max_tokens: int = 4) -> dict:
+    def metrics_text(self) -> str:
+        """The frontend's ``/metrics`` (Prometheus text; per-worker load gauges
+        ``dynamo_frontend_worker_active_decode_blocks`` / ``..._active_prefill_tokens``)."""
+        assert self._http is not None, "start() first"
+        response = self._http.get("/metrics")
+        response.raise_for_status()
+        return response.text
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 4, nvext: dict | None = None) -> dict:
         """POST /v1/completions through the frontend's router (``prompt``: text, or token ids as the
         OpenAI API allows); the JSON response, with ``nvext.worker_id.decode_worker_id`` (the
         router's choice), ``nvext.timing`` and ``usage.prompt_tokens_details.cached_tokens``.
+        ``nvext``: more ``nvext`` fields for the request (e.g. ``backend_instance_id``).
 
         Raises:
             httpx.HTTPStatusError: the frontend answered with an error status (e.g. 503 while a
@@ -260,7 +272,7 @@ class DynamoFleet:
         assert self._http is not None, "start() first"
         response = self._http.post("/v1/completions", json={
             "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "nvext": {"extra_fields": ["worker_id", "timing"]}})
+            "nvext": {"extra_fields": ["worker_id", "timing"], **(nvext or {})}})
         response.raise_for_status()
         return response.json()
 

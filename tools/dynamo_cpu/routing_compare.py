@@ -1,0 +1,358 @@
+"""Dynamo's routing with and without semkv-ledger's evidence, on one seeded workload (issue 22).
+
+Passes over the SAME requests (seeded prompts, tokenized once by the fleet's tokenizer and sent
+as token ids, in the same order, ``--concurrency`` at a time), each on a FRESH fleet of the same
+shape (``--workers`` mocker workers of NVIDIA Dynamo 1.6.1, ``--num-gpu-blocks`` blocks each, the
+frontend with ``--router-mode kv``, file discovery on loopback: :class:`tools.harness.dynamo_fleet.DynamoFleet`)
+and a fresh SQLite ledger fed by ``semkv-ledger consume`` (every default setting,
+``block_key_scheme = "dynamo"``):
+
+* ``dynamo``: Dynamo's router alone. Before each request the ledger's advice is asked anyway
+  (:class:`~connector.placement.advice.PlacementAdvisor`, live index) and recorded, so every pass
+  pays the same client-side cost and the pass shows how often Dynamo's choice is in the advice's top set;
+* ``semkv-hint``: the same, and when the advice singles out one engine
+  (:func:`connector.placement.dynamo_hint.dynamo_hint`) the request names its worker in
+  ``nvext.backend_instance_id``; other requests are left to Dynamo's router. A hinted request that
+  Dynamo refuses is sent again without the hint (counted);
+* ``semkv-cost`` (with ``--cost-pass``): before each request the frontend's per-worker load
+  (``/metrics``: :func:`connector.placement.dynamo_hint.frontend_engine_load`) goes into a load-aware
+  advice, and the ONE engine of lowest routing cost (the advisor's model of Dynamo's cost, the
+  ledger's overlap) is named (``dynamo_hint(..., by_cost=True)``); ties are left to Dynamo. This is
+  Dynamo's trade-off on the ledger's evidence, what its remote-indexer input would have given;
+* ``dynamo-tuned`` (with ``--dynamo-tuned-args``): Dynamo alone, its frontend given those flags.
+
+Nothing waits for the ledger to catch up with the workers' events (the test group does:
+tests/dynamo_cpu/test_dynamo_fleet.py): the advice is what a router-side caller would get at that
+moment. Per pass: requests per worker slot, Dynamo's ``cached_tokens`` (its responses), overlap hit
+rate (``nvext.timing.kv_hit_rate``, Dynamo's router's own estimate, and requests with any cached
+token), TTFT (``nvext.timing.ttft_ms``, the mocker's simulated engine) and the client's latency;
+between passes, per request, whether the routed worker slot is the same. Why a targeted request and
+not Dynamo's remote-indexer input: :mod:`connector.placement.dynamo_hint`.
+
+Usage (this project's venv; the Dynamo venv from ``tools/dynamo_cpu/setup_env.py``)::
+
+    eval "$(python3 tools/dynamo_cpu/setup_env.py --print-env)"
+    .venv/bin/python tools/dynamo_cpu/routing_compare.py --requests 1000 --concurrency 1 --out tools/results/...
+
+Writes a markdown report (``--out``, default ``tools/results/dynamo-routing-<UTC date-HHMM>.md``)
+and the per-request rows as JSONL beside it under ``--workdir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from connector.placement.advice import PlacementAdvisor  # noqa: E402
+from connector.placement.dynamo_hint import dynamo_hint, frontend_engine_load, nvext_hint  # noqa: E402
+from tools.harness.consume_process import Consumer, consumer_toml, free_port, wait_for  # noqa: E402
+from tools.harness.dynamo_fleet import BLOCK_SIZE, DynamoFleet, seeded_prompts  # noqa: E402
+
+
+@dataclasses.dataclass
+class Row:
+    """One request of one pass."""
+
+    index: int
+    prompt_tokens: int
+    routed_engine: str | None
+    cached_tokens: int
+    kv_hit_rate: float | None
+    ttft_ms: float | None
+    latency_ms: float
+    hint_engine: str | None
+    """The engine the hint rule singles out (computed in both passes, sent in ``semkv-hint`` only)."""
+    hint_sent: bool
+    hint_refused: bool
+    top_engines: list[str]
+    best_blocks: int
+    our_blocks_on_routed: int | None
+    failed: str | None = None
+
+
+def run_pass(name: str, hint: str | None, token_ids: list[list[int]], args: argparse.Namespace, workdir: Path,
+             concurrency: int, frontend_args: tuple[str, ...] = ()) -> list[Row]:
+    """One pass on a fresh fleet (its frontend given ``frontend_args`` too) and ledger, ``concurrency``
+    requests in flight; its rows in request order. ``hint``: None (Dynamo alone), ``"evidence"``
+    (the best-reuse hint) or ``"cost"`` (the lowest-cost hint, load from the frontend's /metrics)."""
+    root = workdir / name
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    fleet = DynamoFleet(root, args.dynamo_python, Path(args.dynamo_model), num_workers=args.workers,
+                        num_gpu_blocks=args.num_gpu_blocks, frontend_args=frontend_args)
+    consumer = advisor = None
+    try:
+        fleet.start()
+        config = consumer_toml(root / "consume.toml", fleet.consumer_sources(), block_key_scheme="dynamo")
+        db = f"sqlite:///{root / 'ledger.db'}"
+        consumer = Consumer(db, root / "consumer.log", config, metrics_port=free_port(), args=())
+        wait_for(consumer.healthy, 60, "the consumer to be healthy")
+        advisor = PlacementAdvisor(db, tokens_per_block=BLOCK_SIZE)
+        engine_of = {w.instance_id: w.engine_id for w in fleet.workers}
+        instance_of = {w.engine_id: w.instance_id for w in fleet.workers}
+        rows: list[Row | None] = [None] * len(token_ids)
+        lock, next_index = threading.Lock(), iter(range(len(token_ids)))
+
+        def one(i: int) -> Row:
+            tokens = token_ids[i]
+            load = frontend_engine_load(fleet.metrics_text(), engine_of) if hint == "cost" else None
+            with lock:  # one advisor (its live index) for every thread
+                advice = advisor.advise(tokens, engine_load=load)
+            known = {a.engine_id: a.live_blocks for a in advice.engines if a.fresh and a.live_blocks is not None}
+            best = max(known.values(), default=0)
+            top = sorted(e for e, blocks in known.items() if blocks == best)
+            decisive = dynamo_hint(advice, instance_of, by_cost=hint == "cost")
+            chosen = decisive if hint else None
+            started = time.perf_counter()
+            refused = False
+            try:
+                response = fleet.complete(tokens, max_tokens=args.max_tokens, nvext=nvext_hint(chosen))
+            except httpx.HTTPStatusError:
+                if chosen is None:
+                    raise
+                refused = True  # the worker may have just gone: let Dynamo choose
+                response = fleet.complete(tokens, max_tokens=args.max_tokens)
+            latency = 1000 * (time.perf_counter() - started)
+            worker = response["nvext"]["worker_id"]["decode_worker_id"]
+            timing = response["nvext"].get("timing") or {}
+            usage = response.get("usage") or {}
+            routed = engine_of.get(worker)
+            return Row(i, len(tokens), routed, (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                       timing.get("kv_hit_rate"), timing.get("ttft_ms"), latency,
+                       decisive.engine_id if decisive else None, chosen is not None, refused, top, best,
+                       known.get(routed) if routed is not None else None)
+
+        def worker_thread() -> None:
+            while True:
+                with lock:
+                    i = next(next_index, None)
+                if i is None:
+                    return
+                try:
+                    rows[i] = one(i)
+                except (httpx.HTTPError, KeyError, ValueError) as exc:
+                    rows[i] = Row(i, len(token_ids[i]), None, 0, None, None, 0.0, None, False, False, [], 0, None,
+                                  failed=type(exc).__name__)
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=worker_thread) for _ in range(concurrency)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        print(f"{name}, {concurrency} in flight: {len(token_ids)} requests in {time.monotonic() - started:.1f} s", flush=True)
+        out = [r for r in rows if r is not None]
+        with open(root / "rows.jsonl", "w") as f:
+            for r in out:
+                f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+        return out
+    finally:
+        if advisor is not None:
+            advisor.close()
+        if consumer is not None:
+            consumer.close()
+        fleet.close()
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def summary(rows: list[Row], workers: int) -> dict:
+    ok = [r for r in rows if r.failed is None]
+    ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    hit = [r.kv_hit_rate for r in ok if r.kv_hit_rate is not None]
+    unhinted = [r for r in ok if not r.hint_sent]
+    decisive = [r for r in ok if r.hint_engine is not None]
+    return {
+        "requests": len(rows), "ok": len(ok), "failed": collections.Counter(r.failed for r in rows if r.failed),
+        "per_worker": [sum(r.routed_engine == f"dynamo-{i}" for r in ok) for i in range(workers)],
+        "prompt_tokens": sum(r.prompt_tokens for r in ok), "cached_tokens": sum(r.cached_tokens for r in ok),
+        "with_cache": sum(r.cached_tokens > 0 for r in ok),
+        "kv_hit_rate_mean": statistics.fmean(hit) if hit else float("nan"),
+        "ttft_p50": pct(ttft, 0.5), "ttft_p95": pct(ttft, 0.95), "ttft_mean": statistics.fmean(ttft) if ttft else float("nan"),
+        "latency_p50": pct([r.latency_ms for r in ok], 0.5), "latency_p95": pct([r.latency_ms for r in ok], 0.95),
+        "decisive": len(decisive), "hinted": sum(r.hint_sent for r in ok), "hint_refused": sum(r.hint_refused for r in ok),
+        "routed_as_hint": sum(r.routed_engine == r.hint_engine for r in decisive),
+        "to_top": sum(r.routed_engine in r.top_engines for r in ok),
+        "to_top_unhinted": (sum(r.routed_engine in r.top_engines for r in unhinted), len(unhinted)),
+        "informed": sum(r.best_blocks > 0 for r in ok),
+        "delivered_as_advised": sum(r.our_blocks_on_routed is not None and r.cached_tokens == r.our_blocks_on_routed * BLOCK_SIZE
+                                    for r in ok),
+        "available_tokens": sum(r.best_blocks * BLOCK_SIZE for r in ok),
+        "routed_tokens": sum((r.our_blocks_on_routed or 0) * BLOCK_SIZE for r in ok),
+    }
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+PASS_TITLES = {"dynamo": "Dynamo's router alone (`dynamo`)", "semkv-hint": "with semkv-ledger's hint (`semkv-hint`)",
+               "semkv-cost": "Dynamo's cost, semkv-ledger's overlap (`semkv-cost`)",
+               "dynamo-tuned": "Dynamo alone, tuned (`dynamo-tuned`)"}
+
+
+def table(args: argparse.Namespace, passes: dict[str, list[Row]]) -> list[str]:
+    """One concurrency's table (a column per pass) and the agreement lines."""
+    s = {name: summary(rows, args.workers) for name, rows in passes.items()}
+
+    def line(label: str, cell) -> str:  # noqa: ANN001 - cell: summary -> str
+        return "| " + label + " | " + " | ".join(cell(name, s[name]) for name in passes) + " |"
+
+    def cached(name: str, x: dict) -> str:
+        return f"{x['cached_tokens']:,} / {x['prompt_tokens']:,} ({100 * x['cached_tokens'] / max(1, x['prompt_tokens']):.1f} %)"
+
+    def as_hint(name: str, x: dict) -> str:
+        if any(r.hint_sent for r in passes[name]):
+            return f"{x['routed_as_hint']} (hint sent on {x['hinted']}, refused {x['hint_refused']})"
+        return f"{x['routed_as_hint']} (Dynamo's own choice)"
+
+    out = [
+        "| | " + " | ".join(PASS_TITLES[name] for name in passes) + " |",
+        "|---|" + "---:|" * len(passes),
+        line("requests answered / failed", lambda n, x: f"{x['ok']} / {sum(x['failed'].values())}"),
+        line("requests per worker (dynamo-0..)", lambda n, x: " / ".join(map(str, x["per_worker"]))),
+        line("**cached tokens** (Dynamo's responses) / prompt tokens", cached),
+        line("requests with any cached token", lambda n, x: str(x["with_cache"])),
+        line("mean `kv_hit_rate` (Dynamo's router)", lambda n, x: f"{x['kv_hit_rate_mean']:.3f}"),
+        line("**TTFT** p50 / p95 / mean (mocker, ms)", lambda n, x: f"{x['ttft_p50']:.1f} / {x['ttft_p95']:.1f} / {x['ttft_mean']:.1f}"),
+        line("client latency p50 / p95 (ms)", lambda n, x: f"{x['latency_p50']:.1f} / {x['latency_p95']:.1f}"),
+        line("advice informed (the ledger saw some overlap)", lambda n, x: str(x["informed"])),
+        line("a hint names one engine (by evidence; in `semkv-cost` by cost)", lambda n, x: str(x["decisive"])),
+        line("… routed to that engine", as_hint),
+        line("routed to the advice's top set (all / of Dynamo's own choices)",
+             lambda n, x: f"{x['to_top']} / {x['to_top_unhinted'][0]} of {x['to_top_unhinted'][1]}"),
+        line("cached tokens == ledger's overlap on the routed worker × 16", lambda n, x: str(x["delivered_as_advised"])),
+        line("available / routed tokens by the ledger (route join)",
+             lambda n, x: f"{x['available_tokens']:,} / {x['routed_tokens']:,}"),
+        "",
+    ]
+    for name, rows in passes.items():
+        if any(r.hint_sent for r in rows):
+            continue
+        x = s[name]
+        disagreed = [r for r in rows if r.failed is None and r.hint_engine is not None and r.routed_engine != r.hint_engine]
+        out.append(f"- `{name}`: where the advice (asked just before the router decided, not sent) singled out one "
+                   f"engine ({x['decisive']} requests), the router's own choice was that engine on **{x['routed_as_hint']}** "
+                   f"({100 * x['routed_as_hint'] / max(1, x['decisive']):.1f} %); on the {len(disagreed)} others its "
+                   f"choice held {sum((r.our_blocks_on_routed or 0) for r in disagreed):,} blocks by the ledger against "
+                   f"{sum(r.best_blocks for r in disagreed):,} on the singled-out engine, and Dynamo reported "
+                   f"{sum(r.cached_tokens for r in disagreed):,} cached tokens for them.")
+    if "dynamo" in passes and "semkv-hint" in passes:
+        both = [(x, y) for x, y in zip(passes["dynamo"], passes["semkv-hint"], strict=True)
+                if x.failed is None and y.failed is None]
+        same = sum(x.routed_engine == y.routed_engine for x, y in both)
+        out.append(f"- Same worker slot for the same request in `dynamo` and `semkv-hint`: {same} of {len(both)} "
+                   f"({100 * same / max(1, len(both)):.1f} %); slots are not comparable across passes once one routing "
+                   "differs (a cold request's worker is a tie Dynamo breaks its own way, and later reuse follows it).")
+    return out
+
+
+def report(args: argparse.Namespace, runs: dict[int, dict[str, list[Row]]], times: tuple[str, str],
+           loads: tuple[str, str]) -> str:
+    lines = [
+        f"# Dynamo routing with semkv-ledger's evidence — {times[0][:10]}",
+        "",
+        f"Run {times[0]} – {times[1]} UTC: `tools/dynamo_cpu/routing_compare.py --requests {args.requests} "
+        f"--workers {args.workers} --num-gpu-blocks {args.num_gpu_blocks} --concurrency "
+        f"{' '.join(map(str, args.concurrency))} --seed {args.seed} --max-tokens {args.max_tokens}"
+        + (" --cost-pass" if args.cost_pass else "")
+        + (f" --dynamo-tuned-args='{args.dynamo_tuned_args}'" if args.dynamo_tuned_args else "")
+        + f"`; commit {git_commit()} (plus the working tree of this change).",
+        f"Load average at start {loads[0]}, at end {loads[1]} ({os.cpu_count()} CPUs, {platform.platform()}; "
+        "machine shared with other helpers).",
+        "",
+        "NVIDIA Dynamo 1.6.1 (frontend `--router-mode kv`, mocker workers, file discovery, loopback); every pass "
+        "on a fresh fleet and a fresh SQLite ledger fed by `semkv-ledger consume`; the same seeded requests in the "
+        "same order, as token ids. Method: the module docstring of `tools/dynamo_cpu/routing_compare.py`; the hint "
+        "rule and why it is a targeted request (`nvext.backend_instance_id`) rather than Dynamo's remote-indexer "
+        "input: `connector/placement/dynamo_hint.py`. TTFT is the mocker's simulated engine time "
+        "(`nvext.timing.ttft_ms`), not a GPU's.",
+        "",
+    ]
+    for concurrency, passes in runs.items():
+        lines += [f"## {args.requests} requests, {concurrency} in flight", "", *table(args, passes), ""]
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Dynamo's routing with and without semkv-ledger's hint, one seeded workload.")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--num-gpu-blocks", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4], help="requests in flight; a run per value")
+    parser.add_argument("--seed", type=int, default=22)
+    parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--dynamo-tuned-args", default="",
+                        help="frontend flags of a third pass, Dynamo alone tuned (e.g. '--router-prefill-load-scale 4')")
+    parser.add_argument("--cost-pass", action="store_true",
+                        help="a pass hinted by Dynamo's cost with the ledger's overlap (load from the frontend's /metrics)")
+    parser.add_argument("--dynamo-python", default=os.environ.get("SEMKV_DYNAMO_PYTHON"))
+    parser.add_argument("--dynamo-model", default=os.environ.get("SEMKV_DYNAMO_MODEL"))
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="fleet logs, ledgers and per-request rows (default: a temporary directory)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not args.dynamo_python or not args.dynamo_model:
+        parser.error("--dynamo-python/--dynamo-model (or SEMKV_DYNAMO_PYTHON/SEMKV_DYNAMO_MODEL from "
+                     "tools/dynamo_cpu/setup_env.py --print-env) are required")
+    if args.requests < 1 or args.workers < 2 or min(args.concurrency) < 1:
+        parser.error("--requests >= 1, --workers >= 2, --concurrency >= 1")
+    start = datetime.now(timezone.utc)
+    out = args.out or REPO / "tools" / "results" / f"dynamo-routing-{start:%Y-%m-%d-%H%M}.md"
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamo-routing-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    loads = [loadavg()]
+    prompts = list(seeded_prompts(args.seed, args.requests))
+    token_ids = DynamoFleet(workdir / "tokenizer", args.dynamo_python, Path(args.dynamo_model)).tokenize(prompts)
+    plan: list[tuple[str, str | None, tuple[str, ...]]] = [("dynamo", None, ()), ("semkv-hint", "evidence", ())]
+    if args.cost_pass:
+        plan.append(("semkv-cost", "cost", ()))
+    if args.dynamo_tuned_args:
+        plan.append(("dynamo-tuned", None, tuple(shlex.split(args.dynamo_tuned_args))))
+    runs: dict[int, dict[str, list[Row]]] = {}
+    for concurrency in args.concurrency:
+        runs[concurrency] = {name: run_pass(name, hint, token_ids, args, workdir / f"c{concurrency}", concurrency, extra)
+                             for name, hint, extra in plan}
+    loads.append(loadavg())
+    end = datetime.now(timezone.utc)
+    text = report(args, runs, (f"{start:%Y-%m-%d %H:%M}", f"{end:%H:%M}"), (loads[0], loads[1]))
+    out.write_text(text)
+    print(text)
+    print(f"written {out}; per-request rows under {workdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
