@@ -57,8 +57,11 @@ worker may have just gone: Dynamo answers 400 for an instance it does not know).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from connector.placement.advice import Advice, EngineLoad
 
@@ -132,30 +135,22 @@ def frontend_engine_load(metrics_text: str, engine_of: Mapping[int, str]) -> dic
     DP ranks; ``engine_of``: Dynamo instance id → ``engine_id`` (workers not in it are left out).
     Gauges seen on the 1.6.1 frontend with ``--router-mode kv``; a worker with neither is absent
     from the result (so the advice is not load-aware, and :func:`dynamo_hint` ``by_cost`` names nobody).
+    Parsed with prometheus_client's text parser.
+
+    Raises:
+        ValueError: ``metrics_text`` is not Prometheus text exposition format.
     """
     blocks: dict[str, int] = {}
     tokens: dict[str, int] = {}
-    for line in metrics_text.splitlines():
-        if not line.startswith(("dynamo_frontend_worker_active_")):
+    for family in text_string_to_metric_families(metrics_text):
+        target = blocks if family.name == _DECODE_BLOCKS else tokens if family.name == _PREFILL_TOKENS else None
+        if target is None:
             continue
-        name, _, rest = line.partition("{")
-        labels, _, value = rest.rpartition("} ")
-        target = blocks if name == _DECODE_BLOCKS else tokens if name == _PREFILL_TOKENS else None
-        worker = _label(labels, "worker_id")
-        if target is None or worker is None or not worker.isdigit() or int(worker) not in engine_of:
-            continue
-        try:
-            number = int(float(value))
-        except ValueError:
-            continue
-        engine_id = engine_of[int(worker)]
-        target[engine_id] = target.get(engine_id, 0) + max(0, number)
+        for sample in family.samples:
+            worker = sample.labels.get("worker_id", "")
+            if not worker.isdigit() or int(worker) not in engine_of or not math.isfinite(sample.value):
+                continue
+            engine_id = engine_of[int(worker)]
+            target[engine_id] = target.get(engine_id, 0) + max(0, int(sample.value))
     return {e: EngineLoad(blocks.get(e, 0), tokens.get(e, 0)) for e in set(blocks) | set(tokens)}
 
-
-def _label(labels: str, key: str) -> str | None:
-    for part in labels.split(","):
-        k, _, v = part.partition("=")
-        if k.strip() == key:
-            return v.strip().strip('"')
-    return None
