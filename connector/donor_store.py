@@ -34,7 +34,8 @@ Guarantees:
   skipping any that are pinned here (:meth:`lease`) or hold a lease in the ledger.
 * Lifecycle facts go to the ledger: ``donor_saved`` after publish, ``donor_evicted`` on eviction.
 * Reads verify: :meth:`open` checks the header against the expected checksum, and
-  :meth:`DonorReader.read_layer` checks each layer before returning it.
+  :meth:`DonorReader.read_layer` checks each layer before returning it
+  (:meth:`DonorReader.read_layer_into`: in the caller's buffers, before returning).
 * Secured entries (:meth:`FileDonorStore.secure`): the store keeps the file it checksummed open
   (one descriptor per verified entry, up to :data:`MAX_OPEN_VERIFIED`), so a promise can hold THAT
   file without a system call on the engine's thread; whatever happens to its path afterwards
@@ -263,6 +264,41 @@ class DonorReader:
         if verify and xxhash.xxh3_128_hexdigest(buf) != h.layer_checksums[layer_idx]:
             raise ChecksumMismatch(f"{self.path.name}: layer {layer_idx} checksum mismatch")
         return buf
+
+    def read_layer_into(self, layer_idx: int, pieces: Sequence[Any]) -> None:
+        """Read layer ``layer_idx`` straight into ``pieces`` and verify it there.
+
+        ``pieces``: writable byte buffers (``memoryview``, ``bytearray``, a uint8 array) whose
+        lengths add up to ``header.layer_bytes``: the layer's bytes in file order are scattered
+        over them with ONE ``preadv`` (no intermediate buffer, no second copy), then hashed where
+        they landed (xxh3-128, streamed over the pieces: the same digest as the whole layer). As
+        with :meth:`read_layer`, the bytes checked are the bytes the caller keeps — a write into
+        the file after the read cannot change them — but they are in the caller's buffers BEFORE
+        the check: on any exception here their contents are unverified and must not be used
+        (the worker passes the target blocks of a load only where a failed load is recomputed,
+        see ``connector/worker.py``).
+
+        Raises:
+            ValueError: the pieces do not add up to one layer.
+            ChecksumMismatch: the layer's bytes do not match the header (or the file is short).
+            EntryMissing: the file became unreadable.
+        """
+        h = self.header
+        views = [memoryview(piece).cast("B") for piece in pieces]
+        total = sum(len(view) for view in views)
+        if total != h.layer_bytes:
+            raise ValueError(f"read pieces of {total} bytes for a layer of {h.layer_bytes}")
+        try:
+            got = os.preadv(self._fd, views, self._offset + layer_idx * h.layer_bytes)
+        except OSError as exc:
+            raise EntryMissing(f"{self.path.name}: {exc}") from exc
+        if got != h.layer_bytes:
+            raise ChecksumMismatch(f"{self.path.name}: layer {layer_idx} truncated ({got} of {h.layer_bytes} bytes)")
+        digest = xxhash.xxh3_128()
+        for view in views:
+            digest.update(view)
+        if digest.hexdigest() != h.layer_checksums[layer_idx]:
+            raise ChecksumMismatch(f"{self.path.name}: layer {layer_idx} checksum mismatch")
 
     def fileno(self) -> int:
         """The open entry's descriptor (the file that was checked, even if the path changed since)."""

@@ -27,7 +27,8 @@ Counters are distinct, never collapsed into one "hit" (DESIGN §8):
 Histograms (seconds): lookup, metadata build, load by ``source`` — where the bytes came from:
 ``host_ram`` (a Redis entry staged in this process before the promise), ``local_file`` (the file
 store: page cache, /dev/shm or disk), ``redis`` (fetched from the server at load time) —,
-revalidation (ledger re-checks in the worker), donor save, and ``semkv_ttft_delta_seconds``: per
+revalidation (ledger re-checks in the worker; ``semkv_revalidations_total{answer}`` counts those
+read vs. answered unchanged), donor save, and ``semkv_ttft_delta_seconds``: per
 accepted materialization, the prefill time the profitability gate predicted it saves minus its
 measured load time (:mod:`connector.profit`; an estimate of cold TTFT minus warm TTFT, since a
 request is never run both ways). A load the gate declines is a miss ``unprofitable`` (also
@@ -145,6 +146,11 @@ class ConnectorMetrics:
             buckets=_DELTA, registry=r)
         self.revalidation_seconds = Histogram("semkv_revalidation_seconds", "Worker ledger revalidation, per check",
                                               buckets=_FAST, registry=r)
+        self.revalidations = Counter(
+            "semkv_revalidations_total",
+            "Worker ledger revalidations by how they were answered: read (the freshness statement) or "
+            "unchanged (the ledger's change counter showed no commit since the previous fresh answer "
+            "of the same load, and no expiry passed)", ("answer",), registry=r)
         self.donors_registered = Counter("semkv_donors_registered_total", "Donors registered in the ledger",
                                          registry=r)
         self.donors_not_registered = Counter("semkv_donors_not_registered_total",

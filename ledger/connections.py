@@ -13,6 +13,7 @@ here, at the transaction boundary, into :class:`~ledger.errors.PersistenceError`
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +49,7 @@ class Connections:
         self._local = threading.local()
         self._open: list[Any] = []
         self._open_lock = threading.Lock()
+        self._serials = itertools.count(1)
         if check:
             try:
                 with self._engine.connect() as conn:
@@ -96,6 +98,7 @@ class Connections:
         """Run ``fn`` in one write transaction on this thread's connection (committed when it
         returns, rolled back when it raises)."""
         sql = self._sql()
+        self._local.writes += 1  # before it may commit: change_token must never miss this connection's own commit
         try:
             sql.driver(self.backend.write_begin)
         except sql.errors as exc:
@@ -114,6 +117,34 @@ class Connections:
         except BaseException:
             self._rollback(sql)
             raise
+
+    def change_token(self) -> tuple[int, int, int] | None:
+        """A token of what this thread's connection has seen of the database: equal to an earlier
+        token of this thread iff no transaction committed in between, by any connection, this one
+        included. ``(connection serial, the backend's change counter, writes begun on it)``: SQLite's
+        ``PRAGMA data_version`` does not move for a connection's own commits, hence the count; a new
+        connection (after a driver error) is a new serial. None where the backend has no cheap
+        change counter (PostgreSQL): the caller reads again instead.
+
+        Read it BEFORE the reads it vouches for: a commit between the two makes the next token
+        differ, so the answer is only ever re-read, never trusted too long.
+
+        Raises:
+            PersistenceError: the database failed.
+        """
+        counter = self.backend.change_counter
+        if counter is None:
+            return None
+        sql = self._sql()
+        try:
+            sql.cursor.execute(counter)
+            value = sql.cursor.fetchone()[0]
+        except sql.errors as exc:
+            wrapped = sql.wrap(exc)
+            if wrapped.connection_invalidated:
+                self._drop()
+            raise persistence_error(wrapped) from wrapped
+        return self._local.serial, int(value), self._local.writes
 
     @contextlib.contextmanager
     def deadline(self, seconds: float) -> Iterator[None]:
@@ -168,6 +199,7 @@ class Connections:
             sql = Sql(raw.dbapi_connection, self._engine.dialect)
             self.backend.prepare_client_connection(raw.dbapi_connection)
             self._local.sql, self._local.raw = sql, raw
+            self._local.serial, self._local.writes = next(self._serials), 0
             with self._open_lock:
                 self._open.append(raw)
         return sql

@@ -13,6 +13,7 @@ dialect (:class:`~ledger.prepared.Prepared`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -238,13 +239,22 @@ def refresh_live_index(sql: Sql, index: LiveIndex) -> int:
 def donor_freshness(sql: Sql, donor_id: str, namespace: str, num_blocks: int | None, policy: FreshnessPolicy,
                     lease_id: str | None, now: float) -> StaleReason | None:
     """None when the donor is fresh (see :meth:`ledger.client.LedgerClient.donor_freshness`)."""
+    return donor_freshness_until(sql, donor_id, namespace, num_blocks, policy, lease_id, now)[0]
+
+
+def donor_freshness_until(sql: Sql, donor_id: str, namespace: str, num_blocks: int | None, policy: FreshnessPolicy,
+                          lease_id: str | None, now: float) -> tuple[StaleReason | None, float]:
+    """``(None, fresh_until)`` when the donor is fresh at ``now``: while the database is unchanged
+    it stays fresh until ``fresh_until`` (epoch seconds: the donor's expiry, or the lease's; ``inf``
+    when neither expires), the only conditions that time alone changes. ``(reason, now)`` when it
+    is stale."""
     donor = check_donor(sql, donor_id, namespace, lease_id, now)
     if isinstance(donor, StaleReason):
-        return donor
+        return donor, now
     needed = donor.num_blocks if num_blocks is None else min(num_blocks, donor.num_blocks)
     if policy == FreshnessPolicy.ENGINE and needed > 0 and live_prefix(sql, donor_id, donor, needed) < needed:
-        return StaleReason.BLOCKS_NOT_LIVE
-    return None
+        return StaleReason.BLOCKS_NOT_LIVE, now
+    return None, donor.fresh_until
 
 
 def donors_for_key(sql: Sql, namespace: str, content_key: bytes, limit: int) -> list[DonorInfo]:
@@ -269,6 +279,8 @@ class CheckedDonor:
     window_size: int
     generation: int
     num_blocks: int
+    fresh_until: float = math.inf
+    """Epoch seconds when time alone ends its freshness (its expiry, or the lease's): ``inf`` if never."""
 
 
 def check_donor(sql: Sql, donor_id: str, namespace: str, lease_id: str | None, now: float) -> CheckedDonor | StaleReason:
@@ -285,7 +297,8 @@ def check_donor(sql: Sql, donor_id: str, namespace: str, lease_id: str | None, n
     if lease_id is not None and (l_state != LeaseState.HELD or l_expires is None or l_expires <= now
                                  or l_donor != donor_id):
         return StaleReason.LEASE_NOT_HELD
-    return CheckedDonor(engine_id, dp_rank, window, generation, num_blocks)
+    fresh_until = min(math.inf if expires_at is None else expires_at, math.inf if lease_id is None else l_expires)
+    return CheckedDonor(engine_id, dp_rank, window, generation, num_blocks, fresh_until)
 
 
 def _view_donor(sql: Sql, row: Any) -> tuple[list[bytes], list[tuple[int, bytes]], list[bool]]:

@@ -82,6 +82,10 @@ class Backend:
     snapshot_begin: str | None = None
     """The driver SQL opening a read transaction (one snapshot for several statements), or None
     when the connection's autocommit statements already see consistent data."""
+    change_counter: str | None = None
+    """Driver SQL answering one integer that differs from its previous answer on the same connection
+    whenever ANOTHER connection (of any process) committed to the database in between, or None when
+    the backend has no such cheap signal (:meth:`ledger.connections.Connections.change_token`)."""
 
     def __init__(self) -> None:
         self._shapes: dict[object, Any] = {}

@@ -182,6 +182,9 @@ class SQLiteBackend(Backend):
     interruptible = True
     write_begin = "BEGIN IMMEDIATE"
     snapshot_begin = "BEGIN"  # a deferred read transaction: one WAL snapshot for its statements
+    change_counter = "PRAGMA data_version"
+    """Changes when another connection commits, never for this connection's own commits
+    (https://sqlite.org/pragma.html#pragma_data_version); ~3 µs."""
 
     def sync_engine(self, url: URL, *, writer: bool, create: bool, pool_size: int,
                     statement_timeout_s: float | None) -> Engine:

@@ -101,12 +101,14 @@ class VllmOrder:
         self.worker.register_kv_caches(self.pool.kv_cache)
         self.wait: Callable[[int, Any], None] = self.worker.wait_for_layer_load
 
-    def run(self, rid: int = 1, after_meta: Callable[[], None] | None = None) -> list[int]:
-        """One promised request; returns the layers whose wait returned (released to attention)."""
+    def run(self, rid: int = 1, after_meta: Callable[[], None] | None = None,
+            block_ids: list[int] | None = None) -> list[int]:
+        """One promised request (allocated ``block_ids``, by default 100, 101, ...); returns the
+        layers whose wait returned (released to attention)."""
         request = LlmRequest(rid, PROMPT, 1)
         n, _ = self.scheduler.get_num_new_matched_tokens(request, 0)
         assert n == len(DOC)
-        block_ids = list(range(100, 100 + len(PROMPT) // TPB + 1))
+        block_ids = block_ids or list(range(100, 100 + len(PROMPT) // TPB + 1))
         self.scheduler.update_state_after_alloc(request, block_ids)
         data = RequestData(request_id=rid, new_tokens=PROMPT, new_block_ids=block_ids, computed_position=0,
                            num_scheduled_tokens=len(PROMPT))

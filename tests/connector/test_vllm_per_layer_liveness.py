@@ -115,3 +115,33 @@ def test_the_default_follows_how_the_worker_loads(fleet: Fleet, engine, load_bef
         assert worker.per_layer_block_check is expected
     finally:
         worker.close()
+
+
+def test_an_unchanged_ledger_is_one_counter_read_per_layer_and_a_removal_between_layers_is_still_read(
+        any_fleet: Fleet) -> None:
+    """The per-layer check after the first is answered by the ledger's change counter while nothing
+    committed (SQLite ``PRAGMA data_version``; PostgreSQL reads every time): a first request loads
+    with one full read and a counter read per layer; in a second, A's block removed after layer 0,
+    committed by the consumer's own connection, moves the counter, so layer 1's check reads the
+    ledger and fails the plan before layer 1 is released."""
+    fleet = any_fleet
+    sqlite = not fleet.db.startswith("postgresql")
+    fleet.engine("A").generate(DOC)
+    fleet.sync()
+    order = VllmOrderWith(fleet)
+    try:
+        metrics = order.worker.metrics
+        assert order.run() == list(range(MODEL.num_layers))
+        assert metrics.value("semkv_exact_materialized_total") == 1
+        assert metrics.value("semkv_revalidations_total", answer="read") == (1 if sqlite else 1 + MODEL.num_layers)
+        assert metrics.value("semkv_revalidations_total", answer="unchanged") == (MODEL.num_layers if sqlite else 0)
+        released: list[int] = []
+        removing_after_layer(fleet, order, 0, released)
+        with pytest.raises(SemKvLoadError, match="ledger_blocks_not_live") as caught:
+            order.run(rid=2)
+        assert caught.value.layer_idx == 1 and released == [0]
+        assert metrics.value("semkv_revalidations_total", answer="read") == (3 if sqlite else 1 + MODEL.num_layers + 3)
+        assert metrics.value("semkv_revalidations_total", answer="unchanged") == (
+            MODEL.num_layers + 1 if sqlite else 0)  # the second load's layer 0 was unchanged, its layer 1 was read
+    finally:
+        order.close()

@@ -17,7 +17,7 @@ from ledger.db import sync_engine
 from ledger.errors import EventRejected
 from ledger.donor_view import DonorView
 from ledger import reads as reads_module
-from ledger.client import LedgerClient
+from ledger.client import FreshnessMemo, LedgerClient
 from ledger.replay import replay
 from ledger.schema import BlockRow, CounterRow, EngineRow, LogRow
 from ledger.types import BlockState, DonorState, FreshnessPolicy, GenerationReason, StaleReason, join_hash, split_hash
@@ -394,6 +394,59 @@ class RecorderContract:
         finally:
             client.close()
         assert_replay_equal(db)
+
+    def test_a_revalidation_is_answered_from_its_memo_only_while_nothing_committed(self, db):
+        """§2 rule 6 with the worker's cheap per-layer check (``donor_freshness(memo=...)``): a fresh
+        answer is reused only while no connection committed anything and no expiry passed; a
+        removal, a lease released or a donor evicted — by the writer, by a second client on its own
+        connection, or on this very connection — is read, never missed. PostgreSQL has no change
+        counter: every revalidation reads."""
+        sqlite = db.startswith("sqlite")
+        append(db, batch(0, stored(1, 2, 3)))
+        self._donor(db)
+        client, other = LedgerClient(db), LedgerClient(db)
+
+        def check(memo: FreshnessMemo, **ask) -> tuple[StaleReason | None, bool]:
+            """(answer, whether it came from the memo)"""
+            return client.donor_freshness("d1", **ask, memo=memo), memo.unchanged
+
+        try:
+            now = time.time()
+            lease = client.take_lease("d1", request_id="r1", holder="h", namespace="ns", num_blocks=3, ttl_s=30,
+                                      now=now)
+            ask = {"namespace": "ns", "lease_id": lease.lease_id, "now": now}
+            memo = FreshnessMemo()
+            assert check(memo, **ask) == (None, False)
+            assert check(memo, **ask) == (None, sqlite)  # nothing committed: unchanged
+            # time alone: past the lease's expiry the memo no longer answers
+            assert check(memo, **ask | {"now": lease.expires_at + 1}) == (StaleReason.LEASE_NOT_HELD, False)
+            # a read of 2 blocks' liveness does not answer for all 3
+            memo = FreshnessMemo()
+            assert check(memo, **ask, num_blocks=2) == (None, False)
+            assert check(memo, **ask, num_blocks=2) == (None, sqlite)
+            assert check(memo, **ask) == (None, False)
+            assert check(memo, **ask, num_blocks=2) == (None, sqlite)  # all 3 read: 2 are answered
+            # an unrelated commit by another connection (the writer): read again, still fresh
+            append(db, batch(1, stored(9)))
+            assert check(memo, **ask) == (None, False)
+            # the lease released by a second client, on its own connection
+            assert check(memo, **ask) == (None, sqlite)
+            assert other.release_lease(lease.lease_id, "finished") is True
+            assert check(memo, **ask) == (StaleReason.LEASE_NOT_HELD, False)
+            # a donor block removed on its engine (the writer's connection)
+            memo = FreshnessMemo()
+            assert check(memo, namespace="ns", now=now) == (None, False)
+            append(db, batch(2, removed(3)))
+            assert check(memo, namespace="ns", now=now) == (StaleReason.BLOCKS_NOT_LIVE, False)
+            # the donor evicted on THIS connection (SQLite's data_version ignores a connection's own commits)
+            store = {"namespace": "ns", "now": now, "policy": FreshnessPolicy.STORE}
+            assert check(memo, **store) == (None, False)
+            assert check(memo, **store) == (None, sqlite)
+            client.evict_donor("d1", "capacity")
+            assert check(memo, **store) == (StaleReason.EVICTED, False)
+        finally:
+            client.close()
+            other.close()
 
     def test_span_without_block_check_then_lease_checks_them(self, db):
         append(db, batch(0, stored(1, 2, 3, 4)))
