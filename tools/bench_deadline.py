@@ -273,6 +273,7 @@ def main() -> None:
     ap.add_argument("--donors", type=int, default=20_000, help="indexed donors of the real providers")
     ap.add_argument("--real-donors", type=int, default=300, help="of which 1,024-token donors in the ledger")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--sets", default=",".join(SETS), help="provider sets: hung, real")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--code-root", default=None, help=argparse.SUPPRESS)
@@ -285,6 +286,7 @@ def main() -> None:
     out = args.out or ROOT / "tools" / "results" / f"deadline-{started:%Y-%m-%d-%H%M}.md"
     load_start = os.getloadavg()
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    sets = tuple(v.strip() for v in args.sets.split(",") if v.strip())
     with tempfile.TemporaryDirectory(prefix="bench-deadline-") as tmp:
         base_root = Path(tmp) / "baseline"
         base_root.mkdir()
@@ -314,7 +316,7 @@ def main() -> None:
                     time.sleep(0.5 if busy else 0.2)
                     for _ in range(args.rounds):
                         for v in variants:
-                            for name in SETS:
+                            for name in sets:
                                 r = ask(workers[v], {"set": name, "n": args.n})
                                 c = cells.setdefault((busy, v, name), {"times": [], "delays": [], "outcomes": {},
                                                                        "load": [], "at_rt": []})

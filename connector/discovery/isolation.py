@@ -67,6 +67,8 @@ _PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ, _F_GETPIPE_SZ = 1031, 1032  # fcntl(2), Linux
 _FD_SETSIZE = 1024
 _POLL_SLICE_S = 0.0005  # when another caller may drain our answer, look again this often
+_LOCK_WAIT_S = 0.0005  # a lookup waits this long at most for the indexer's write to the same pipe
+_MARGIN = 64 * 1024  # room kept free in a pipe, in bytes (its capacity is counted in 4 KiB pages)
 
 
 class ProviderExited(RuntimeError):
@@ -325,30 +327,35 @@ class ProcessProvider:
         buf = fcntl.ioctl(self._w, termios.FIONREAD, b"\0\0\0\0")
         return struct.unpack("i", buf)[0]
 
-    def _send_now(self, frame: bytes) -> bool:
-        """Write all of ``frame`` if the pipe has room for it now; False otherwise (nothing written)."""
-        with self._wlock:
+    def _send_now(self, frame: bytes, *, caller: bool = True) -> bool:
+        """Write all of ``frame`` if the pipe has room for it now; False otherwise (nothing written).
+        ``caller``: on the lookup path, wait at most 0.5 ms for the write lock (the indexer's write)."""
+        if not self._wlock.acquire(timeout=_LOCK_WAIT_S if caller else -1):
+            return False
+        try:
             if self._closed or self.exited:
                 return False
-            try:
-                if self._capacity - self._unread() < len(frame):
-                    return False
-                self._write_all(frame)
-                return True
-            except OSError:
-                self._mark_exited()
+            # room counted in bytes, but a pipe holds pages: keep a margin so that a write never stops halfway
+            if self._capacity - self._unread() < len(frame) + _MARGIN:
                 return False
+            self._write_all(frame)
+            return True
+        except OSError:
+            self._mark_exited()
+            return False
+        finally:
+            self._wlock.release()
 
     def _send_blocking(self, obj: Any, timeout_s: float = 60.0) -> bool:
         """Write a frame, waiting (in 1 ms steps, without holding the write lock) for room."""
         frame = encode(obj)
-        if len(frame) > self._capacity:
+        if len(frame) + _MARGIN > self._capacity:
             log.error("semkv discovery: a %d-byte %s message does not fit provider %s's %d-byte pipe; dropped",
                       len(frame), obj[0], self.spec, self._capacity)
             return False
         deadline = time.monotonic() + timeout_s
         while True:
-            if self._send_now(frame):
+            if self._send_now(frame, caller=False):
                 return True
             if self._closed or self.exited or time.monotonic() >= deadline:
                 return False
@@ -356,16 +363,16 @@ class ProcessProvider:
             self.drain()
 
     def _write_all(self, frame: bytes) -> None:
-        view, deadline = memoryview(frame), time.monotonic() + 1.0
+        view = memoryview(frame)
         while view:
             try:
                 n = os.write(self._w, view)
             except BlockingIOError:
                 n = 0
             view = view[n:]
-            if view:  # not expected with room checked; never leave half a frame in the pipe
-                if time.monotonic() > deadline:
-                    raise OSError(errno.EPIPE, "provider process does not read its pipe")
+            if view:  # not expected with the margin; never leave half a frame in the pipe
+                if self.proc.poll() is not None:
+                    raise OSError(errno.EPIPE, "provider process exited")
                 select.select([], [self._w], [], 0.01)
 
     def _wait_readable(self, timeout_s: float) -> None:

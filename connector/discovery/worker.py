@@ -4,12 +4,14 @@ Started as ``python -m connector.discovery.worker REQUEST_FD REPLY_FD`` by
 :class:`~connector.discovery.isolation.ProcessProvider` (never by hand). The first frame is
 ``("init", spec, settings, db)``; the provider is built as in the parent
 (:func:`~connector.discovery.registry.resolve_provider`) and ``("ready", name, generation,
-needs_text)`` or ``("failed", why)`` is answered. Then three threads, as the provider contract
+needs_text)`` or ``("failed", why)`` is answered. Then two threads, as the provider contract
 expects of a thread provider (index on one thread, lookups on another):
 
-* the main thread reads frames and routes them — lookups to the lookup thread, everything else
-  (index, forget, prepare, flush) to the index thread — so the request pipe is always drained;
-* the lookup thread skips a lookup whose deadline (``time.monotonic()``) has passed, else runs
+* the main thread reads frames; it runs lookups itself and hands everything else (index, forget,
+  prepare, flush) to the index thread. While it runs a lookup the request pipe is not read: the
+  parent then writes a lookup only when the pipe has room (else skips it, a counted timeout) and
+  waits with index messages; a provider stuck in a lookup is ended by the parent's kill at close;
+* a lookup whose deadline (``time.monotonic()``) has passed is skipped unstarted, else the main thread runs
   ``candidates`` and the ledger's freshness check (:func:`~connector.discovery.runner.fresh_only`,
   stopped at the deadline) and answers ``("result", seq, fresh, drops, elapsed_s)`` or
   ``("error", seq, repr, not_prepared)``;
@@ -22,6 +24,7 @@ End of file on the request pipe (the service closed it, or the parent died) ends
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import signal
@@ -39,6 +42,7 @@ def main(argv: list[str]) -> int:
     req_fd, rep_fd = int(argv[1]), int(argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's shutdown (end of file) stops us, not ^C
     reader, wlock = FrameReader(), threading.Lock()
+    parent = os.getppid()
 
     def reply(obj: Any) -> None:
         data = memoryview(encode(obj))
@@ -77,34 +81,38 @@ def main(argv: list[str]) -> int:
     if hasattr(provider, "on_embed"):
         provider.on_embed = lambda seconds: reply(("embed", seconds))
     limit_default = settings.candidates_per_provider
-    lookups: queue.SimpleQueue = queue.SimpleQueue()
     others: queue.SimpleQueue = queue.SimpleQueue()
     reply(("ready", provider.name, provider.generation, bool(provider.needs_text)))
 
-    def lookup_loop() -> None:
-        while (item := lookups.get()) is not None:
-            _, seq, query, limit, deadline = item
-            if time.monotonic() >= deadline:
-                reply(("skipped", seq))
-                continue
-            started = time.perf_counter()
-            try:
-                q = type(query)(readonly_tokens(query.token_ids), query.text, query.model_id, query.namespace,
-                                query.tokens_per_block, query.inline)
-                found = provider.candidates(q, limit or limit_default)
-                if ledger is None:
-                    fresh, drops = list(found), {}
-                else:
-                    fresh, drops = fresh_only(found, q.namespace, ledger, lambda: time.monotonic() > deadline)
-                reply(("result", seq, fresh, drops, time.perf_counter() - started))
-            except Exception as exc:  # noqa: BLE001 - an error miss in the parent
-                reply(("error", seq, repr(exc), type(exc).__name__ == "NotPrepared"))
+    def lookup(item: tuple) -> None:
+        _, seq, query, limit, deadline = item
+        if time.monotonic() >= deadline:
+            reply(("skipped", seq))
+            return
+        started = time.perf_counter()
+        try:
+            q = type(query)(readonly_tokens(query.token_ids), query.text, query.model_id, query.namespace,
+                            query.tokens_per_block, query.inline)
+            found = provider.candidates(q, limit or limit_default)
+            if ledger is None:
+                fresh, drops = list(found), {}
+            else:
+                fresh, drops = fresh_only(found, q.namespace, ledger, lambda: time.monotonic() > deadline)
+            reply(("result", seq, fresh, drops, time.perf_counter() - started))
+        except Exception as exc:  # noqa: BLE001 - an error miss in the parent
+            reply(("error", seq, repr(exc), type(exc).__name__ == "NotPrepared"))
 
     def other_loop() -> None:
+        dirty = False
         while True:
             try:
                 item = others.get(timeout=_IDLE_S)
             except queue.Empty:  # idle: publish what was indexed (the thread service's indexer does the same)
+                if os.getppid() != parent:  # the parent died while this process was stuck in a lookup
+                    os._exit(0)
+                if dirty:
+                    gc.freeze()  # what was indexed since: out of the collector's reach too (see below)
+                    dirty = False
                 try:
                     provider.flush(False)
                 except Exception as exc:  # noqa: BLE001
@@ -113,6 +121,7 @@ def main(argv: list[str]) -> int:
             if item is None:
                 return
             kind = item[0]
+            dirty = True
             try:
                 if kind == "index":
                     provider.index(item[1])
@@ -125,19 +134,23 @@ def main(argv: list[str]) -> int:
             except Exception as exc:  # noqa: BLE001 - the index of one donor failed; the provider goes on
                 print(f"semkv discovery worker {spec}: {kind} failed: {exc!r}", file=sys.stderr)
             if kind == "flush" and item[1]:
+                # this process keeps an index for good: move it out of the collector's reach, so that a
+                # full collection does not rescan millions of long-lived objects in the middle of a lookup
+                gc.freeze()
                 reply(("ack", item[2]))
             if kind in ("index", "forget") and others.empty():
                 reply(("size", int(getattr(provider, "size", 0))))
 
-    threads = [threading.Thread(target=lookup_loop, name="semkv-worker-lookup", daemon=True),
-               threading.Thread(target=other_loop, name="semkv-worker-index", daemon=True)]
+    threads = [threading.Thread(target=other_loop, name="semkv-worker-index", daemon=True)]
     for t in threads:
         t.start()
     for frame in stream:
-        (lookups if frame[0] == "lookup" else others).put(frame)
-    # end of file: the service is closing (or gone). A provider stuck in a call cannot be joined:
-    # give the threads a moment, then leave without waiting for it.
-    lookups.put(None)
+        if frame[0] == "lookup":  # on this thread: no hand-over to another thread (one wake-up less, under load
+            lookup(frame)         # each costs up to a scheduler slice); the pipe has room for what the parent sends
+        else:
+            others.put(frame)
+    # end of file: the service is closing (or gone). A provider stuck in a call never gets here: its
+    # parent kills this process. Give the index thread a moment, then leave without waiting for it.
     others.put(None)
     for t in threads:
         t.join(1.0)
