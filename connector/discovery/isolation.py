@@ -17,8 +17,10 @@ and the ledger URL, so nothing but donors, queries and answers crosses the bound
 The proxy implements :class:`~connector.discovery.types.DiscoveryProvider` for the service's indexer
 thread (``index``/``forget``/``prepare``/``flush``, which may block briefly on a full pipe) and adds
 :meth:`ProcessProvider.submit` for lookups, which never blocks: the request is written only when the
-pipe has room for all of it (``FIONREAD`` against ``F_GETPIPE_SZ``), else skipped (a counted
-``timeout``, as a full thread lane). Pipes are enlarged to 1 MiB (``F_SETPIPE_SZ``) where allowed.
+pipe has room for all of it (``FIONREAD`` against ``F_GETPIPE_SZ``, less a 64 KiB margin) and no
+earlier frame's tail is still waiting in the outbox, else skipped (a counted ``timeout``, as a full
+thread lane); writes are non-blocking, and a tail the pipe did not take is sent at the next send or
+read, so a frame is never cut. Pipes are enlarged to 1 MiB (``F_SETPIPE_SZ``) where allowed.
 The child answers a lookup with its fresh matches (the ledger check, :func:`.runner.fresh_only`, runs
 there, on its own ledger connection) or skips it unstarted when its deadline (``time.monotonic()``,
 one clock for both processes on Linux) has passed. An answer that arrives after the caller's
@@ -37,7 +39,6 @@ report ready within ``start_timeout_s``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import itertools
 import logging
@@ -134,6 +135,7 @@ class ProcessProvider:
         self._acks: dict[int, threading.Event] = {}
         self._wlock, self._rlock, self._jlock = threading.Lock(), threading.Lock(), threading.Lock()
         self._reader = FrameReader()
+        self._outbox = bytearray()
         self._closed = False
         self._exit_counter: Callable[[], None] | None = None
         req_r, self._w = os.pipe()
@@ -209,7 +211,16 @@ class ProcessProvider:
         return job
 
     def drain(self) -> None:
-        """Read and dispatch every answer already in the reply pipe (skipped when another thread is reading)."""
+        """Read and dispatch every answer already in the reply pipe (skipped when another thread is
+        reading), after sending what the outbox holds (skipped when another thread is writing)."""
+        if self._outbox and self._wlock.acquire(blocking=False):
+            try:
+                if not self._closed and not self.exited:
+                    self._flush_outbox()
+            except OSError:
+                self._mark_exited()
+            finally:
+                self._wlock.release()
         if not self._rlock.acquire(blocking=False):
             return
         try:
@@ -328,23 +339,40 @@ class ProcessProvider:
         return struct.unpack("i", buf)[0]
 
     def _send_now(self, frame: bytes, *, caller: bool = True) -> bool:
-        """Write all of ``frame`` if the pipe has room for it now; False otherwise (nothing written).
-        ``caller``: on the lookup path, wait at most 0.5 ms for the write lock (the indexer's write)."""
+        """Send ``frame`` without blocking: False (nothing sent) when the pipe lacks room for it or an
+        earlier frame's tail is still waiting. A frame accepted is sent whole, its tail (if the pipe took
+        only part of it) from :attr:`_outbox` at the next send or read. ``caller``: on the lookup path,
+        wait at most 0.5 ms for the write lock (the indexer's write)."""
         if not self._wlock.acquire(timeout=_LOCK_WAIT_S if caller else -1):
             return False
         try:
-            if self._closed or self.exited:
+            if self._closed or self.exited or not self._flush_outbox():
                 return False
-            # room counted in bytes, but a pipe holds pages: keep a margin so that a write never stops halfway
+            # room counted in bytes, but a pipe holds pages: a margin makes a partial write rare
             if self._capacity - self._unread() < len(frame) + _MARGIN:
                 return False
-            self._write_all(frame)
+            self._outbox += frame
+            self._flush_outbox()
             return True
         except OSError:
             self._mark_exited()
             return False
         finally:
             self._wlock.release()
+
+    def _flush_outbox(self) -> bool:
+        """Write what the outbox holds, without blocking (caller holds the write lock); True when empty.
+
+        Raises:
+            OSError: the pipe is broken (the child exited).
+        """
+        while self._outbox:
+            try:
+                n = os.write(self._w, self._outbox)
+            except BlockingIOError:
+                return False
+            del self._outbox[:n]
+        return True
 
     def _send_blocking(self, obj: Any, timeout_s: float = 60.0) -> bool:
         """Write a frame, waiting (in 1 ms steps, without holding the write lock) for room."""
@@ -361,19 +389,6 @@ class ProcessProvider:
                 return False
             time.sleep(0.001)
             self.drain()
-
-    def _write_all(self, frame: bytes) -> None:
-        view = memoryview(frame)
-        while view:
-            try:
-                n = os.write(self._w, view)
-            except BlockingIOError:
-                n = 0
-            view = view[n:]
-            if view:  # not expected with the margin; never leave half a frame in the pipe
-                if self.proc.poll() is not None:
-                    raise OSError(errno.EPIPE, "provider process exited")
-                select.select([], [self._w], [], 0.01)
 
     def _wait_readable(self, timeout_s: float) -> None:
         with contextlib.suppress(OSError, ValueError):

@@ -4,14 +4,13 @@ Started as ``python -m connector.discovery.worker REQUEST_FD REPLY_FD`` by
 :class:`~connector.discovery.isolation.ProcessProvider` (never by hand). The first frame is
 ``("init", spec, settings, db)``; the provider is built as in the parent
 (:func:`~connector.discovery.registry.resolve_provider`) and ``("ready", name, generation,
-needs_text)`` or ``("failed", why)`` is answered. Then two threads, as the provider contract
+needs_text)`` or ``("failed", why)`` is answered. Then three threads, as the provider contract
 expects of a thread provider (index on one thread, lookups on another):
 
-* the main thread reads frames; it runs lookups itself and hands everything else (index, forget,
-  prepare, flush) to the index thread. While it runs a lookup the request pipe is not read: the
-  parent then writes a lookup only when the pipe has room (else skips it, a counted timeout) and
-  waits with index messages; a provider stuck in a lookup is ended by the parent's kill at close;
-* a lookup whose deadline (``time.monotonic()``) has passed is skipped unstarted, else the main thread runs
+* the main thread only reads frames and routes them — lookups to the lookup thread, everything else
+  (index, forget, prepare, flush) to the index thread — so the request pipe drains even while a
+  provider call hangs;
+* the lookup thread skips a lookup whose deadline (``time.monotonic()``) has passed, else runs
   ``candidates`` and the ledger's freshness check (:func:`~connector.discovery.runner.fresh_only`,
   stopped at the deadline) and answers ``("result", seq, fresh, drops, elapsed_s)`` or
   ``("error", seq, repr, not_prepared)``;
@@ -81,6 +80,7 @@ def main(argv: list[str]) -> int:
     if hasattr(provider, "on_embed"):
         provider.on_embed = lambda seconds: reply(("embed", seconds))
     limit_default = settings.candidates_per_provider
+    lookups: queue.SimpleQueue = queue.SimpleQueue()
     others: queue.SimpleQueue = queue.SimpleQueue()
     reply(("ready", provider.name, provider.generation, bool(provider.needs_text)))
 
@@ -141,16 +141,19 @@ def main(argv: list[str]) -> int:
             if kind in ("index", "forget") and others.empty():
                 reply(("size", int(getattr(provider, "size", 0))))
 
-    threads = [threading.Thread(target=other_loop, name="semkv-worker-index", daemon=True)]
+    def lookup_loop() -> None:
+        while (item := lookups.get()) is not None:
+            lookup(item)
+
+    threads = [threading.Thread(target=lookup_loop, name="semkv-worker-lookup", daemon=True),
+               threading.Thread(target=other_loop, name="semkv-worker-index", daemon=True)]
     for t in threads:
         t.start()
-    for frame in stream:
-        if frame[0] == "lookup":  # on this thread: no hand-over to another thread (one wake-up less, under load
-            lookup(frame)         # each costs up to a scheduler slice); the pipe has room for what the parent sends
-        else:
-            others.put(frame)
-    # end of file: the service is closing (or gone). A provider stuck in a call never gets here: its
-    # parent kills this process. Give the index thread a moment, then leave without waiting for it.
+    for frame in stream:  # this thread only reads, so the request pipe drains even while a lookup hangs
+        (lookups if frame[0] == "lookup" else others).put(frame)
+    # end of file: the service is closing (or gone). A provider stuck in a call cannot be joined:
+    # give the threads a moment, then leave without waiting for it.
+    lookups.put(None)
     others.put(None)
     for t in threads:
         t.join(1.0)

@@ -180,3 +180,31 @@ def test_wait_priority_without_permission_is_a_counted_no_op() -> None:
                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["denied", "True", "True"]
+
+
+def test_a_frozen_provider_process_never_blocks_the_caller(sqlite_db: str, workload: Workload) -> None:
+    """SIGSTOP: the child reads nothing, its request pipe fills up; lookups (32K-token queries, 128 KiB
+    each) are then skipped at once, never written halfway, and the provider answers again once resumed."""
+    lab = next(lab for lab in workload.labels if lab.scenario == "rag_reordered")
+    tokens = list(workload.prompt(lab.target).tokens)
+    big = (tokens * (32768 // len(tokens) + 1))[:32768]
+    with DiscoveryService(settings(providers=("chunks",), provider_isolation="process", provider_queue_max=1000),
+                          db=sqlite_db) as svc:
+        seed_workload(sqlite_db, workload, svc)
+        assert svc.flush(60)
+        chunks = svc._processes[0]
+        os.kill(chunks.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(40):  # 40 × 128 KiB: far more than the 1 MiB pipe holds
+                svc.lookup(big, None, MODEL_ID, NS, deadline_s=0.002)
+            assert outcome(svc, "chunks", "timeout") == 40
+            sent = len(chunks._jobs)
+            assert 0 < sent < 40  # some were written, the rest skipped when the pipe was full
+        finally:
+            os.kill(chunks.proc.pid, signal.SIGCONT)
+        deadline, match = time.monotonic() + 30.0, None
+        while match is None and time.monotonic() < deadline:  # the backlog expires unstarted, then it answers
+            match = svc.lookup(tokens, None, MODEL_ID, NS, deadline_s=5.0)
+        assert match is not None and match.donor_id == lab.donor
+        pid = chunks.proc.pid
+    assert gone(pid)
