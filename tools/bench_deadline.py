@@ -32,6 +32,7 @@ caller thread's run-queue wait (``run_delay`` of ``/proc/thread-self/schedstat``
 timeouts, hits, and the 1-minute load average.
 
 Usage: ``python tools/bench_deadline.py [--baseline e1e0f32] [--n 200] [--rounds 3] [--donors 20000]
+[--variants before,threads+fifo,process,process+fifo,process+rt-engine] [--sets hung,real]
 [--out tools/results/deadline-DATE-HHMM.md]``.
 """
 

@@ -80,9 +80,11 @@ class DiscoverySettings(BaseModel):
     the service as objects always run on threads."""
     wait_priority: Literal["normal", "fifo"] = "normal"
     """``fifo``: an inline lookup (the scheduler path) runs its calling thread at ``SCHED_FIFO``
-    priority 1 until it returns, so that with every core busy the OS runs it at its deadline
+    priority 1 until it returns, so that with every core busy the OS wakes it at its deadline
     (:mod:`connector.discovery.priority`); needs CAP_SYS_NICE or RLIMIT_RTPRIO >= 1, else the lookup
-    waits at normal priority and the denial is counted (``semkv_discovery_wait_priority_total``)."""
+    waits at normal priority and the denial is counted (``semkv_discovery_wait_priority_total``).
+    Back at normal priority the thread may still wait behind the load: the 3 ms p99 of DESIGN §7
+    was held only with the engine's thread real-time throughout (tools/bench_deadline.py)."""
     max_indexed_donors: int = Field(100_000, ge=1)
     """Donors kept in the index; the oldest is forgotten beyond it."""
     candidates_per_provider: int = Field(4, ge=1, le=64)
