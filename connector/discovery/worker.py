@@ -137,6 +137,7 @@ def main(argv: list[str]) -> int:
                 # this process keeps an index for good: move it out of the collector's reach, so that a
                 # full collection does not rescan millions of long-lived objects in the middle of a lookup
                 gc.freeze()
+                reply(("size", int(getattr(provider, "size", 0))))  # before the ack: flush() returns with it
                 reply(("ack", item[2]))
             if kind in ("index", "forget") and others.empty():
                 reply(("size", int(getattr(provider, "size", 0))))
