@@ -17,7 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Job", "ProviderLane", "wait_all"]
+from ledger.types import FreshnessPolicy, StaleReason
+
+__all__ = ["Job", "ProviderLane", "fresh_only", "wait_all"]
 
 
 class Job:
@@ -95,3 +97,24 @@ def wait_all(jobs: Sequence[Job | None], deadline: float) -> list[bool]:
                 job.abandoned = True
             out.append(job.finished)
     return out
+
+
+def fresh_only(found: Sequence[Any], namespace: str, ledger: Any, stop: Callable[[], bool]) -> tuple[list[Any], dict[str, int]]:
+    """The matches of ``found`` whose donor the ledger reports fresh for ``namespace`` (donor state,
+    generation, expiry, namespace; not block liveness), and the others counted by reason
+    (``namespace_mismatch`` or ``stale``). Stops early, returning what it has, once ``stop()`` is true
+    (the caller gave up). ``ledger``: a :class:`ledger.client.LedgerClient`."""
+    fresh: list[Any] = []
+    drops: dict[str, int] = {}
+    now = time.time()
+    for match in found:
+        if stop():
+            break
+        reason = ledger.donor_freshness(match.donor_id, namespace=namespace, num_blocks=0,
+                                        policy=FreshnessPolicy.STORE, now=now)
+        if reason is None:
+            fresh.append(match)
+        else:
+            key = "namespace_mismatch" if reason == StaleReason.NAMESPACE_MISMATCH else "stale"
+            drops[key] = drops.get(key, 0) + 1
+    return fresh, drops

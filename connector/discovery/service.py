@@ -9,7 +9,10 @@ The one object the scheduler (or any caller) talks to::
 
 Lookup contract (DESIGN §2 rule 4, §7):
 
-* every provider runs on its own thread (:mod:`.runner`); the caller waits at most the deadline
+* every provider runs on its own thread (:mod:`.runner`), or with ``provider_isolation = "process"``
+  in its own child process (:mod:`.isolation`; the caller then waits on pipes and never for the GIL
+  of a provider running Python); with ``wait_priority = "fifo"`` an inline caller runs at
+  ``SCHED_FIFO`` priority 1 until it returns (:mod:`.priority`); the caller waits at most the deadline
   (``lookup_timeout_s``, default 2 ms, for :meth:`lookup`) plus a small bound, then returns;
   unfinished providers are ``timeout`` misses, exceptions ``error`` misses, refusals
   ``policy_denied`` — all counted (:mod:`.telemetry`), none raised;
@@ -47,8 +50,10 @@ from typing import Any
 import numpy as np
 
 from connector.discovery.embedding import NotPrepared
+from connector.discovery.isolation import ProcessProvider, start_processes, wait_processes
+from connector.discovery.priority import raised_priority
 from connector.discovery.registry import build_providers
-from connector.discovery.runner import Job, ProviderLane, wait_all
+from connector.discovery.runner import Job, ProviderLane, fresh_only, wait_all
 from connector.discovery.settings import DiscoverySettings
 from connector.discovery.telemetry import DiscoveryMetrics, log_lookup, metrics_for
 from connector.discovery.types import DiscoveryProvider, DonorRecord, Match, Query, readonly_tokens
@@ -84,14 +89,24 @@ class DiscoveryService:
                  registry: Any = None, providers: Sequence[DiscoveryProvider] | None = None) -> None:
         self.settings = s = settings or DiscoverySettings()
         self.metrics = metrics or (metrics_for(registry) if registry is not None else DiscoveryMetrics())
-        self.providers: list[DiscoveryProvider] = (
-            list(providers) if providers is not None else build_providers(s, db=db))
+        self._processes: list[ProcessProvider] = []
+        if providers is None and s.provider_isolation == "process":
+            self._processes = start_processes(s, db=db, registry_metrics=self.metrics)
+            self.providers: list[DiscoveryProvider] = list(self._processes)
+        else:
+            self.providers = list(providers) if providers is not None else build_providers(s, db=db)
         for provider in self.providers:
             if hasattr(provider, "on_embed"):
                 provider.on_embed = self.metrics.embedding_seconds.observe  # type: ignore[attr-defined]
         self.db = db
-        self._ledger = LedgerClient(db, check=False)  # thread-safe: one DBAPI connection per thread
-        self._lanes = {p.name: ProviderLane(p.name, s.provider_queue_max) for p in self.providers}
+        try:
+            self._ledger = LedgerClient(db, check=False)  # thread-safe: one DBAPI connection per thread
+        except BaseException:
+            for proc in self._processes:  # no provider process outlives a service that failed to start
+                proc.close(0.5)
+            raise
+        self._lanes = {} if self._processes else {
+            p.name: ProviderLane(p.name, s.provider_queue_max) for p in self.providers}
         self._order: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._index_queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(maxsize=s.index_queue_max)
         self._lookup_queue: queue.Queue[tuple | None] = queue.Queue(maxsize=s.lookup_queue_max)
@@ -131,12 +146,23 @@ class DiscoveryService:
         """
         if tokens_per_block < 1:
             raise ValueError("tokens_per_block must be >= 1")
+        args = (token_ids, prompt_text, model_id, namespace, tokens_per_block, deadline_s, inline, request_id, path,
+                limit)
+        if inline and self.settings.wait_priority == "fifo":  # the whole call: the OS may preempt it anywhere
+            with raised_priority(lambda r: self.metrics.wait_priority.labels(result=r).inc()):
+                return self._candidates(*args)
+        return self._candidates(*args)
+
+    def _candidates(self, token_ids: Sequence[int] | np.ndarray, prompt_text: str | None, model_id: str,
+                    namespace: str, tokens_per_block: int, deadline_s: float | None, inline: bool,
+                    request_id: str | None, path: str, limit: int | None) -> list[Match]:
         started = time.perf_counter()
         timeout = deadline_s if deadline_s is not None else (
             self.settings.lookup_timeout_s if inline else self.settings.background_timeout_s)
         text = prompt_text if self.settings.allow_prompt_text else None
         query = Query(readonly_tokens(token_ids), text, model_id, namespace, tokens_per_block, inline)
-        result = self._run(query, started + timeout, prompt_text is not None)
+        deadline = started + timeout
+        result = self._run(query, deadline, prompt_text is not None)
         elapsed = time.perf_counter() - started
         self.metrics.lookups.labels(path=path).inc()
         self.metrics.lookup_seconds.labels(path=path).observe(elapsed)
@@ -170,13 +196,23 @@ class DiscoveryService:
         dropped: dict[str, int] = {}
         denied = self._denied(query)
         jobs: list[tuple[DiscoveryProvider, Job | None]] = []
-        for provider in self.providers:
-            if denied or (provider.needs_text and not query.text):
-                outcomes[provider.name] = "policy_denied"
-                continue
-            jobs.append((provider, self._lanes[provider.name].submit(
-                lambda job, p=provider: self._provider_job(p, query, job))))
-        finished = wait_all([job for _, job in jobs], deadline)
+        if self._processes:  # each provider in its child: answers read from pipes on this thread
+            deadline_mono = time.monotonic() + (deadline - time.perf_counter())
+            limit = self.settings.candidates_per_provider
+            for proc in self._processes:
+                if denied or (proc.needs_text and not query.text):
+                    outcomes[proc.name] = "policy_denied"
+                    continue
+                jobs.append((proc, proc.submit(query, limit, deadline_mono)))
+            finished = wait_processes(jobs, deadline)  # type: ignore[arg-type]
+        else:
+            for provider in self.providers:
+                if denied or (provider.needs_text and not query.text):
+                    outcomes[provider.name] = "policy_denied"
+                    continue
+                jobs.append((provider, self._lanes[provider.name].submit(
+                    lambda job, p=provider: self._provider_job(p, query, job))))
+            finished = wait_all([job for _, job in jobs], deadline)
         matches: list[Match] = []
         for (provider, job), done in zip(jobs, finished, strict=True):
             name = provider.name
@@ -206,19 +242,7 @@ class DiscoveryService:
 
     def _provider_job(self, provider: DiscoveryProvider, query: Query, job: Job) -> tuple[list[Match], dict[str, int]]:
         found = provider.candidates(query, self.settings.candidates_per_provider)
-        fresh: list[Match] = []
-        drops: dict[str, int] = {}
-        now = time.time()
-        for match in found:
-            if job.abandoned:
-                break
-            reason = self._freshness(match.donor_id, query.namespace, now)
-            if reason is None:
-                fresh.append(match)
-            else:
-                key = "namespace_mismatch" if reason == StaleReason.NAMESPACE_MISMATCH else "stale"
-                drops[key] = drops.get(key, 0) + 1
-        return fresh, drops
+        return fresh_only(found, query.namespace, self._ledger, lambda: job.abandoned)
 
     # ============================================================ indexing
     def register_donor(self, record: DonorRecord) -> bool:
@@ -262,7 +286,9 @@ class DiscoveryService:
     def _index_loop(self) -> None:
         while True:
             try:
-                item = self._index_queue.get(timeout=_IDLE_S)
+                # providers in processes publish on their own: then this thread sleeps until there is work
+                # (a thread waking 20 times a second can hold the GIL just when the inline caller wakes)
+                item = self._index_queue.get(timeout=None if self._processes else _IDLE_S)
             except queue.Empty:
                 self._flush_providers(force=False)
                 continue
@@ -363,7 +389,10 @@ class DiscoveryService:
         for lane in self._lanes.values():
             lane.close()
         for provider in self.providers:
-            provider.close()
+            try:
+                provider.close()
+            except Exception:  # shutdown goes on: every other provider (and process) is still closed
+                log.exception("semkv discovery: closing provider %s failed", provider.name)
         self._ledger.close()
 
     def __enter__(self) -> DiscoveryService:

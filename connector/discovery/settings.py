@@ -32,7 +32,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import NoDecode
@@ -73,6 +73,18 @@ class DiscoverySettings(BaseModel):
     """Telemetry lookups waiting for the discovery thread; beyond it a lookup is dropped and counted."""
     provider_queue_max: int = Field(4, ge=1)
     """Lookups waiting on one provider's thread; beyond it the provider is skipped (``timeout``)."""
+    provider_isolation: Literal["thread", "process"] = "thread"
+    """Where providers built from ``providers`` run: ``thread`` (one thread each in this process) or
+    ``process`` (one child process each, :mod:`connector.discovery.isolation`): an inline caller
+    then never waits for the GIL held by a provider thread running Python. Providers passed to
+    the service as objects always run on threads."""
+    wait_priority: Literal["normal", "fifo"] = "normal"
+    """``fifo``: an inline lookup (the scheduler path) runs its calling thread at ``SCHED_FIFO``
+    priority 1 until it returns, so that with every core busy the OS wakes it at its deadline
+    (:mod:`connector.discovery.priority`); needs CAP_SYS_NICE or RLIMIT_RTPRIO >= 1, else the lookup
+    waits at normal priority and the denial is counted (``semkv_discovery_wait_priority_total``).
+    Back at normal priority the thread may still wait behind the load: the 3 ms p99 of DESIGN §7
+    was held only with the engine's thread real-time throughout (tools/bench_deadline.py)."""
     max_indexed_donors: int = Field(100_000, ge=1)
     """Donors kept in the index; the oldest is forgotten beyond it."""
     candidates_per_provider: int = Field(4, ge=1, le=64)

@@ -76,6 +76,12 @@ class DiscoveryMetrics:
                                  registry=r)
         self.indexed = Gauge("semkv_discovery_indexed_donors", "Donors in each provider's index", ("provider",),
                              registry=r)
+        self.wait_priority = Counter("semkv_discovery_wait_priority_total",
+                                     "Inline lookups by the caller's scheduling during the wait (wait_priority = fifo)",
+                                     ("result",), registry=r)
+        self.provider_exits = Counter("semkv_discovery_provider_exits_total",
+                                      "Provider processes that exited before the service closed (provider_isolation)",
+                                      ("provider",), registry=r)
         self.embedding_seconds = Histogram("semkv_embedding_seconds", "Sentence-embedding duration (off the path)",
                                            buckets=_SLOW, registry=r)
 
