@@ -29,7 +29,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
 from ledger.backends.base import ReadOnlyOpen
-from ledger.cli import app
+from ledger.cli import HelpCommand, app
 from ledger.db import DEFAULT_DB, write_refusal
 from ledger.errors import LedgerError, database_error_line, is_database_error, one_line, url_for_humans
 from ledger.views import count, id_column, output_console
@@ -60,7 +60,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 @user_errors
 def migrate(db: DbOption = DEFAULT_DB) -> None:
     """Create or upgrade the ledger schema to the newest revision (SQLite or PostgreSQL).
@@ -83,12 +83,14 @@ def migrate(db: DbOption = DEFAULT_DB) -> None:
     console.print(f"ledger {url_for_humans(db)}: {verb} {after}", highlight=False)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 @user_errors
 def replay(
     db: DbOption = DEFAULT_DB,
     until: Annotated[int | None, typer.Option(help="Stop after this log seq (time travel; from the newest "
-                                              "snapshot at or before it, if any); no diff then.", min=0)] = None,
+                                              "snapshot at or before it, if any); no diff then, unless SEQ is "
+                                              "at or past the log's head (the whole audit).", min=0,
+                                              max=2**63 - 1)] = None,
     out: Annotated[str | None, typer.Option(help="Keep the rebuilt projections (tables only, no log) in this SQLite file, for sqlite3.")] = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -98,8 +100,10 @@ def replay(
     with a note on stderr. A progress bar on stderr while it rebuilds, when stderr is a terminal and
     not with --json.
 
-    Exit 0 when equal, 1 when not, 2 on usage or database errors. With --until nothing is compared
-    (exit 0; in --json "compared" is false and "equal" null).
+    Exit 0 when equal, 1 when not, 2 on usage or database errors. With --until before the log's head
+    nothing is compared (exit 0; in --json "compared" is false and "equal" null); at or past the
+    head it is the whole audit. On PostgreSQL the log and the projections are read in one snapshot
+    (REPEATABLE READ), so consumers may keep writing.
     """
     from ledger.replay import replay as run_replay
 
@@ -114,7 +118,7 @@ def replay(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 @user_errors
 def snapshot(db: DbOption = DEFAULT_DB, json_out: JsonOption = False) -> None:
     """Take a projection snapshot at the head of the log (the fold of the log, from the newest snapshot).
@@ -128,6 +132,10 @@ def snapshot(db: DbOption = DEFAULT_DB, json_out: JsonOption = False) -> None:
     """
     from ledger.replay import snapshot_at_head
 
+    refusal = write_refusal(db)
+    if refusal is not None:  # say so up front, not as the driver's "unable to open database file"
+        raise LedgerError(f"cannot take a snapshot of the ledger {url_for_humans(db)}: it cannot be written here "
+                          f"({refusal}); `replay --until SEQ` reads it read-only (folding from the start)")
     with _progress_bar(enabled=not json_out and sys.stderr.isatty()) as bar:
         progress = None if bar is None else _mover(bar, bar.add_task("folding the log", total=None))
         taken = snapshot_at_head(db, progress)
@@ -231,7 +239,7 @@ def _reading(db: str) -> Iterator[Connection]:
         yield conn
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 @user_errors
 def stats(db: DbOption = DEFAULT_DB, json_out: JsonOption = False) -> None:
     """What the ledger knows: events per engine and type, generations, blocks, donors, dead letters.
@@ -252,13 +260,13 @@ def stats(db: DbOption = DEFAULT_DB, json_out: JsonOption = False) -> None:
         print_stats(console, data)
 
 
-@app.command(context_settings={"ignore_unknown_options": True})  # a signed block hash (-667…) is an argument
+@app.command(cls=HelpCommand, context_settings={"ignore_unknown_options": True})  # a signed block hash (-667…) is an argument
 @user_errors
 def inspect(
     kind: Annotated[str, typer.Argument(help="engine, donor or block")],
     ident: Annotated[str, typer.Argument(help="engine id, donor id, or block hash (decimal, 0x…, or 64 hex chars)")],
     db: DbOption = DEFAULT_DB,
-    limit: Annotated[int, typer.Option(help="At most this many log rows (newest).", min=1)] = 200,
+    limit: Annotated[int, typer.Option(help="At most this many log rows (newest).", min=1, max=1_000_000)] = 200,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: kind, id and every log row "
                                            "with its full decoded body (block hashes as decimal integers, "
                                            "wide ones as 64 hex chars).")] = False,
@@ -303,7 +311,7 @@ def inspect(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(cls=HelpCommand)
 @user_errors
 def index(
     db: DbOption = DEFAULT_DB,

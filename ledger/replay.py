@@ -224,6 +224,12 @@ def replay(db: str, *, until: int | None = None, scratch: str | Path | None = No
         scratch_engine = sync_engine(str(scratch), writer=True)
         cleanup.callback(scratch_engine.dispose)
         live = cleanup.enter_context(live_engine.connect())
+        if live.dialect.name == "postgresql":
+            # One snapshot for the log folded and the projections compared: under READ COMMITTED each
+            # statement sees the newest commit, and a batch committed during the fold made a sound,
+            # busy ledger "differ" (tests/integration/ledger/test_replay_live.py). SQLite's read
+            # transaction already holds one snapshot.
+            live.execution_options(isolation_level="REPEATABLE READ")
         check_schema(live, db, cannot_write=read_only.reason if read_only is not None else None)
         live_head = live.execute(select(func.max(_LOG.c.seq))).scalar() or 0
         compare = until is None or until >= live_head

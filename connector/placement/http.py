@@ -108,25 +108,59 @@ class DonorIn(BaseModel):
     generation: int | None = Field(None, ge=0)
 
 
+class _BodyTooLarge(Exception):
+    """Raised from the wrapped ``receive`` once a request's body passed the limit."""
+
+
 class BodyLimit:
-    """Refuses (413) a request whose ``Content-Length`` is over ``max_body_bytes`` or not a number,
-    before its body is read. A plain ASGI middleware: Starlette's ``@app.middleware("http")``
-    (BaseHTTPMiddleware) runs every request and response through an extra task and memory stream.
-    Measured against it with tools/bench_placement_http.py: within this machine's noise at 2K and
-    32K tokens (tools/results/placement-http-2026-12-05-0859.md)."""
+    """Refuses (413) a request whose body is over ``max_body_bytes``: at once when its
+    ``Content-Length`` says so (or is not a number), and, for a body without one (``Transfer-Encoding:
+    chunked``), as soon as what was received passes the limit — nothing past it is buffered.
+    A plain ASGI middleware: Starlette's ``@app.middleware("http")`` (BaseHTTPMiddleware) runs every
+    request and response through an extra task and memory stream. Measured against it with
+    tools/bench_placement_http.py: within this machine's noise at 2K and 32K tokens
+    (tools/results/placement-http-2026-12-05-0859.md)."""
 
     def __init__(self, app: Any, *, max_body_bytes: int, on_refused: Any) -> None:
         self.app, self.max_body_bytes, self.on_refused = app, max_body_bytes, on_refused
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            length = next((value for name, value in scope["headers"] if name == b"content-length"), None)
-            if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-                self.on_refused()
-                response = JSONResponse({"detail": f"body over {self.max_body_bytes} bytes"}, status_code=413)
-                await response(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((value for name, value in scope["headers"] if name == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            await self._refuse(scope, receive, send)
+            return
+        received, started, refused = 0, False, False
+
+        async def counted_receive() -> dict[str, Any]:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    refused = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if refused:  # the app's answer to a body cut short (FastAPI: 400 "error parsing the body") is replaced
                 return
-        await self.app(scope, receive, send)
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, guarded_send)
+        except _BodyTooLarge:
+            pass
+        if refused and not started:  # every endpoint reads its whole body before it answers
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        self.on_refused()
+        await JSONResponse({"detail": f"body over {self.max_body_bytes} bytes"}, status_code=413)(scope, receive, send)
 
 
 def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: CollectorRegistry | None = None,

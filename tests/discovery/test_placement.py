@@ -129,6 +129,23 @@ def test_http_rejects_malformed_placement_requests_with_4xx(server, body: bytes)
     assert 400 <= response.status_code < 500, response.text
 
 
+@pytest.mark.parametrize("path", ["/v1/placement", "/v1/donors"])
+def test_a_chunked_body_past_the_limit_is_refused_without_content_length(server, path: str) -> None:
+    # Content-Length is only the honest client's word: a chunked upload has none, and was read whole.
+    url, _, _ = server
+
+    def chunks():
+        yield b'{"token_ids": [1], "text": "'
+        for _ in range(40):
+            yield b"x" * 65_536  # 2.5 MiB in all, past the fixture's 1 MiB
+        yield b'"}'
+    response = httpx.post(f"{url}{path}", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413, response.text
+    small = httpx.post(f"{url}/v1/placement", content=iter([b'{"token_ids": ', b"[1, 2]}"]),
+                       headers={"content-type": "application/json"})
+    assert small.status_code == 200, small.text  # a chunked body within the limit is served
+
+
 def test_http_rejects_oversized_bodies_and_bad_donors(server) -> None:
     url, _, _ = server
     big = httpx.post(f"{url}/v1/placement", json={"token_ids": [1], "text": "x" * 2**21})

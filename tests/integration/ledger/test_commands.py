@@ -131,3 +131,11 @@ def test_a_signed_block_hash_is_an_argument_not_an_option(sqlite_db: str) -> Non
     assert [row["kind"] for row in json.loads(found.stdout)["rows"]] == ["block_stored"]
     typo = cli("inspect", "block", "0x10", "--dbx", sqlite_db)
     assert typo.returncode == 2 and "--dbx" in typo.stderr
+
+
+@pytest.mark.parametrize("args", [("inspect", "engine", "e", "--limit", "99999999999999999999"),
+                                  ("inspect", "block", "0", "--limit", "9223372036854775808"),
+                                  ("replay", "--until", "99999999999999999999")])
+def test_integers_past_64_bits_are_usage_errors_not_tracebacks(sqlite_db: str, args: tuple[str, ...]) -> None:
+    result = cli(*args, "--db", sqlite_db)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr

@@ -227,16 +227,20 @@ def test_migrate_on_a_read_only_mount_is_one_line_and_exit_2(read_only_mounts, l
     assert (ledger_dir / "ledger.db").read_bytes() == before
 
 
-def test_index_on_a_read_only_mount_is_one_line_and_exit_2(read_only_mounts, ledger_dir: Path,
-                                                           tmp_path: Path) -> None:
-    # the block index is written into the ledger: say so, not the driver's "attempt to write a readonly database"
+@pytest.mark.parametrize(("command", "line"), [
+    ("index", "cannot index the ledger {db}: it cannot be written here (read-only file system); `inspect block` "
+              "reads it read-only and searches the log past the index"),
+    ("snapshot", "cannot take a snapshot of the ledger {db}: it cannot be written here (read-only file system); "
+                 "`replay --until SEQ` reads it read-only (folding from the start)")])
+def test_writing_commands_on_a_read_only_mount_are_one_line_and_exit_2(read_only_mounts, ledger_dir: Path,
+                                                                      tmp_path: Path, command: str, line: str) -> None:
+    # the block index and snapshots are written into the ledger: say so, not the driver's "attempt to
+    # write a readonly database" / "unable to open database file"
     mount_point = tmp_path / "mnt"
     mount_point.mkdir()
-    result = on_read_only_mount(ledger_dir, mount_point, "index", "--db", str(mount_point / "ledger.db"))
+    result = on_read_only_mount(ledger_dir, mount_point, command, "--db", str(mount_point / "ledger.db"))
     assert result.returncode == 2 and result.stdout == "", result.stderr
-    assert result.stderr.splitlines() == [f"error: cannot index the ledger {mount_point / 'ledger.db'}: it cannot be "
-                                          "written here (read-only file system); `inspect block` reads it read-only "
-                                          "and searches the log past the index"]
+    assert result.stderr.splitlines() == ["error: " + line.format(db=mount_point / "ledger.db")]
 
 
 SNAPSHOT_READER = """
