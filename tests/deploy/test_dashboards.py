@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
+from connector.discovery.telemetry import DiscoveryMetrics
 from connector.metrics import ConnectorMetrics
 from connector.placement.route_join import RouteMetrics
 from consumer.metrics import ConsumerMetrics
@@ -29,9 +30,10 @@ _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
 
 
 def exported() -> dict[str, set[str]]:
-    """{exposed sample name: label names} of every metric the consumer, the connector and the route join register."""
+    """{exposed sample name: label names} of every metric the consumer, the connector (its discovery's
+    on the same /metrics) and the route join register."""
     names: dict[str, set[str]] = {}
-    for metrics in (ConsumerMetrics(), ConnectorMetrics(), RouteMetrics()):
+    for metrics in (ConsumerMetrics(), ConnectorMetrics(), DiscoveryMetrics(), RouteMetrics()):
         for metric in vars(metrics).values():
             if not isinstance(metric, MetricWrapperBase):
                 continue
@@ -41,7 +43,7 @@ def exported() -> dict[str, set[str]]:
             for suffix in _SUFFIXES[metric._type]:  # noqa: SLF001
                 names[metric._name + suffix] = labels  # noqa: SLF001
     # the real registries agree (a metric not held in an attribute would be missed above)
-    for metrics in (ConsumerMetrics(), ConnectorMetrics(), RouteMetrics()):
+    for metrics in (ConsumerMetrics(), ConnectorMetrics(), DiscoveryMetrics(), RouteMetrics()):
         for family in metrics.registry.collect():
             assert any(n == family.name or n.startswith(family.name + "_") for n in names), family.name
     return names
