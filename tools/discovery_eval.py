@@ -50,7 +50,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -444,25 +443,10 @@ def scale_latency(ps: PairSet, model: Any, vecs: Embedded | None, sizes: list[in
 
 
 # --------------------------------------------------------------------------------------------- 3. deadline
-class _Hung:
-    """A provider that never answers (until closed): the deadline alone bounds the caller."""
+def _hung_provider():  # noqa: ANN202 - tools.bench_deadline's provider that never answers (until closed)
+    from tools.bench_deadline import HungProvider
 
-    name, generation, needs_text = "hung", 1, False
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-
-    def candidates(self, query: Any, limit: int) -> list:
-        self.release.wait(60)
-        return []
-
-    def index(self, donor: Any) -> None: ...
-    def forget(self, donor_id: str) -> None: ...
-    def prepare(self, query: Any) -> None: ...
-    def flush(self, force: bool = True) -> None: ...
-
-    def close(self) -> None:
-        self.release.set()
+    return HungProvider()
 
 
 def burners(n: int) -> list[subprocess.Popen]:
@@ -509,7 +493,7 @@ def deadline_under_load(ps: PairSet, model: Any, vecs: Embedded | None, root: Pa
     hung_settings = settings.model_copy(update={"provider_queue_max": 100_000})  # never skipped at submission
     switch = sys.getswitchinterval()
     for label in labels:
-        hung = _Hung()
+        hung = _hung_provider()
         provs = [hung] if label == "hung" else indexed()
         service = DiscoveryService(hung_settings if label == "hung" else settings, db=db, providers=provs)
         limit = threadpool_limits(1, user_api="blas") if label == "real_blas1" else None

@@ -27,8 +27,8 @@ import pytest
 from connector.block_keys import dynamo_block_hashes
 from connector.placement.advice import EngineLoad, PlacementAdvisor
 from connector.placement.dynamo_hint import dynamo_hint, frontend_engine_load, nvext_hint
-from tools.harness.consume_process import Consumer, consumer_toml, free_port, wait_for
-from tools.harness.dynamo_fleet import BLOCK_SIZE, MODEL_NAME, DynamoFleet, _Process, seeded_prompts
+from tools.harness.consume_process import free_port, wait_for
+from tools.harness.dynamo_fleet import BLOCK_SIZE, MODEL_NAME, DynamoFleet, _Process, fleet_with_ledger, seeded_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,21 +63,8 @@ def hint_fleet(dynamo_env, tmp_path_factory) -> Iterator[HintFleet]:
     python, model = dynamo_env
     root = tmp_path_factory.mktemp("dynamo-hint")
     fleet = DynamoFleet(root, python, model, num_workers=2)
-    consumer = advisor = None
-    try:
-        fleet.start()
-        config = consumer_toml(root / "consume.toml", fleet.consumer_sources(), block_key_scheme="dynamo")
-        db = f"sqlite:///{root / 'ledger.db'}"
-        consumer = Consumer(db, root / "consumer.log", config, metrics_port=free_port(), args=())
-        wait_for(consumer.healthy, 60, "the consumer to be healthy")
-        advisor = PlacementAdvisor(db, tokens_per_block=BLOCK_SIZE)
+    with fleet_with_ledger(fleet, root) as advisor:
         yield HintFleet(fleet, advisor, root)
-    finally:
-        if advisor is not None:
-            advisor.close()
-        if consumer is not None:
-            consumer.close()
-        fleet.close()
     assert not fleet.stray_processes(), f"still running after the fleet closed: {fleet.stray_processes()}"
 
 

@@ -62,10 +62,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from connector.placement.advice import PlacementAdvisor  # noqa: E402
 from connector.placement.dynamo_hint import dynamo_hint, frontend_engine_load, nvext_hint  # noqa: E402
-from tools.harness.consume_process import Consumer, consumer_toml, free_port, wait_for  # noqa: E402
-from tools.harness.dynamo_fleet import BLOCK_SIZE, DynamoFleet, seeded_prompts  # noqa: E402
+from tools.harness.dynamo_fleet import BLOCK_SIZE, DynamoFleet, fleet_with_ledger, seeded_prompts  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -99,14 +97,7 @@ def run_pass(name: str, hint: str | None, token_ids: list[list[int]], args: argp
     root.mkdir(parents=True)
     fleet = DynamoFleet(root, args.dynamo_python, Path(args.dynamo_model), num_workers=args.workers,
                         num_gpu_blocks=args.num_gpu_blocks, frontend_args=frontend_args)
-    consumer = advisor = None
-    try:
-        fleet.start()
-        config = consumer_toml(root / "consume.toml", fleet.consumer_sources(), block_key_scheme="dynamo")
-        db = f"sqlite:///{root / 'ledger.db'}"
-        consumer = Consumer(db, root / "consumer.log", config, metrics_port=free_port(), args=())
-        wait_for(consumer.healthy, 60, "the consumer to be healthy")
-        advisor = PlacementAdvisor(db, tokens_per_block=BLOCK_SIZE)
+    with fleet_with_ledger(fleet, root) as advisor:
         engine_of = {w.instance_id: w.engine_id for w in fleet.workers}
         instance_of = {w.engine_id: w.instance_id for w in fleet.workers}
         rows: list[Row | None] = [None] * len(token_ids)
@@ -165,12 +156,6 @@ def run_pass(name: str, hint: str | None, token_ids: list[list[int]], args: argp
             for r in out:
                 f.write(json.dumps(dataclasses.asdict(r)) + "\n")
         return out
-    finally:
-        if advisor is not None:
-            advisor.close()
-        if consumer is not None:
-            consumer.close()
-        fleet.close()
 
 
 def pct(values: list[float], q: float) -> float:

@@ -20,6 +20,7 @@ after a grace period, each process in its own process group so that nothing it s
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import random
@@ -32,10 +33,14 @@ import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from tools.harness.consume_process import free_port, port_open, wait_for
+
+if TYPE_CHECKING:
+    from connector.placement.advice import PlacementAdvisor
 
 MODEL_NAME = "tiny"
 BLOCK_SIZE = 16
@@ -369,3 +374,28 @@ class Traffic:
 def drive(fleet: DynamoFleet, prompts: Iterator[str], *, concurrency: int = 4, max_tokens: int = 4) -> TrafficReport:
     """Send every prompt (``concurrency`` at a time) and return the report."""
     return Traffic(fleet, prompts, concurrency=concurrency, max_tokens=max_tokens).wait()
+
+
+@contextlib.contextmanager
+def fleet_with_ledger(fleet: DynamoFleet, root: Path) -> Iterator[PlacementAdvisor]:
+    """Start ``fleet``, a ``semkv-ledger consume`` of its workers' KV events (Dynamo's block hashes)
+    into a SQLite ledger under ``root``, and a placement advisor over that ledger; yields the advisor
+    and closes the three on exit (the fleet always, even if it failed to start)."""
+    from connector.placement.advice import PlacementAdvisor
+    from tools.harness.consume_process import Consumer, consumer_toml
+
+    consumer = advisor = None
+    try:
+        fleet.start()
+        config = consumer_toml(root / "consume.toml", fleet.consumer_sources(), block_key_scheme="dynamo")
+        db = f"sqlite:///{root / 'ledger.db'}"
+        consumer = Consumer(db, root / "consumer.log", config, metrics_port=free_port(), args=())
+        wait_for(consumer.healthy, 60, "the consumer to be healthy")
+        advisor = PlacementAdvisor(db, tokens_per_block=BLOCK_SIZE)
+        yield advisor
+    finally:
+        if advisor is not None:
+            advisor.close()
+        if consumer is not None:
+            consumer.close()
+        fleet.close()
