@@ -99,6 +99,11 @@ _POLL_MS = 100  # longest wait before the stop flag and the idle probe are looke
 _DRAIN_MAX = 256  # messages read per poll wake-up
 
 
+REPLAY_TIMEOUT_LOG_EVERY_S = 60.0
+"""``source.replay_timeout`` is logged for a source's first timeout, then at most once per this many
+seconds while they go on (with ``in_a_row``): a stopped engine times out at every idle probe, every
+``idle_replay_s`` + ``replay_timeout_s``; ``source.replay_answered`` says when it answers again."""
+
 class SeqTracker:
     """``last_seq`` and the last ``window`` (seq, digest) pairs of one source. Pure; no I/O."""
 
@@ -188,6 +193,8 @@ class Source:
         self.refused_since_message = 0  # refusals since a message was last received: /healthz "degraded"
         self._refused_by_socket: dict[str, int] = {}
         self._refusal_log = RefusalLogGate()
+        self._replay_timeout_log = RefusalLogGate(every_s=REPLAY_TIMEOUT_LOG_EVERY_S)
+        self._replay_timeouts = 0  # replay requests in a row that timed out (a stopped engine: every probe)
         self._settings, self._ctx, self._submit, self._record = settings, ctx, submit, record
         self._limits = WireLimits(max_frame_bytes=settings.max_frame_bytes,
                                   max_events_per_message=settings.max_events_per_message,
@@ -578,10 +585,16 @@ class Source:
                 previous = item.seq
             await self._feed_one(item, frames)
         if not complete:
-            self.log.warning("source.replay_timeout", start_seq=start_seq, received=batches)
+            self._replay_timeouts += 1
+            if self._replay_timeout_log.allow("replay"):  # a stopped engine times out at every idle probe
+                self.log.warning("source.replay_timeout", start_seq=start_seq, received=batches,
+                                 in_a_row=self._replay_timeouts)
             dealer.close(linger=0)  # late replies must not leak into the next replay
             self._dealer = None
             self._retire("replay")
+        elif self._replay_timeouts:
+            self.log.info("source.replay_answered", after_timeouts=self._replay_timeouts)
+            self._replay_timeouts = 0
         self._m.replay_seconds.labels(**self._labels).observe(time.perf_counter() - started)
         return ReplayResult(batches, covered, complete, messages)
 

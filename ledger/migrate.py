@@ -45,6 +45,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.exc import SQLAlchemyError
 
 from ledger.db import backend_of, normalize_url, sync_engine, write_refusal
@@ -158,6 +159,8 @@ def upgrade(db: str, revision: str = "head", *,
     try:
         with engine.connect() as conn:
             before = current_revision(conn)
+            if before is None and _projections_only(conn):
+                raise _not_a_ledger(db)
         if before is not None and not _known(before):
             raise SchemaOutOfDate(db, before, head_revision(), unknown=True)
         config = alembic_config()
@@ -178,9 +181,21 @@ def check_schema(conn: Connection, db: str, *, cannot_write: str | None = None) 
     its revision is none this installation has: a newer semkv-ledger migrated it). ``cannot_write``:
     why this process cannot write the ledger (a read-only audit), so the advice is not ``migrate``."""
     current = current_revision(conn)
+    if current is None and _projections_only(conn):  # not SchemaOutOfDate: `migrate` cannot make it a ledger
+        raise _not_a_ledger(db)
     if current != head_revision():
         raise SchemaOutOfDate(db, current, head_revision(), unknown=current is not None and not _known(current),
                               cannot_write=cannot_write)
+
+
+def _not_a_ledger(db: str) -> LedgerError:
+    return LedgerError(f"{url_for_humans(db)} holds projection tables and no log (a `replay --out` file?): it "
+                       "is not a ledger and cannot be migrated into one; read it with sqlite3")
+
+
+def _projections_only(conn: Connection) -> bool:
+    tables = set(sa_inspect(conn).get_table_names())
+    return "blocks" in tables and "log" not in tables
 
 
 @cache

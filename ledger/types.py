@@ -26,6 +26,7 @@ PostgreSQL index it natively and losslessly:
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable
 from typing import NamedTuple, NewType
 
@@ -134,16 +135,21 @@ def parse_hash(text: str) -> BlockHash:
         ValueError: text is none of those.
     """
     text = text.strip()
+    # exactly the notations above (Python's int(text, 0) also took +5, 1_000, 0b101, -0x5 and
+    # non-ASCII digits, and refused 0123)
     if text[:2].lower() == "0x" and len(text) == 2 + 2 * WIDE_HASH_BYTES:  # a wide hash written with 0x
-        text = text[2:]
+        return normalize_hash(text[2:])
+    if _HEX.fullmatch(text):  # a 64-bit hash in hex (too many digits: out of range, said so)
+        return normalize_hash(int(text[2:], 16))
     if len(text) == 2 * WIDE_HASH_BYTES:
         return normalize_hash(text)
-    try:
-        value = int(text, 0)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a block hash: give a decimal or 0x-hex integer, or 64 hex "
-                         "characters") from None
-    return normalize_hash(value)
+    if _DECIMAL.fullmatch(text):
+        return normalize_hash(int(text, 10))
+    raise ValueError(f"{text!r} is not a block hash: give a decimal or 0x-hex integer, or 64 hex characters")
+
+
+_DECIMAL = re.compile(r"-?[0-9]+", re.ASCII)
+_HEX = re.compile(r"0[xX][0-9a-fA-F]+", re.ASCII)
 
 
 class BlockState(enum.StrEnum):

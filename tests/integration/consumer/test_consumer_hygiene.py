@@ -146,3 +146,50 @@ async def test_a_daemon_without_sources_stops_cleanly(tmp_path):
     async with DaemonRun(settings) as run:
         stats = await run.stop()
     assert stats.clean_exit
+
+
+async def test_a_replay_endpoint_that_stopped_answering_is_logged_once_a_minute_not_per_probe(tmp_path):
+    """A stopped engine's replay ROUTER times out at every idle probe (~2.5 s with the defaults: 241
+    warnings in 25 minutes, seen by a newcomer). The first timeout is logged, later ones at most once
+    per REPLAY_TIMEOUT_LOG_EVERY_S with the count in a row; an answer again is logged once."""
+    import asyncio
+    import threading
+
+    import zmq
+
+    from consumer.bridge import ReplayBuffer, ReplayStats, serve_replay_request
+
+    db, _ = migrated_db(tmp_path)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    answering, stop = threading.Event(), threading.Event()
+
+    def serve() -> None:  # drops every request until ``answering``, then answers: nothing buffered, the end marker
+        while not stop.is_set():
+            if router.poll(10):
+                if answering.is_set():
+                    serve_replay_request(router, ReplayBuffer(8), ReplayStats())
+                else:
+                    router.recv_multipart()
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with structlog.testing.capture_logs() as logs, FaultPublisher(replay=False) as pub:
+            source = {"engine_id": ENGINE, "endpoint": pub.endpoint, "replay_endpoint": f"tcp://127.0.0.1:{port}"}
+            async with DaemonRun(settings_for(db, source, replay_timeout_s=0.05, idle_replay_s=0.05)) as run:
+                probes = lambda: run.metric("semkv_consumer_replay_probes_total", engine_id=ENGINE)  # noqa: E731
+                await wait_until(lambda: probes() >= 5, 20, "five probes")
+                timeouts = [e for e in logs if e["event"] == "source.replay_timeout"]
+                assert len(timeouts) == 1 and timeouts[0]["in_a_row"] == 1, timeouts
+                answering.set()
+                await wait_until(lambda: any(e["event"] == "source.replay_answered" for e in logs), 20, "an answer")
+                [answered] = [e for e in logs if e["event"] == "source.replay_answered"]
+                assert answered["after_timeouts"] >= 5
+                await run.stop()
+    finally:
+        stop.set()
+        thread.join()
+        router.close()
+        ctx.term()

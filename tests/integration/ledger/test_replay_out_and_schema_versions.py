@@ -67,6 +67,18 @@ def test_replay_out_writes_a_new_file_and_rewrites_its_own(ledger: Path) -> None
     assert "engines" in tables and "log" not in tables
 
 
+def test_a_replay_out_file_is_said_to_be_no_ledger_not_sent_to_migrate(ledger: Path) -> None:
+    # stats advised `migrate --db rebuilt.db`, which then failed with "table blocks already exists"
+    cwd = ledger.parent
+    assert cli("replay", "--db", "ledger.db", "--out", "rebuilt.db", cwd=cwd).returncode == 0
+    before = (cwd / "rebuilt.db").read_bytes()
+    for command in ("stats", "migrate", "inspect"):
+        args = (command, "--db", "rebuilt.db") + (("engine", "e") if command == "inspect" else ())
+        line = one_error_line(cli(*args, cwd=cwd))
+        assert "no log (a `replay --out` file?)" in line and "migrate --db" not in line, line
+    assert (cwd / "rebuilt.db").read_bytes() == before
+
+
 def test_a_ledger_from_a_newer_semkv_ledger_is_one_line_that_does_not_advise_migrate(ledger: Path) -> None:
     with sqlite3.connect(ledger) as conn:
         conn.execute("UPDATE alembic_version SET version_num = '0099'")
