@@ -191,27 +191,26 @@ class DiscoveryService:
             self.metrics.async_dropped.inc()
             return False
 
+    def _submit(self, provider: DiscoveryProvider, query: Query, deadline_mono: float) -> Job | None:
+        """Hand ``query`` to ``provider``: to its child process, or to its thread's lane."""
+        if self._processes:
+            return provider.submit(query, self.settings.candidates_per_provider, deadline_mono)  # type: ignore[attr-defined]
+        return self._lanes[provider.name].submit(lambda job, p=provider: self._provider_job(p, query, job))
+
     def _run(self, query: Query, deadline: float, text_given: bool) -> _Result:
         outcomes: dict[str, str] = {}
         dropped: dict[str, int] = {}
         denied = self._denied(query)
         jobs: list[tuple[DiscoveryProvider, Job | None]] = []
-        if self._processes:  # each provider in its child: answers read from pipes on this thread
-            deadline_mono = time.monotonic() + (deadline - time.perf_counter())
-            limit = self.settings.candidates_per_provider
-            for proc in self._processes:
-                if denied or (proc.needs_text and not query.text):
-                    outcomes[proc.name] = "policy_denied"
-                    continue
-                jobs.append((proc, proc.submit(query, limit, deadline_mono)))
+        deadline_mono = time.monotonic() + (deadline - time.perf_counter())
+        for provider in self.providers:  # self._processes when providers run in processes
+            if denied or (provider.needs_text and not query.text):
+                outcomes[provider.name] = "policy_denied"
+                continue
+            jobs.append((provider, self._submit(provider, query, deadline_mono)))
+        if self._processes:
             finished = wait_processes(jobs, deadline)  # type: ignore[arg-type]
         else:
-            for provider in self.providers:
-                if denied or (provider.needs_text and not query.text):
-                    outcomes[provider.name] = "policy_denied"
-                    continue
-                jobs.append((provider, self._lanes[provider.name].submit(
-                    lambda job, p=provider: self._provider_job(p, query, job))))
             finished = wait_all([job for _, job in jobs], deadline)
         matches: list[Match] = []
         for (provider, job), done in zip(jobs, finished, strict=True):
