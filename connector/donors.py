@@ -1,9 +1,13 @@
 """Donor registration: a finished request becomes a donor (DESIGN §3 "donor"; scheduler side).
 
-Called from ``request_finished`` on the scheduler rank, synchronously and cheaply: one fast read
-(is the same span already a live donor?), one ledger read (the engine's generation) and one ledger
-write (``donor_registered``). The worker then saves the bytes (:class:`~connector.plan.SaveInstruction`)
-and the store appends ``donor_saved``; only then can a lookup find the donor.
+Decided in ``request_finished`` on the scheduler rank, synchronously and cheaply: one fast read
+(is the same span already a live donor?) and one ledger read (the engine's generation) give the
+``donor_registered`` event (:meth:`DonorRegistrar.prepare`). Its WRITE waits for the ledger's write
+lock, which another process (the consumer, a migration) may hold for a while, so it is made on the
+connector's ledger thread (:meth:`DonorRegistrar.write`, queued by :mod:`connector.saves`), never on
+the engine's. The worker saves the bytes (:class:`~connector.plan.SaveInstruction`) once the
+registration is in the ledger, and the store appends ``donor_saved``; only then can a lookup find
+the donor.
 
 A request is registered only when its prefill completed (at least one token was generated: a
 request that failed before that, e.g. because its own load failed, may hold partial KV), when it
@@ -27,12 +31,9 @@ no donor (``semkv_donors_not_registered_total{reason="attention_dp_rank_unknown"
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 from connector.block_keys import request_v1_hashes
@@ -40,16 +41,11 @@ from connector.namespace import DeploymentNamespace, Namespace, content_keys, pr
 from connector.plan import SaveInstruction
 from connector.settings import ConnectorSettings
 from ledger import events as ev
-from ledger.errors import LedgerError
 
-__all__ = ["DonorRank", "DonorRegistrar", "LedgerBusy", "prefill_completed"]
+__all__ = ["DonorRank", "DonorRegistrar", "prefill_completed"]
 
 
 log = logging.getLogger(__name__)
-
-
-class LedgerBusy(LedgerError):
-    """A donor registration skipped because the caller is backing off a busy ledger."""
 
 
 class DonorRank:
@@ -147,23 +143,20 @@ class DonorRegistrar:
             layout=self.namespace.layout.describe(), probe=probe_key(prompt), namespace_fields=dict(ns.fields),
             on_finish=on_finish, num_shards=self.namespace.tp_size)
 
-    def register(self, request: Any, block_ids: list[int], *, namespace: Any = None, keys: list[bytes] | None = None,
-                 block_hashes: list[int] | None = None, donor_id: str | None = None,
-                 ledger_access: Callable[[], AbstractContextManager[Any]] | None = None) -> SaveInstruction | None:
-        """Register ``request`` as a donor; returns what the worker must save, or None (not a donor).
+    def prepare(self, request: Any, block_ids: list[int], *, namespace: Any = None, keys: list[bytes] | None = None,
+                block_hashes: list[int] | None = None, donor_id: str | None = None) -> ev.DonorRegistered | None:
+        """The ``donor_registered`` event that makes ``request`` a donor, or None (not a donor). Reads
+        the ledger (is the span already a fresh donor? the engine's generation, which the donor's KV
+        was computed in); writes nothing (:meth:`write`).
 
         Args:
             block_ids: the request's blocks in token order (``cache_block_ids`` of ``request_finished``).
             namespace, keys: what the lookup already computed for this request, if anything.
             block_hashes: the engine's hashes of the request's full blocks (``RequestData.block_hashes``).
             donor_id: the id to register under (an armed save's); default a new one.
-            ledger_access: entered once the request qualifies, around every ledger access (the
-                caller bounds the write lock's wait there, or raises :class:`LedgerBusy` while it
-                backs off a busy ledger).
 
         Raises:
-            PersistenceError, EventRejected: the ledger refused (the caller treats it as "no donor").
-            LedgerBusy: from ``ledger_access``.
+            PersistenceError: a ledger read failed (the caller treats it as "no donor").
         """
         found = self.candidate(request, block_ids, namespace)
         if found is None or not prefill_completed(request):
@@ -175,34 +168,33 @@ class DonorRegistrar:
         ns, n = found
         prompt = request.get_tokens(0)[: int(request.prompt_len)]
         keys = list((keys if keys is not None and len(keys) >= n else content_keys(ns, prompt, self.tokens_per_block, n))[:n])
-        donor_id = donor_id or uuid.uuid4().hex
-        with ledger_access() if ledger_access is not None else contextlib.nullcontext():
-            if not self._write(request, ns, keys, block_hashes, donor_id, rank):
-                return None
-        self.metrics.donors_registered.inc()
-        return self.instruction(request, block_ids, ns, n, donor_id=donor_id)
-
-    def _write(self, request: Any, ns: Namespace, keys: list[bytes], block_hashes: list[int] | None,
-               donor_id: str, rank: int) -> bool:
-        """Register the donor in the ledger under attention-DP rank ``rank``; False when the same
-        span already is a fresh donor (of any rank: donors are shared between ranks) or its engine
-        block hashes cannot be known."""
-        s, n, tpb = self.settings, len(keys), self.tokens_per_block
+        s, tpb = self.settings, self.tokens_per_block
         existing = self.reader.find_span(ns.digest, keys, time.time(), min_blocks=n)
         if existing is not None and existing.num_blocks >= n and (
                 s.freshness_policy != "engine" or self.reader.live_prefix(existing, n) >= n):
-            return False  # the same bytes are already a fresh donor
+            return None  # the same bytes are already a fresh donor (of any rank: donors are shared between ranks)
         hashes = block_hashes[:n] if block_hashes and len(block_hashes) >= n else request_v1_hashes(request, tpb, n)
-        if hashes is None:
-            return False
+        if hashes is None:  # its engine block hashes cannot be known
+            return None
         engine = self.ledger.engine(s.engine_id)
-        self.ledger.register_donor(ev.DonorRegistered(
-            donor_id=donor_id, namespace=ns.digest, engine_id=s.engine_id,
+        return ev.DonorRegistered(
+            donor_id=donor_id or uuid.uuid4().hex, namespace=ns.digest, engine_id=s.engine_id,
             generation=engine.generation if engine else 1, content_keys=keys, block_hashes=hashes,
             num_tokens=n * tpb, tokens_per_block=tpb,
             expires_at=time.time() + s.donor_ttl_s if s.donor_ttl_s else None,
-            attention_dp_rank=rank, window_size=self.window_size))
-        return True
+            attention_dp_rank=rank, window_size=self.window_size)
+
+    def write(self, donor: ev.DonorRegistered) -> None:
+        """Append ``donor`` (:meth:`prepare`'s) to the ledger, waiting at most ``register_lock_wait_s``
+        for the write lock; counted in ``semkv_donors_registered_total``.
+
+        Raises:
+            PersistenceError: the ledger refused or the lock wait timed out
+                (:func:`ledger.errors.lock_timed_out`).
+        """
+        with self.ledger.lock_wait(self.settings.register_lock_wait_s):
+            self.ledger.register_donor(donor)
+        self.metrics.donors_registered.inc()
 
 
 def prefill_completed(request: Any) -> bool:

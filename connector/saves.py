@@ -18,10 +18,16 @@ Chosen once per engine (:mod:`connector.engine_contract`):
   instruction; it ships with the next step's metadata (vLLM builds one every step) and the worker
   gathers it at that step's end.
 
-Either way the donor is registered only when its prefill completed, on the engine's thread, waiting
-at most ``register_lock_wait_s`` for the ledger's write lock and not at all while the ledger backs
-off (:class:`~connector.promises.LedgerBackoff`). In ``discovery_only`` mode nothing is armed or
-registered unless ``save_in_discovery_only`` (:class:`NoSaves`).
+Either way a request becomes a donor only when its prefill completed. The engine's thread decides
+(:meth:`~connector.donors.DonorRegistrar.prepare`: reads only) and queues the ``donor_registered``
+write on the connector's ledger thread, which waits at most ``register_lock_wait_s`` for the
+ledger's write lock: the engine never waits for a lock another process holds (before, a consumer
+holding SQLite's lock for more than a quarter of a second cost the donor). While the ledger backs
+off a failed write or the ledger thread is backed up (:class:`~connector.promises.LedgerBackoff`)
+no donor is queued (``semkv_donors_not_registered_total{reason="ledger_busy"}``). The worker saves
+the bytes once the registration is in the ledger (:meth:`connector.worker.SemKvWorker._registered`
+waits for it on its store writer's thread). In ``discovery_only`` mode nothing is armed or registered unless
+``save_in_discovery_only`` (:class:`NoSaves`).
 
 The worker copies a donor's blocks out of the KV pool off the engine's thread
 (:mod:`connector.save_copies`) and reports the request only once the copy has completed; whether it
@@ -36,30 +42,33 @@ import logging
 import threading
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterator
 from typing import Any
 
-from connector.donors import DonorRegistrar, LedgerBusy, prefill_completed
+from connector.donors import DonorRegistrar, prefill_completed
+from connector.lookup import BackgroundRunner
 from connector.metrics import ConnectorMetrics
 from connector.plan import SaveInstruction
 from connector.promises import LedgerBackoff, RequestState
 from connector.reuse_guard import UnverifiedBlocks
 from connector.settings import ConnectorSettings
+from ledger import events as ev
 from ledger.errors import LedgerError, PersistenceError, lock_timed_out
-from ledger.client import LedgerClient
 
 __all__ = ["ArmedSaves", "EngineActivity", "NoSaves", "SavesAfterFinish", "activity_for"]
+
+DonorSave = tuple[SaveInstruction, ev.DonorRegistered]
+"""What ``finished`` answers for a donor: what the worker saves, and its registration (queued)."""
 
 log = logging.getLogger(__name__)
 
 
 class _DonorSaves:
-    """What both protocols share: the registration's bounded ledger access, and the queues of
-    instructions and disarmed ids the next metadata carries."""
+    """What both protocols share: the registration (decided here, written on the ledger thread),
+    and the queues of instructions and disarmed ids the next metadata carries."""
 
-    def __init__(self, settings: ConnectorSettings, registrar: DonorRegistrar, ledger: LedgerClient,
+    def __init__(self, settings: ConnectorSettings, registrar: DonorRegistrar, ledger_jobs: BackgroundRunner,
                  metrics: ConnectorMetrics, backoff: LedgerBackoff, guard: UnverifiedBlocks | None = None) -> None:
-        self.settings, self.registrar, self.ledger = settings, registrar, ledger
+        self.settings, self.registrar, self.ledger_jobs = settings, registrar, ledger_jobs
         self.metrics, self.backoff, self.guard = metrics, backoff, guard
         self._to_ship: deque[SaveInstruction] = deque()
         self._disarmed: deque[Any] = deque()
@@ -73,35 +82,36 @@ class _DonorSaves:
         return saves, disarmed
 
     def register(self, request: Any, cache_block_ids: list[int], state: RequestState,
-                 donor_id: str | None = None) -> SaveInstruction | None:
-        """Register ``request`` as a donor (under ``donor_id`` when armed); None: not a donor."""
-        try:
-            save = self.registrar.register(request, list(cache_block_ids), namespace=state.namespace,
-                                           keys=state.keys, block_hashes=state.block_hashes, donor_id=donor_id,
-                                           ledger_access=self._ledger_access)
-            if save is not None:  # written: the ledger takes writes again
-                self.backoff.succeeded()
-            return save
-        except LedgerBusy:
+                 donor_id: str | None = None) -> ev.DonorRegistered | None:
+        """Decide whether ``request`` is a donor (under ``donor_id`` when armed) and queue its
+        registration on the ledger thread; None: not a donor (nothing queued)."""
+        if not self.backoff.writable():
             self.metrics.donors_not_registered.labels(reason="ledger_busy").inc()
             return None
+        try:
+            donor = self.registrar.prepare(request, list(cache_block_ids), namespace=state.namespace,
+                                           keys=state.keys, block_hashes=state.block_hashes, donor_id=donor_id)
+        except LedgerError as exc:
+            self.metrics.donors_not_registered.labels(reason="ledger_error").inc()
+            log.warning("semkv: request %s not registered as a donor: %s", request.request_id, exc)
+            return None
+        if donor is not None:
+            self.ledger_jobs.submit(lambda: self._write(donor), must=True)
+        return donor
+
+    def _write(self, donor: ev.DonorRegistered) -> None:
+        """The ledger thread: append the registration. A refusal is counted; the worker, which waits
+        for the registration before it publishes the bytes, gives up on its own
+        (:meth:`connector.worker.SemKvWorker._registered`)."""
+        try:
+            self.registrar.write(donor)
+            self.backoff.succeeded()
         except LedgerError as exc:
             busy = isinstance(exc, PersistenceError) and lock_timed_out(exc)
             if busy:
                 self.backoff.failed()
             self.metrics.donors_not_registered.labels(reason="ledger_busy" if busy else "ledger_error").inc()
-            log.warning("semkv: request %s not registered as a donor: %s", request.request_id, exc)
-            return None
-
-    @contextlib.contextmanager
-    def _ledger_access(self) -> Iterator[None]:
-        """Around a registration's ledger access: skipped while writes are paused or the ledger
-        thread is backed up (:class:`LedgerBusy`), else the write lock waited for at most
-        ``register_lock_wait_s``."""
-        if not self.backoff.writable():
-            raise LedgerBusy("the ledger is busy: registration skipped")
-        with self.ledger.lock_wait(self.settings.register_lock_wait_s):
-            yield
+            log.warning("semkv: donor %s not registered: %s", donor.donor_id, exc)
 
 
 class ArmedSaves(_DonorSaves):
@@ -124,10 +134,10 @@ class ArmedSaves(_DonorSaves):
             if state is not None and state.armed is save:
                 state.armed_shipped = True
 
-    def finished(self, request: Any, cache_block_ids: list[int], state: RequestState) -> SaveInstruction | None:
-        """At ``request_finished``: the armed save, registered, when the request is a donor (True to
-        the engine: the worker gathers it in this iteration's ``get_finished``); None otherwise (and
-        the worker's armed instruction is dropped with the next metadata)."""
+    def finished(self, request: Any, cache_block_ids: list[int], state: RequestState) -> DonorSave | None:
+        """At ``request_finished``: the armed save and its registration (queued) when the request is a
+        donor (True to the engine: the worker gathers it in this iteration's ``get_finished``); None
+        otherwise (and the worker's armed instruction is dropped with the next metadata)."""
         armed = state.armed
         if armed is None:
             return None
@@ -137,13 +147,13 @@ class ArmedSaves(_DonorSaves):
             self.metrics.donors_not_registered.labels(reason="not_armed").inc()
             return None
         same_blocks = tuple(int(b) for b in cache_block_ids[: armed.num_blocks]) == armed.block_ids
-        save = None
+        donor = None
         if same_blocks and prefill_completed(request) and not self._reused_unverified(state):
-            save = self.register(request, cache_block_ids, state, donor_id=armed.donor_id)
-        if save is None:
+            donor = self.register(request, cache_block_ids, state, donor_id=armed.donor_id)
+        if donor is None:
             self._disarmed.append(armed.request_id)
             return None
-        return armed
+        return armed, donor
 
     def _reused_unverified(self, state: RequestState) -> bool:
         """Did the request reuse, from TensorRT-LLM's own tree, a block an abandoned prefill left there
@@ -172,12 +182,16 @@ class SavesAfterFinish(_DonorSaves):
     def shipped(self, saves: tuple[SaveInstruction, ...], state_of: Any) -> None:
         """Nothing to mark."""
 
-    def finished(self, request: Any, cache_block_ids: list[int], state: RequestState) -> SaveInstruction | None:
-        """Register the donor and queue its instruction for the next metadata."""
-        save = self.register(request, cache_block_ids, state)
-        if save is not None:
-            self._to_ship.append(save)
-        return save
+    def finished(self, request: Any, cache_block_ids: list[int], state: RequestState) -> DonorSave | None:
+        """Queue the donor's registration, and its instruction for the next metadata."""
+        donor = self.register(request, cache_block_ids, state)
+        if donor is None:
+            return None
+        found = self.registrar.candidate(request, list(cache_block_ids), state.namespace)
+        assert found is not None  # register() checked it
+        save = self.registrar.instruction(request, list(cache_block_ids), *found, donor_id=donor.donor_id)
+        self._to_ship.append(save)
+        return save, donor
 
     def forget(self, state: RequestState) -> None:
         """Nothing was armed."""
@@ -193,7 +207,7 @@ class NoSaves(_DonorSaves):
     def shipped(self, saves: tuple[SaveInstruction, ...], state_of: Any) -> None:
         """Nothing ships."""
 
-    def finished(self, request: Any, cache_block_ids: list[int], state: RequestState) -> SaveInstruction | None:
+    def finished(self, request: Any, cache_block_ids: list[int], state: RequestState) -> DonorSave | None:
         """Not a donor."""
         return None
 

@@ -46,6 +46,7 @@ under the rank ``build_connector_meta`` is told (:class:`~connector.donors.Donor
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -197,13 +198,12 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             tokens_per_block=self.tokens_per_block, layout=self.namespace.layout,
             cost_model=cost_model_for(pool_key(s.engine_id, s.store_dir), **s.profit.model_dump(exclude={"enabled"})),
             memory_level=memory_level_of(self.store, binding=not engine.recomputes_failed_loads))
-        registrar_ledger = self._discovery.registrar_ledger if self._discovery is not None else self.ledger
         attention_dp = bool(getattr(llm_args, "enable_attention_dp", False))
         self.donor_rank = DonorRank(s, attention_dp=attention_dp,
                                     num_ranks=int(getattr(llm_args, "tensor_parallel_size", 1) or 1))
         """The attention-DP rank this scheduler's donors are registered under (learnt from
         ``SchedulerOutput.attention_dp_rank`` under attention DP)."""
-        registrar = DonorRegistrar(s, self.namespace, registrar_ledger, _FreshSpans(self.ledger, self.policy),
+        registrar = DonorRegistrar(s, self.namespace, self.ledger, _FreshSpans(self.ledger, self.policy),
                                    self.metrics, self.tokens_per_block, _window_size(llm_args, s), self.donor_rank)
         self._guard = UnverifiedBlocks() if engine.drops_requests_silently else None
         """Blocks abandoned prefills left in the engine's reuse tree (:mod:`connector.reuse_guard`);
@@ -211,7 +211,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         saves_class = ArmedSaves if engine.finished_ids_are_saves else SavesAfterFinish
         if s.mode == "discovery_only" and not s.save_in_discovery_only:
             saves_class = NoSaves  # discovery_only changes nothing in the engine: no block held after finish
-        self.saves = saves_class(s, registrar, self.ledger, self.metrics, backoff, self._guard)
+        self.saves = saves_class(s, registrar, self._ledger_jobs, self.metrics, backoff, self._guard)
         self._iteration = 0
         self._pool_key = pool_key(s.engine_id, s.store_dir)
         self._activity = activity_for(self._pool_key, llm_args)
@@ -480,11 +480,12 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             if not self._pool_matches():  # its bytes could never be saved under the namespace's layout
                 self.saves.forget(state)
                 return False
-            save = self.saves.finished(request, list(cache_block_ids), state)
-            if save is None:
+            donor = self.saves.finished(request, list(cache_block_ids), state)
+            if donor is None:
                 return False
-            if self._discovery is not None:  # queued for indexing; never blocks, never raises
-                self._discovery.index_donor(request, save)
+            if self._discovery is not None and (record := self._discovery.donor_record(request, *donor)) is not None:
+                # indexed once registered: the ledger thread runs this behind the registration's write
+                self._ledger_jobs.submit(functools.partial(self._discovery.index_donor, record))
             return True
         except Exception:  # boundary: a donor we failed to register is just not a donor
             log.exception("semkv: request_finished failed for request %s", request.request_id)

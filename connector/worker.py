@@ -35,7 +35,8 @@ Hooks, in TensorRT-LLM's call order (``connector/_trtllm.py``):
   ran). A side worker copies the blocks (:mod:`connector.save_copies`) and the request is reported
   done only once the copy has completed — at once, copied on the engine's thread, when no other
   request is live (see :meth:`SemKvWorker.get_finished`). A background thread writes the store entry
-  (checksummed, atomically published, ``donor_saved`` in the ledger).
+  (checksummed, atomically published, ``donor_saved`` in the ledger) once the donor's registration,
+  which the scheduler's ledger thread writes, is in the ledger (:meth:`SemKvWorker._registered`).
 
 What a failure after the promise does depends on whether the engine can retract a promise
 (:mod:`connector.engine_contract`), and is written on the plan (``LoadPlan.binding``):
@@ -82,9 +83,9 @@ from connector.save_copies import HostBuffers, SaveCopier, SaveCopy, copy_blocks
 from connector.saves import activity_for
 from connector.settings import ConnectorSettings, load_connector_settings
 from ledger.client import FreshnessMemo, LedgerClient
-from ledger.types import FreshnessPolicy
+from ledger.types import FreshnessPolicy, StaleReason
 
-__all__ = ["SemKvLoadError", "SemKvWorker"]
+__all__ = ["DonorNotRegistered", "SemKvLoadError", "SemKvWorker"]
 
 log = logging.getLogger(__name__)
 _SAVE_REPORT_TIMEOUT_S = 120.0
@@ -92,6 +93,10 @@ _FAILED_PLANS_KEPT = 4096  # TensorRT-LLM never drains them (the hook raises ins
 _ARMED_KEPT = 65_536
 """Armed saves the worker keeps at most (oldest dropped first); the scheduler disarms those of
 requests that finish without becoming donors, so only requests alive at once count."""
+_REGISTRATION_SLACK_S = 10.0
+"""The store writer waits for a donor's registration ``register_lock_wait_s`` plus this long (seconds):
+the registration is queued on the scheduler's ledger thread, possibly behind other ledger jobs (lease
+writes, the donor view's catch-up)."""
 _SLICE_RUNS_MAX = 16
 """A load's targets in at most this many runs of consecutive blocks are copied run by run (:func:`_target_runs`)."""
 
@@ -109,6 +114,11 @@ _IN_PLACE_RUNS_MAX = max(1, min(_iov_max(), 1024) - 2)
 at most this many runs of target blocks, plus the donor rows before and after them, in one ``preadv``."""
 _READ_BUFFER_KEPT_MAX = 256 * 2**20
 """The worker keeps a read buffer up to this size (bytes) between loads; a bigger layer gets its own."""
+
+
+class DonorNotRegistered(RuntimeError):
+    """A donor's registration did not reach the ledger in time (the ledger refused it or stayed
+    locked): its copied bytes are not published (the store writer's thread; never the engine's)."""
 
 
 class SemKvLoadError(RuntimeError):
@@ -854,6 +864,9 @@ class SemKvWorker(KvCacheConnectorWorker):
                 self.metrics.save_seconds.observe(time.perf_counter() - job.enqueued)
             except StoreUnavailable:  # a networked store down: the store logged it once per outage
                 self.metrics.donor_saves.labels(outcome="store_unavailable").inc()
+            except DonorNotRegistered as exc:  # the scheduler counted why (donors_not_registered)
+                log.warning("semkv: %s", exc)
+                self.metrics.donor_saves.labels(outcome="not_registered").inc()
             except Exception as exc:  # boundary: a failed save leaves the donor unsaved (never fresh)
                 log.error("semkv: saving donor %s failed: %r", job.instruction.donor_id, exc)
                 self.metrics.donor_saves.labels(outcome="failed").inc()
@@ -875,10 +888,30 @@ class SemKvWorker(KvCacheConnectorWorker):
         if instruction.num_shards != self.tp_size:
             raise ValueError(f"save of donor {instruction.donor_id} names {instruction.num_shards} shards; this "
                              f"engine has tensor_parallel_size={self.tp_size}")
+        if not self._registered(instruction):
+            raise DonorNotRegistered(f"donor {instruction.donor_id} is not in the ledger after "
+                                     f"{self.settings.register_lock_wait_s + _REGISTRATION_SLACK_S:g} s: its bytes are not saved")
         if instruction.num_shards > 1:
             self.store.put_shard(instruction.donor_id, self.tp_rank, instruction.num_shards, layers, header)
         else:
             self.store.put(instruction.donor_id, layers, header)
+
+    def _registered(self, instruction: SaveInstruction) -> bool:
+        """Wait (the store writer's thread) until the ledger knows donor ``instruction.donor_id``,
+        whose registration the scheduler queued on its ledger thread at ``request_finished``
+        (``donor_saved`` must follow ``donor_registered``; bytes published for a donor the ledger
+        never registers would be orphans); False after ``register_lock_wait_s`` plus
+        ``_REGISTRATION_SLACK_S``. Usually the first read answers: the registration is written while
+        the blocks are copied. Raises what the ledger read raises (PersistenceError)."""
+        deadline = time.monotonic() + self.settings.register_lock_wait_s + _REGISTRATION_SLACK_S
+        pause = 0.002
+        while self.ledger.donor_freshness(instruction.donor_id, namespace=instruction.namespace, num_blocks=0,
+                                          policy=FreshnessPolicy.STORE) == StaleReason.UNKNOWN_DONOR:
+            if time.monotonic() + pause > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
+        return True
 
     # ============================================================ lifecycle
     def flush(self, timeout_s: float = 30.0) -> bool:

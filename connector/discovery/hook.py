@@ -10,9 +10,11 @@ and 4), every failure is logged and ignored:
   background deadline, may embed; a full queue drops it, counted) or, with ``inline = true``, to
   :meth:`DiscoveryService.lookup` on the calling thread, bounded by ``lookup_timeout_s`` (providers
   answer from their indexes only);
-* :meth:`SchedulerDiscovery.index_donor` — from ``request_finished`` when a donor was registered:
-  a :class:`DonorRecord` (the donor's whole prompt blocks' tokens, the generation it was registered
-  in, its text when allowed) goes on the service's bounded index queue; the indexer thread checks
+* :meth:`SchedulerDiscovery.donor_record` — from ``request_finished`` for a new donor: a
+  :class:`DonorRecord` (the donor's whole prompt blocks' tokens, the generation it was registered
+  in, its text when allowed), which :meth:`SchedulerDiscovery.index_donor` puts on the service's
+  bounded index queue from the connector's ledger thread once the registration was written there
+  (the registration's write is queued on that thread, in order); the indexer thread checks
   the ledger and drops it when the donor is stale or its generation is no longer the engine's;
 * :meth:`flush` / :meth:`close` — the service is closed only if the scheduler built it.
 
@@ -34,31 +36,9 @@ if TYPE_CHECKING:
     from connector.discovery.service import DiscoveryService
     from connector.discovery.settings import DiscoverySettings
 
-__all__ = ["RegisteredGenerations", "SchedulerDiscovery"]
+__all__ = ["SchedulerDiscovery"]
 
 log = logging.getLogger(__name__)
-
-
-class RegisteredGenerations:
-    """The ledger as the scheduler's ``DonorRegistrar`` sees it: every call is forwarded, and the
-    generation of the last ``donor_registered`` is remembered, so the donor is queued for indexing
-    with the generation it was registered in at no extra ledger read."""
-
-    def __init__(self, ledger: Any) -> None:
-        self._ledger = ledger
-        self._last: tuple[str, int] | None = None
-
-    def register_donor(self, donor: Any) -> None:
-        self._ledger.register_donor(donor)
-        self._last = (donor.donor_id, donor.generation)
-
-    def generation_of(self, donor_id: str) -> int | None:
-        """The generation ``donor_id`` was registered in, if it is the last donor registered."""
-        last = self._last
-        return last[1] if last is not None and last[0] == donor_id else None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._ledger, name)
 
 
 class SchedulerDiscovery:
@@ -67,7 +47,7 @@ class SchedulerDiscovery:
     Args:
         service: the discovery service.
         owns_service: close it in :meth:`close` (the scheduler built it).
-        ledger: the scheduler's ledger client; :attr:`registrar_ledger` wraps it for the registrar.
+        ledger: the scheduler's ledger client.
         metrics: the connector's metrics (``semkv_semantic_lookups_total``).
         engine_id, model_id, tokens_per_block: this engine's, as in its donors and namespace.
         text_of: ``request -> str | None`` (default :func:`request_text`).
@@ -77,7 +57,6 @@ class SchedulerDiscovery:
                  engine_id: str, model_id: str, tokens_per_block: int,
                  text_of: Callable[[Any], str | None] | None = None) -> None:
         self.service, self.owns_service = service, owns_service
-        self.registrar_ledger = RegisteredGenerations(ledger)
         self.metrics, self.engine_id, self.model_id, self.tokens_per_block = metrics, engine_id, model_id, tokens_per_block
         self.text_of = text_of or request_text
 
@@ -127,17 +106,28 @@ class SchedulerDiscovery:
         except Exception:  # boundary (DESIGN §2 rules 2 and 4): discovery never affects the engine
             log.exception("semkv: discovery failed for request %s", getattr(request, "request_id", "?"))
 
-    def index_donor(self, request: Any, save: Any) -> None:
-        """Queue a just-registered donor (a :class:`~connector.plan.SaveInstruction`) for indexing.
-        Never blocks, never raises (a full queue drops it, counted)."""
+    def donor_record(self, request: Any, save: Any, donor: Any) -> DonorRecord | None:
+        """What indexing a new donor needs, read on the engine's thread (the request's tokens and
+        text): ``save`` its :class:`~connector.plan.SaveInstruction`, ``donor`` its
+        ``donor_registered`` event. Never raises (None: logged)."""
         try:
             num_tokens = save.num_blocks * save.tokens_per_block
-            self.service.register_donor(DonorRecord(
+            return DonorRecord(
                 donor_id=save.donor_id, engine_id=self.engine_id, namespace=save.namespace, model_id=self.model_id,
                 token_ids=readonly_tokens(request.get_tokens(0)[:num_tokens]), tokens_per_block=save.tokens_per_block,
-                generation=self.registrar_ledger.generation_of(save.donor_id), text=self._text(request)))
+                generation=donor.generation, text=self._text(request))
         except Exception:  # boundary: a donor we failed to index is still a donor
-            log.exception("semkv: discovery could not queue donor %s", getattr(save, "donor_id", "?"))
+            log.exception("semkv: discovery could not read donor %s", getattr(save, "donor_id", "?"))
+            return None
+
+    def index_donor(self, record: DonorRecord) -> None:
+        """Queue ``record`` for indexing, once its registration is in the ledger (the indexer drops a
+        donor the ledger does not know): the scheduler calls it on its ledger thread, behind the
+        registration. Never blocks, never raises (a full queue drops it, counted)."""
+        try:
+            self.service.register_donor(record)
+        except Exception:  # boundary: a donor we failed to index is still a donor
+            log.exception("semkv: discovery could not queue donor %s", record.donor_id)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until queued lookups ran and queued donors are indexed (False: closed or timed out)."""

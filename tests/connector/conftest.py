@@ -21,11 +21,7 @@ from tools.harness.fleet import Fleet
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    # A donor registration waits at most register_lock_wait_s (0.25 s) for the ledger's write lock on the
-    # engine's thread, then the request is not a donor (by design, counted: tests/connector/test_ledger_busy.py).
-    # On a loaded CI machine the consumer's transaction held it longer once and a test's donor was never
-    # made (test_trtllm_fault_matrix found no *.kv to fault): these tests are about what follows a donor.
-    f = Fleet(tmp_path, ("A", "B"), connector_defaults={"register_lock_wait_s": 10.0}).start()
+    f = Fleet(tmp_path, ("A", "B")).start()
     try:
         yield f
     finally:

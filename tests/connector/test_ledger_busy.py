@@ -4,8 +4,9 @@ a long transaction), or lease writes failing, must neither stall the engine nor 
 
 * TensorRT-LLM (binding promises): promises go on, loaded from their secured bytes; while the
   connector's ledger thread is backed up or backing off a failed write, leases are skipped (a
-  counted freshness signal) rather than queued behind the lock; ``request_finished`` gives up on
-  registering a donor after ``register_lock_wait_s``.
+  counted freshness signal) rather than queued behind the lock; a donor's registration waits for
+  the lock on the connector's ledger thread (at most ``register_lock_wait_s``), and the worker
+  publishes its bytes only once it is in.
 * vLLM (retractable promises): lookups miss (``ledger_busy``) once the ledger thread is backed up
   or after a failed write, with a back-off that doubles, instead of promising leases that would
   break one after another.
@@ -72,29 +73,65 @@ def wait_until_writable(scheduler: SemKvScheduler) -> None:
 
 
 # ---------------------------------------------------------------------------- TensorRT-LLM
+def donor_states(fleet: Fleet) -> list[str]:
+    """Every donor's state in the ledger, oldest first."""
+    with sqlite3.connect(fleet.db.removeprefix("sqlite:///")) as db:
+        return [row[0] for row in db.execute("SELECT state FROM donors ORDER BY registered_seq")]
+
+
 def test_on_trtllm_a_held_write_lock_neither_stalls_the_engine_nor_breaks_a_promise(fleet: Fleet) -> None:
     """A promise writes nothing to the ledger (it holds its donor's secured file), so a held write
-    lock cannot reach it; a finishing donor gives up on the lock after ``register_lock_wait_s``."""
+    lock cannot reach it; a finishing donor's registration waits for the lock on the connector's
+    ledger thread, not the engine's, and goes in once the lock is let go (before, the engine's thread
+    gave up after a quarter of a second and the donor was lost)."""
     donor_on_a(fleet)
-    b = recipient(fleet, register_lock_wait_s=0.05)
+    b = recipient(fleet)
+    assert b.scheduler.settings.register_lock_wait_s == 5.0  # the default: longer than the lock is held here
     with write_lock_held(fleet):
         started = time.monotonic()
         for question in (QUESTION, QUESTION[:10]):
             got = b.llm.generate(DOC + question, 1)
             assert got.num_connector_tokens == len(DOC)
             assert torch.allclose(got.prefill_logits, cold_logits(b, DOC + question, got), rtol=1e-4, atol=1e-4)
-        new = b.llm.generate(NEW_DONOR, 1)  # a new donor: its registration gives up on the lock
+        new = b.llm.generate(NEW_DONOR, 1)  # a new donor: its registration is queued behind the lock
         assert new.num_connector_tokens == len(DOC)
-        assert b.metrics.value("semkv_donors_not_registered_total", reason="ledger_busy") == 1
-        assert time.monotonic() - started < 5
-        again = b.llm.generate(NEW_DONOR[:-3], 1)  # registrations now back off: no second wait
-        assert b.metrics.value("semkv_donors_not_registered_total", reason="ledger_busy") == 2
+        assert time.monotonic() - started < b.scheduler.settings.register_lock_wait_s  # nothing waited for the lock
+        time.sleep(0.3)  # the queued registration has now waited longer than the ledger thread's busy mark
+        again = b.llm.generate(NEW_DONOR[:-3], 1)  # so this one is not queued behind it
         assert again.num_connector_tokens == len(DOC)
+        assert b.metrics.value("semkv_donors_not_registered_total", reason="ledger_busy") == 1
         assert b.metrics.value("semkv_exact_materialized_total") == 4 and b.llm.stopped is None
-    assert fleet.leases_written() == 0
+        assert donor_states(fleet) == ["live"]  # A's only, so far
     b.settle()
+    assert donor_states(fleet) == ["live", "live"]  # B's new donor: registered, then saved
+    assert b.metrics.value("semkv_donors_registered_total") == 1
+    assert b.metrics.value("semkv_donor_saves_total", outcome="saved") == 1
+    assert fleet.leases_written() == 0
     b.scheduler.sync_view()
     assert 0 <= b.metrics.value("semkv_donor_view_age_seconds") < 1
+
+
+def test_on_trtllm_a_registration_the_lock_outlasts_publishes_no_bytes(fleet: Fleet, monkeypatch) -> None:
+    """The write lock held past ``register_lock_wait_s``: the registration fails on the ledger thread
+    (counted ``ledger_busy``), the engine released the blocks once copied as always, and the worker's
+    store writer, waiting for the registration, gives up and publishes nothing: no orphan bytes, no
+    ``donor_saved`` for a donor the ledger does not know."""
+    monkeypatch.setattr("connector.worker._REGISTRATION_SLACK_S", 0.3)
+    donor_on_a(fleet)
+    b = recipient(fleet, register_lock_wait_s=0.2)
+    entries = sorted(fleet.store_dir.iterdir())  # A's donor's
+    with write_lock_held(fleet):
+        new = b.llm.generate(NEW_DONOR, 1)
+        assert new.num_connector_tokens == len(DOC) and b.llm.stopped is None
+        b.llm.wait_for_pending_transfers()  # the blocks were released: the copy is done
+        assert b.worker.flush(timeout_s=5)  # the store writer gave up waiting for the registration
+        assert b.metrics.value("semkv_donor_saves_total", outcome="not_registered") == 1
+        b.scheduler.flush()
+        assert b.metrics.value("semkv_donors_not_registered_total", reason="ledger_busy") == 1
+    b.settle()
+    assert donor_states(fleet) == ["live"]  # A's only
+    assert b.metrics.value("semkv_donors_registered_total") == 0
+    assert sorted(fleet.store_dir.iterdir()) == entries  # B published nothing
 
 
 def test_on_trtllm_a_failing_ledger_is_a_signal_the_promise_survives(fleet: Fleet) -> None:

@@ -59,11 +59,9 @@ class VllmOrderWith(VllmOrder):
 def any_fleet(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Fleet]:
     """The fleet on a SQLite ledger, and on PostgreSQL (127.0.0.1:5432)."""
     db = request.getfixturevalue("postgres_db") if request.param == "postgresql" else ""
-    # as tests/connector/conftest.py's fleet, and the scheduler's lease may take its time to commit: on a
-    # loaded CI machine PostgreSQL's took over the 0.5 s default once, and the plan failed (closed) before
-    # the layer these tests are about
-    fleet = Fleet(tmp_path, ("A", "B"), db=db,
-                  connector_defaults={"register_lock_wait_s": 10.0, "lease_confirm_timeout_s": 10.0}).start()
+    # the scheduler's lease may take its time to commit: on a loaded CI machine PostgreSQL's took over the
+    # 0.5 s default once, and the plan failed (closed) before the layer these tests are about
+    fleet = Fleet(tmp_path, ("A", "B"), db=db, connector_defaults={"lease_confirm_timeout_s": 10.0}).start()
     try:
         yield fleet
     finally:
