@@ -34,6 +34,20 @@ app = typer.Typer(
 ENTRY_POINT_GROUP = "semkv_ledger.commands"
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"semkv-ledger {version('semkv-ledger')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                           help="Print the installed version and exit.")) -> None:
+    """Options before the command."""
+
+
 HELP_WIDTH_OFF_TERMINAL = 160
 """Columns of ``--help`` written off a terminal (stdout piped, ``COLUMNS`` and ``TERMINAL_WIDTH`` unset):
 rich would use 80, and cut the longest option names with ``…`` (tests/deploy/test_cli_help.py)."""

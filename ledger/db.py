@@ -28,7 +28,8 @@ DEFAULT_DB = "sqlite:///semkv-ledger.db"
 
 
 def normalize_url(db: str) -> URL:
-    """Turn a ``--db`` value into a SQLAlchemy URL without a driver suffix.
+    """Turn a ``--db`` value into a SQLAlchemy URL without a driver suffix: a bare path is a SQLite
+    file, ``postgres://`` is read as ``postgresql://``.
 
     Raises:
         LedgerError: an unsupported backend.
@@ -36,6 +37,8 @@ def normalize_url(db: str) -> URL:
     if "://" not in db:
         db = f"sqlite:///{db}"
     url = make_url(db)
+    if url.get_backend_name() == "postgres":  # libpq's own URI scheme, which SQLAlchemy 1.4+ no longer takes
+        url = url.set(drivername="postgresql")  # (https://www.postgresql.org/docs/current/libpq-connect.html, 34.1.1.2)
     backend = backend_for(url)
     return url.set(drivername=backend.name)
 

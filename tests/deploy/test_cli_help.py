@@ -83,3 +83,10 @@ def test_piped_help_cuts_nothing(command: str | None) -> None:
 def test_every_command_help_states_its_exit_codes(command: str) -> None:
     text = " ".join(help_text(command).split())
     assert re.search(r"Exit (codes: )?0\b.*\b2\b", text), f"{command} --help states no exit codes:\n{text}"
+
+
+def test_version_is_the_installed_distributions() -> None:
+    from importlib.metadata import version
+
+    result = subprocess.run([sys.executable, "-m", "ledger", "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout == f"semkv-ledger {version('semkv-ledger')}\n", result.stderr

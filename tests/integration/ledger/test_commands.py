@@ -139,3 +139,11 @@ def test_a_signed_block_hash_is_an_argument_not_an_option(sqlite_db: str) -> Non
 def test_integers_past_64_bits_are_usage_errors_not_tracebacks(sqlite_db: str, args: tuple[str, ...]) -> None:
     result = cli(*args, "--db", sqlite_db)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_postgres_scheme_url_is_read_as_postgresql(postgres_db: str) -> None:
+    """``postgres://`` is libpq's own URI scheme (and what many hosted databases hand out)."""
+    assert postgres_db.startswith("postgresql://")
+    result = cli("stats", "--json", "--db", "postgres://" + postgres_db.removeprefix("postgresql://"))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["log_rows"] == 0  # the scratch ledger, migrated and empty
