@@ -2,12 +2,12 @@
 
 Decided in ``request_finished`` on the scheduler rank, synchronously and cheaply: one fast read
 (is the same span already a live donor?) and one ledger read (the engine's generation) give the
-``donor_registered`` event (:meth:`DonorRegistrar.prepare`). Its WRITE waits for the ledger's write
-lock, which another process (the consumer, a migration) may hold for a while, so it is made on the
-connector's ledger thread (:meth:`DonorRegistrar.write`, queued by :mod:`connector.saves`), never on
-the engine's. The worker saves the bytes (:class:`~connector.plan.SaveInstruction`) once the
-registration is in the ledger, and the store appends ``donor_saved``; only then can a lookup find
-the donor.
+``donor_registered`` event (:meth:`DonorRegistrar.prepare`). Its WRITE needs the ledger's write
+lock, which another process (the consumer, a migration) may hold for a while: it is made on the
+engine's thread only when the lock is free at once, else on the connector's ledger thread
+(:meth:`DonorRegistrar.write`; :mod:`connector.saves` decides). The worker saves the bytes
+(:class:`~connector.plan.SaveInstruction`) once the registration is in the ledger, and the store
+appends ``donor_saved``; only then can a lookup find the donor.
 
 A request is registered only when its prefill completed (at least one token was generated: a
 request that failed before that, e.g. because its own load failed, may hold partial KV), when it
@@ -184,15 +184,15 @@ class DonorRegistrar:
             expires_at=time.time() + s.donor_ttl_s if s.donor_ttl_s else None,
             attention_dp_rank=rank, window_size=self.window_size)
 
-    def write(self, donor: ev.DonorRegistered) -> None:
-        """Append ``donor`` (:meth:`prepare`'s) to the ledger, waiting at most ``register_lock_wait_s``
+    def write(self, donor: ev.DonorRegistered, lock_wait_s: float) -> None:
+        """Append ``donor`` (:meth:`prepare`'s) to the ledger, waiting at most ``lock_wait_s`` seconds
         for the write lock; counted in ``semkv_donors_registered_total``.
 
         Raises:
             PersistenceError: the ledger refused or the lock wait timed out
                 (:func:`ledger.errors.lock_timed_out`).
         """
-        with self.ledger.lock_wait(self.settings.register_lock_wait_s):
+        with self.ledger.lock_wait(lock_wait_s):
             self.ledger.register_donor(donor)
         self.metrics.donors_registered.inc()
 

@@ -130,16 +130,21 @@ class RequestState:
 
 
 class LedgerBackoff:
-    """Pauses the scheduler's ledger writes after a failure (``_LEDGER_BACKOFF_S``), and while the
-    connector's ledger thread is backed up past ``busy_s``; shared by leases and registrations."""
+    """Pauses the scheduler's ledger writes after a failure (``_LEDGER_BACKOFF_S``), and leases while
+    the connector's ledger thread is backed up past ``busy_s``; shared by leases and registrations."""
 
     def __init__(self, ledger_jobs: BackgroundRunner, busy_s: float) -> None:
         self._jobs, self._busy_s = ledger_jobs, busy_s
         self._paused_until, self._backoff_s = 0.0, _LEDGER_BACKOFF_S[0]
 
     def writable(self) -> bool:
-        """May a lease or a registration be written now?"""
-        return time.monotonic() >= self._paused_until and self._jobs.backlog_s() <= self._busy_s
+        """May a lease be written now (not backing off, the ledger thread not backed up)?"""
+        return not self.backing_off() and self._jobs.backlog_s() <= self._busy_s
+
+    def backing_off(self) -> bool:
+        """Did a write fail less than a back-off ago? (Registrations then wait; unlike a lease, a
+        registration may queue behind a busy ledger thread: nothing waits for it.)"""
+        return time.monotonic() < self._paused_until
 
     def succeeded(self) -> None:
         """A ledger write went through: the next failure backs off from the shortest pause again."""

@@ -19,12 +19,14 @@ Chosen once per engine (:mod:`connector.engine_contract`):
   gathers it at that step's end.
 
 Either way a request becomes a donor only when its prefill completed. The engine's thread decides
-(:meth:`~connector.donors.DonorRegistrar.prepare`: reads only) and queues the ``donor_registered``
-write on the connector's ledger thread, which waits at most ``register_lock_wait_s`` for the
-ledger's write lock: the engine never waits for a lock another process holds (before, a consumer
-holding SQLite's lock for more than a quarter of a second cost the donor). While the ledger backs
-off a failed write or the ledger thread is backed up (:class:`~connector.promises.LedgerBackoff`)
-no donor is queued (``semkv_donors_not_registered_total{reason="ledger_busy"}``). The worker saves
+(:meth:`~connector.donors.DonorRegistrar.prepare`: reads only) and writes ``donor_registered`` itself
+only if the ledger's write lock is free within ``_TRY_LOCK_S`` (handing a write to another thread
+costs the engine's thread more than the write: that thread takes the GIL for it); otherwise the
+write is queued on the connector's ledger thread, which waits at most ``register_lock_wait_s`` for
+the lock: the engine never waits for a lock another process holds (before, a consumer holding
+SQLite's lock for more than a quarter of a second cost the donor; tools/bench_registration.py). While the ledger backs
+off a failed write (:class:`~connector.promises.LedgerBackoff`), or ``save_queue_max``
+registrations are queued, no donor is added (``semkv_donors_not_registered_total{reason="ledger_busy"}``). The worker saves
 the bytes once the registration is in the ledger (:meth:`connector.worker.SemKvWorker._registered`
 waits for it on its store writer's thread). In ``discovery_only`` mode nothing is armed or registered unless
 ``save_in_discovery_only`` (:class:`NoSaves`).
@@ -56,6 +58,9 @@ from ledger.errors import LedgerError, PersistenceError, lock_timed_out
 
 __all__ = ["ArmedSaves", "EngineActivity", "NoSaves", "SavesAfterFinish", "activity_for"]
 
+_TRY_LOCK_S = 0.001
+"""How long (seconds) the engine's thread waits for the ledger's write lock to register a donor itself
+before it queues the registration on the ledger thread (module docstring)."""
 DonorSave = tuple[SaveInstruction, ev.DonorRegistered]
 """What ``finished`` answers for a donor: what the worker saves, and its registration (queued)."""
 
@@ -72,6 +77,8 @@ class _DonorSaves:
         self.metrics, self.backoff, self.guard = metrics, backoff, guard
         self._to_ship: deque[SaveInstruction] = deque()
         self._disarmed: deque[Any] = deque()
+        self._queued = 0  # registrations queued on the ledger thread, not yet written (or refused)
+        self._queued_lock = threading.Lock()
 
     def to_ship(self) -> tuple[tuple[SaveInstruction, ...], tuple[Any, ...]]:
         """This iteration's ``(saves, disarmed ids)``, each at most ``max_plans_per_iteration``
@@ -84,8 +91,10 @@ class _DonorSaves:
     def register(self, request: Any, cache_block_ids: list[int], state: RequestState,
                  donor_id: str | None = None) -> ev.DonorRegistered | None:
         """Decide whether ``request`` is a donor (under ``donor_id`` when armed) and queue its
-        registration on the ledger thread; None: not a donor (nothing queued)."""
-        if not self.backoff.writable():
+        registration on the ledger thread; None: not a donor (nothing queued) — also, counted
+        ``ledger_busy``, while the ledger backs off a failed write or ``save_queue_max``
+        registrations are already queued."""
+        if self.backoff.backing_off() or self._queued >= self.settings.save_queue_max:
             self.metrics.donors_not_registered.labels(reason="ledger_busy").inc()
             return None
         try:
@@ -95,23 +104,41 @@ class _DonorSaves:
             self.metrics.donors_not_registered.labels(reason="ledger_error").inc()
             log.warning("semkv: request %s not registered as a donor: %s", request.request_id, exc)
             return None
-        if donor is not None:
-            self.ledger_jobs.submit(lambda: self._write(donor), must=True)
+        if donor is None:
+            return None
+        if self._queued == 0:  # nothing queued: the lock is likely free, and writing here is cheapest
+            try:
+                self.registrar.write(donor, _TRY_LOCK_S)
+                self.backoff.succeeded()
+                return donor
+            except LedgerError as exc:
+                if not (isinstance(exc, PersistenceError) and lock_timed_out(exc)):
+                    self._refused(donor, exc)
+                    return None
+        with self._queued_lock:
+            self._queued += 1
+        self.ledger_jobs.submit(lambda: self._write_queued(donor), must=True)
         return donor
 
-    def _write(self, donor: ev.DonorRegistered) -> None:
-        """The ledger thread: append the registration. A refusal is counted; the worker, which waits
-        for the registration before it publishes the bytes, gives up on its own
-        (:meth:`connector.worker.SemKvWorker._registered`)."""
+    def _write_queued(self, donor: ev.DonorRegistered) -> None:
+        """The ledger thread: append the registration, waiting for the lock at most
+        ``register_lock_wait_s``. A refusal is counted; the worker, which waits for the registration
+        before it publishes the bytes, gives up on its own (:meth:`connector.worker.SemKvWorker._registered`)."""
         try:
-            self.registrar.write(donor)
+            self.registrar.write(donor, self.settings.register_lock_wait_s)
             self.backoff.succeeded()
         except LedgerError as exc:
-            busy = isinstance(exc, PersistenceError) and lock_timed_out(exc)
-            if busy:
-                self.backoff.failed()
-            self.metrics.donors_not_registered.labels(reason="ledger_busy" if busy else "ledger_error").inc()
-            log.warning("semkv: donor %s not registered: %s", donor.donor_id, exc)
+            self._refused(donor, exc)
+        finally:
+            with self._queued_lock:
+                self._queued -= 1
+
+    def _refused(self, donor: ev.DonorRegistered, exc: LedgerError) -> None:
+        busy = isinstance(exc, PersistenceError) and lock_timed_out(exc)
+        if busy:
+            self.backoff.failed()
+        self.metrics.donors_not_registered.labels(reason="ledger_busy" if busy else "ledger_error").inc()
+        log.warning("semkv: donor %s not registered: %s", donor.donor_id, exc)
 
 
 class ArmedSaves(_DonorSaves):

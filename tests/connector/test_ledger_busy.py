@@ -96,16 +96,16 @@ def test_on_trtllm_a_held_write_lock_neither_stalls_the_engine_nor_breaks_a_prom
         new = b.llm.generate(NEW_DONOR, 1)  # a new donor: its registration is queued behind the lock
         assert new.num_connector_tokens == len(DOC)
         assert time.monotonic() - started < b.scheduler.settings.register_lock_wait_s  # nothing waited for the lock
-        time.sleep(0.3)  # the queued registration has now waited longer than the ledger thread's busy mark
-        again = b.llm.generate(NEW_DONOR[:-3], 1)  # so this one is not queued behind it
+        time.sleep(0.5)  # the queued registration has waited longer than a lease may (the ledger thread is busy)
+        again = b.llm.generate(NEW_DONOR[:-3] + QUESTION, 1)  # another donor: queued behind it all the same
         assert again.num_connector_tokens == len(DOC)
-        assert b.metrics.value("semkv_donors_not_registered_total", reason="ledger_busy") == 1
+        assert b.metrics.value("semkv_donors_not_registered_total", reason="ledger_busy") == 0
         assert b.metrics.value("semkv_exact_materialized_total") == 4 and b.llm.stopped is None
         assert donor_states(fleet) == ["live"]  # A's only, so far
     b.settle()
-    assert donor_states(fleet) == ["live", "live"]  # B's new donor: registered, then saved
-    assert b.metrics.value("semkv_donors_registered_total") == 1
-    assert b.metrics.value("semkv_donor_saves_total", outcome="saved") == 1
+    assert donor_states(fleet) == ["live", "live", "live"]  # B's new donors: registered, then saved
+    assert b.metrics.value("semkv_donors_registered_total") == 2
+    assert b.metrics.value("semkv_donor_saves_total", outcome="saved") == 2
     assert fleet.leases_written() == 0
     b.scheduler.sync_view()
     assert 0 <= b.metrics.value("semkv_donor_view_age_seconds") < 1
