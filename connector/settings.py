@@ -173,12 +173,13 @@ class ConnectorSettings(BaseSettings):
     ``busy_timeout`` (30 s); the donor registration at most ``register_lock_wait_s`` (the engine start
     recorded at construction keeps the 30 s)."""
     register_lock_wait_s: float = Field(5.0, gt=0, le=60)
-    """A donor's registration is written on the connector's ledger thread (``request_finished`` only decides
-    and queues it: the engine never waits for the ledger's write lock): it waits at most this long (seconds)
-    for the write lock (SQLite's database lock, PostgreSQL's lock on the log) that a consumer, a migration or
-    another connector may hold, instead of 30 s on SQLite and no limit on PostgreSQL; past it the request is
-    not a donor (counted in ``semkv_donors_not_registered_total{reason="ledger_busy"}``) and its copied bytes
-    are not published. The worker's store writer waits for the registration this long plus 10 s."""
+    """``request_finished`` writes a donor's registration itself only when the ledger's write lock is free
+    within 1 ms; otherwise it queues the write on the connector's ledger thread (the engine never waits for
+    the lock), which waits at most this long (seconds) for the write lock (SQLite's database lock,
+    PostgreSQL's lock on the log) that a consumer, a migration or another connector may hold, instead of
+    30 s on SQLite and no limit on PostgreSQL; past it the request is not a donor (counted in
+    ``semkv_donors_not_registered_total{reason="ledger_busy"}``) and its copied bytes are not published. The
+    worker's store writer waits for the registration this long plus 10 s."""
     request_orphan_timeout_s: float = Field(120.0, gt=0, le=86_400)
     """TensorRT-LLM: a request no connector hook named for this long (seconds) is released — its promise,
     store pin, ledger lease and armed save — because the engine dropped it without ``request_finished``
