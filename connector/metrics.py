@@ -37,11 +37,14 @@ request is never run both ways). A load the gate declines is a miss ``unprofitab
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 __all__ = ["ConnectorMetrics", "MissCategory", "process_metrics", "serve_metrics"]
+
+log = logging.getLogger(__name__)
 
 _FAST = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 _SLOW = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -216,10 +219,18 @@ def process_metrics() -> ConnectorMetrics:
         return _process_metrics
 
 
-def serve_metrics(metrics: ConnectorMetrics, port: int) -> None:
-    """Serve ``/metrics`` for ``metrics.registry`` on ``port`` (once per port per process)."""
+def serve_metrics(metrics: ConnectorMetrics, port: int, host: str = "127.0.0.1") -> None:
+    """Serve ``/metrics`` for ``metrics.registry`` on ``host:port`` (once per port per process). A
+    port past 65535 (``metrics_port`` + a high rank) is logged and not served.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this host's).
+    """
+    if port > 65535:
+        log.error("semkv: no /metrics server: port %d (metrics_port + this process's rank) is past 65535", port)
+        return
     with _process_lock:
         if port in _served_ports:
             return
-        start_http_server(port, registry=metrics.registry)
+        start_http_server(port, addr=host, registry=metrics.registry)
         _served_ports.add(port)

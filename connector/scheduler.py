@@ -166,7 +166,7 @@ class SemKvScheduler(KvCacheConnectorScheduler):
         self.engine = engine
         self.metrics = metrics or process_metrics()
         if s.metrics_port is not None:
-            serve_metrics(self.metrics, s.metrics_port + process_rank())
+            serve_metrics(self.metrics, s.metrics_port + process_rank(), s.metrics_host)
         # the hot path's labelled children, looked up once (labels() costs a few µs per call)
         self._lookups_counted = self.metrics.lookups.labels(mode=s.mode)
         self._lookup_timed = self.metrics.lookup_seconds.labels(mode=s.mode)

@@ -67,7 +67,7 @@ class NamespaceOverrides(BaseModel):
     Every field here ends up in the namespace digest (docs/safety.md rule 9), see :mod:`connector.namespace`.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     model_id: str | None = None
     """Stable model identity (e.g. a HF repo id plus revision); default ``llm_args.model``."""
@@ -103,7 +103,7 @@ class ProfitSettings(BaseModel):
     predicted from this engine's own recent loads from the same memory level, by ``margin``;
     otherwise the lookup misses with reason ``unprofitable``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     enabled: bool = True
     """Off: every fresh span at least ``min_match_blocks`` long is promised (the static gate only)."""
@@ -123,7 +123,7 @@ class ConnectorSettings(BaseSettings):
     """Everything the connector needs. Units are in the field names."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", frozen=True,
-                                      extra="forbid", use_attribute_docstrings=True)
+                                      extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     config: Path | None = None
     """The TOML file these settings came from (``TRTLLM_SEMKV_CONFIG``); informational."""
@@ -164,7 +164,7 @@ class ConnectorSettings(BaseSettings):
     this host's store holds, with their block liveness), caught up from the ledger this often (seconds).
     0: no view, every lookup reads the ledger (slower: the lookup budget in docs/benchmarks.md needs the view)."""
     donor_view_max_blocks: int = Field(131_072, ge=1)
-    """Donor blocks the view holds at most (~570 bytes each: 75 MiB at the default); beyond it the oldest donors leave."""
+    """Donor blocks the view holds at most (~570 bytes each: ~71 MiB at the default); beyond it the oldest donors leave."""
     ledger_statement_timeout_s: float = Field(5.0, gt=0, le=600)
     """PostgreSQL: the server cancels any of the connector's ledger statements running longer (seconds; lock
     waits included, e.g. behind a migration's ``ACCESS EXCLUSIVE`` lock), and connecting gives up after as
@@ -294,6 +294,9 @@ class ConnectorSettings(BaseSettings):
     (``SchedulerOutput.attention_dp_rank``); a value set that disagrees stops that rank registering donors."""
     metrics_port: int | None = Field(None, ge=0, le=65535)
     """Serve ``/metrics`` on this port (+ the process's rank); None: no server."""
+    metrics_host: str = Field("127.0.0.1", min_length=1)
+    """Address the ``/metrics`` server listens on: loopback by default (plain HTTP, no authentication); set
+    ``0.0.0.0`` (or an interface's address) to let a remote Prometheus scrape."""
     namespace: NamespaceOverrides = Field(default_factory=NamespaceOverrides)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     profit: ProfitSettings = Field(default_factory=ProfitSettings)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -162,8 +163,13 @@ def publish_command(
         typer.echo("error: --curve-secret-key and --curve-subscriber-keys go together", err=True)
         raise typer.Exit(2)
     _require_readable_file("--from-file", from_file, "capture")
-    for what, point, bound in (("publish's PUB", endpoint, bind), ("publish's replay ROUTER", replay_endpoint,
-                                                                      replay_bind)):
+    for flag, value in (("--speed", speed), ("--max-gap", max_gap)):
+        if value is not None and not math.isfinite(value):
+            typer.echo(f"error: {flag} {value}: expected a finite number ≥ 0", err=True)
+            raise typer.Exit(2)
+    sockets = (("publish's PUB", endpoint, bind), ("publish's replay ROUTER", replay_endpoint, replay_bind))
+    _check_endpoints(sockets)
+    for what, point, bound in sockets:
         warning = exposure_warning(point or None, curve=curve_secret_key is not None, what=what) if bound else None
         if warning:
             typer.echo(f"warning: {warning}", err=True)
@@ -245,6 +251,21 @@ def _require_readable_file(flag: str, path: Path, what: str) -> None:
         raise typer.Exit(2) from None
 
 
+
+def _check_endpoints(sockets: tuple[tuple[str, str, bool], ...]) -> None:
+    """Refuse, in one line with exit 2, a ``tcp://`` endpoint whose port is not in 1..65535 (libzmq
+    would take 99999 as 99999 mod 65536) — ``(what, endpoint, binds)`` each; '' is no socket."""
+    from consumer.settings import check_tcp_endpoint
+
+    for what, endpoint, binds in sockets:
+        try:
+            if endpoint:
+                check_tcp_endpoint(endpoint, bind=binds, what=what)
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from exc
+
+
 def _publish_option(name: str) -> Any:
     """``Annotated[type, typer.Option(...)]`` of ``publish``'s parameter ``name``: commands that also
     publish (``bridge-serve``) share its flags and help instead of restating them."""
@@ -308,8 +329,9 @@ def bridge_serve_command(
     if (curve_secret_key is None) != (curve_subscriber_keys is None):
         typer.echo("error: --curve-secret-key and --curve-subscriber-keys go together", err=True)
         raise typer.Exit(2)
-    for what, point, bound in (("bridge-serve's PUB", endpoint, bind),
-                               ("bridge-serve's replay ROUTER", replay_endpoint, True)):
+    sockets = (("bridge-serve's PUB", endpoint, bind), ("bridge-serve's replay ROUTER", replay_endpoint, True))
+    _check_endpoints(sockets)
+    for what, point, bound in sockets:
         warning = exposure_warning(point or None, curve=curve_secret_key is not None, what=what) if bound else None
         if warning:
             typer.echo(f"warning: {warning}", err=True)

@@ -84,7 +84,7 @@ def check_tcp_endpoint(endpoint: str, *, bind: bool, what: str = "endpoint") -> 
 class SourceSettings(BaseModel):
     """One engine event endpoint: the ZMQ PUB socket (and optional replay ROUTER) of one engine."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     engine_id: str = Field(min_length=1, max_length=200)
     """Stable id of the engine's deployment slot (kept across restarts)."""
@@ -137,7 +137,7 @@ class ConsumerSettings(BaseSettings):
     """Everything ``semkv-ledger consume`` needs. Units are in the field names."""
 
     model_config = SettingsConfigDict(env_prefix="SEMKV_", env_nested_delimiter="__", frozen=True,
-                                      extra="forbid", use_attribute_docstrings=True)
+                                      extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     db: str = DEFAULT_DB
     """Ledger database URL or SQLite file path (default: ``semkv-ledger.db`` in the working directory)."""
@@ -145,13 +145,13 @@ class ConsumerSettings(BaseSettings):
     """Engine endpoints (``[[sources]]`` tables in TOML; fields in the second table below)."""
     batch_max_events: int = Field(1024, ge=1)
     """Engine events per ledger transaction, at most (a single larger message still goes alone)."""
-    batch_max_delay_ms: float = Field(20.0, ge=0)
+    batch_max_delay_ms: float = Field(20.0, ge=0, le=60_000)
     """How long the writer waits for more messages before committing a partial transaction."""
     writer_process: bool = True
     """SQLite: run the ledger writer in a child process (``ledger/writer_process.py``), so the
     recorder and the receive/decode of the sources do not share one GIL (+~0.5 s at start-up, a
     second process in ``ps``); false: a thread of the daemon. PostgreSQL ignores it."""
-    block_index_interval_s: float = Field(1.0, ge=0)
+    block_index_interval_s: float = Field(1.0, ge=0, le=86_400)
     """How often the daemon's follower looks for log rows the block index (``inspect block``'s,
     ``ledger/block_index.py``) has not reached; it indexes them a window at a time, each in its own
     transaction, when no batch waits for the writer and the log did not grow since its last look
@@ -161,9 +161,9 @@ class ConsumerSettings(BaseSettings):
     ``semkv-ledger index --follow`` elsewhere, e.g. once per PostgreSQL fleet)."""
     queue_max_batches: int = Field(1024, ge=1)
     """Messages waiting between the sources and the writer; a full queue stops the sources reading."""
-    replay_timeout_s: float = Field(2.0, gt=0)
+    replay_timeout_s: float = Field(2.0, gt=0, le=3600)
     """Replay gives up when no reply arrives for this long (between two replies)."""
-    idle_replay_s: float = Field(0.5, ge=0)
+    idle_replay_s: float = Field(0.5, ge=0, le=3600)
     """After this long without a message, ask the replay endpoint again for the last batch passed
     on and anything newer: finds lost trailing batches, batches published before the SUB
     connected, and an engine that restarted and stayed idle (its buffer no longer holds that
@@ -187,7 +187,7 @@ class ConsumerSettings(BaseSettings):
     max_tokens_per_message: int = Field(4 * MIB, ge=1)
     """Token ids in one message's stored blocks; beyond it, as above (token lists are the bulk of a
     message's decoded size)."""
-    rcv_hwm: int = Field(10_000, ge=1)
+    rcv_hwm: int = Field(10_000, ge=1, le=2**31 - 1)  # ZMQ_RCVHWM is a C int
     """ZMQ receive high-water mark of each SUB socket, in messages: with the writer queue, the bound
     on memory when a publisher outpaces the ledger (about rcv_hwm × message size; beyond it the PUB
     drops, the source sees a gap and recovers it from the engine's replay buffer)."""
@@ -202,11 +202,11 @@ class ConsumerSettings(BaseSettings):
     record: Path | None = None
     """Append every message passed to the ledger to this capture file (the format `semkv-ledger publish --from-file` reads); mode
     0600 whatever the umask (it holds prompt token ids)."""
-    db_retry_initial_s: float = Field(0.05, gt=0)
+    db_retry_initial_s: float = Field(0.05, gt=0, le=3600)
     """First back-off while the database refuses a transaction (e.g. SQLite locked); doubles each retry."""
-    db_retry_max_s: float = Field(2.0, gt=0)
+    db_retry_max_s: float = Field(2.0, gt=0, le=3600)
     """Longest back-off between two retries of a refused transaction."""
-    shutdown_timeout_s: float = Field(30.0, gt=0)
+    shutdown_timeout_s: float = Field(30.0, gt=0, le=86_400)
     """On SIGTERM/SIGINT: how long to wait for the received messages to commit before giving up."""
     curve_secret_key: Path | None = None
     """CURVE: this consumer's key pair (``NAME.key_secret`` from ``semkv-ledger keygen``). Set: every

@@ -47,7 +47,7 @@ DISCOVERY_ENV_PREFIX = "TRTLLM_SEMKV_DISCOVERY__"
 class DiscoverySettings(BaseModel):
     """Everything discovery needs. Units are in the field names."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     enabled: bool = False
     """The connector's scheduler runs discovery (telemetry only, never a promise). False: no

@@ -36,7 +36,7 @@ from connector.discovery.types import DonorRecord, readonly_tokens
 from connector.placement.advice import Advice, EngineLoad, PlacementAdvisor
 from ledger.errors import LedgerError
 
-__all__ = ["PlacementRequest", "create_app", "docs_page"]
+__all__ = ["PlacementMetrics", "PlacementRequest", "create_app", "docs_page"]
 
 MAX_TOKENS = 262_144
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -163,6 +163,23 @@ class BodyLimit:
         await JSONResponse({"detail": f"body over {self.max_body_bytes} bytes"}, status_code=413)(scope, receive, send)
 
 
+
+class PlacementMetrics:
+    """The placement service's Prometheus metrics, in ``registry`` (a private one by default), served
+    on ``serve``'s ``/metrics`` (docs/modes.md):
+
+    * ``semkv_placement_requests_total{outcome="ok"|"rejected"|"ledger_error"|"too_large"}``;
+    * ``semkv_placement_advice_seconds``: server-side time per answer.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.requests = Counter("semkv_placement_requests_total", "Placement requests by outcome", ("outcome",),
+                                registry=self.registry)
+        self.advice_seconds = Histogram("semkv_placement_advice_seconds", "Placement advice duration (server side)",
+                                        buckets=_BUCKETS, registry=self.registry)
+
+
 def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: CollectorRegistry | None = None,
                max_body_bytes: int = 64 * 2**20) -> FastAPI:
     """The FastAPI application over ``advisor`` (and ``discovery`` for ``/v1/donors``)."""
@@ -170,10 +187,8 @@ def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: Co
                   description="Mode 3: engines ranked by exact live overlap and semantic candidates, "
                               "from fresh ledger state only. Advice, never a promise.",
                   docs_url=None, redoc_url=None)  # both load a CDN's scripts: /docs below is self-contained
-    reg = registry if registry is not None else CollectorRegistry(auto_describe=True)
-    requests = Counter("semkv_placement_requests_total", "Placement requests by outcome", ("outcome",), registry=reg)
-    seconds = Histogram("semkv_placement_advice_seconds", "Placement advice duration (server side)",
-                        buckets=_BUCKETS, registry=reg)
+    metrics = PlacementMetrics(registry)
+    reg, requests, seconds = metrics.registry, metrics.requests, metrics.advice_seconds
     registries = [reg] + ([discovery.metrics.registry] if discovery is not None
                           and discovery.metrics.registry is not reg else [])
 

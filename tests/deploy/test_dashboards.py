@@ -15,6 +15,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from connector.discovery.telemetry import DiscoveryMetrics
 from connector.metrics import ConnectorMetrics
+from connector.placement.http import PlacementMetrics
 from connector.placement.route_join import RouteMetrics
 from consumer.metrics import ConsumerMetrics
 
@@ -31,9 +32,9 @@ _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"),
 
 def exported() -> dict[str, set[str]]:
     """{exposed sample name: label names} of every metric the consumer, the connector (its discovery's
-    on the same /metrics) and the route join register."""
+    on the same /metrics), the route join and the placement service register."""
     names: dict[str, set[str]] = {}
-    for metrics in (ConsumerMetrics(), ConnectorMetrics(), DiscoveryMetrics(), RouteMetrics()):
+    for metrics in (ConsumerMetrics(), ConnectorMetrics(), DiscoveryMetrics(), RouteMetrics(), PlacementMetrics()):
         for metric in vars(metrics).values():
             if not isinstance(metric, MetricWrapperBase):
                 continue
@@ -43,7 +44,7 @@ def exported() -> dict[str, set[str]]:
             for suffix in _SUFFIXES[metric._type]:  # noqa: SLF001
                 names[metric._name + suffix] = labels  # noqa: SLF001
     # the real registries agree (a metric not held in an attribute would be missed above)
-    for metrics in (ConsumerMetrics(), ConnectorMetrics(), DiscoveryMetrics(), RouteMetrics()):
+    for metrics in (ConsumerMetrics(), ConnectorMetrics(), DiscoveryMetrics(), RouteMetrics(), PlacementMetrics()):
         for family in metrics.registry.collect():
             assert any(n == family.name or n.startswith(family.name + "_") for n in names), family.name
     return names

@@ -56,6 +56,11 @@ def test_sources_from_env_and_defaults(monkeypatch):
     {"sources": [{"engine_id": "e"}, {"engine_id": "e"}]},  # same source_id twice
     {"sources": [{"engine_id": "e", "endpoint": "http://x"}]},
     {"sources": [{"engine_id": "e"}], "queue_max_batches": 0},
+    # values that passed the bounds and then stalled or crashed the daemon (newcomer, 2026-12-05)
+    {"sources": [{"engine_id": "e"}], "batch_max_delay_ms": float("inf")},  # committed nothing until SIGTERM
+    {"sources": [{"engine_id": "e"}], "replay_timeout_s": float("inf")},  # OverflowError at start
+    {"sources": [{"engine_id": "e"}], "idle_replay_s": float("nan")},
+    {"sources": [{"engine_id": "e"}], "rcv_hwm": 3_000_000_000},  # past ZMQ_RCVHWM's C int
 ])
 def test_invalid_settings_are_refused(bad, monkeypatch):
     monkeypatch.delenv("SEMKV_SOURCES", raising=False)
