@@ -797,7 +797,7 @@ def _from_vllm_stored(ev: _VStored, raw: bytes, rank: int) -> EngineEvent:
     lo, step = 0, size * 8
     for h in ev.block_hashes:  # hot loop: hash normalization inlined
         chunk = tokens[lo:lo + step]
-        blocks.append(StoredBlock(h & _U64 if type(h) is int else _normalize(h), len(chunk) >> 3,
+        blocks.append(StoredBlock(h & _U64 if type(h) is int else _normalize(h), size,  # full blocks (checked above)
                                   _xxh3(chunk), level, None, salt))
         salt = None  # the salt belongs to the first block only
         lo += step

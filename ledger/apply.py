@@ -135,7 +135,7 @@ class Changes:
         self.dropped_blocks.clear()
         self.quarantines.clear()
 
-    def removal_of_unseen_block(self, key: BlockKey, stream_hash: tuple[str, int, int, int]) -> bool:
+    def removal_of_unseen_block(self, key: BlockKey) -> bool:
         """A removal found no row for ``key``. True when the writer accounts for it (a row it did
         not load); False counts it ``removed_unknown``."""
         return False
@@ -395,7 +395,7 @@ def _remove_blocks(proj: Projection, engine_id: str, dp_rank: int, window: int, 
         key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
         row = blocks.pop(key, None)
         if row is None:
-            if not tracked or not changes.removal_of_unseen_block(key, (engine_id, dp_rank, window, h)):
+            if not tracked or not changes.removal_of_unseen_block(key):
                 unknown += 1
             continue
         if row.state == _LIVE:

@@ -46,9 +46,10 @@ from ledger.schema import (
     SourceRow,
     StreamRow,
 )
-from ledger.types import BlockKey, BlockState, StreamKey, storage_hashes
+from ledger.types import I64_MAX, TWO_64, BlockKey, BlockState, StreamKey, split_hash, storage_hashes
 
 Input = ev.ReceivedBatch | ev.DeadLetter | ev.GapReport
+_new = tuple.__new__  # a NamedTuple key without its constructor (ledger.apply builds keys alike)
 T = TypeVar("T")
 
 _TABLES: dict[str, Table] = {
@@ -76,16 +77,17 @@ class Pending(Changes):
         self.loaded_blocks: set[BlockKey] = set()
         """Keys of the block rows read from the database: a dirty key NOT in here is a new row (a
         plain INSERT), a dropped one in here a row to DELETE."""
-        self.unloaded: set[tuple[str, int, int, int]] = set()
-        """(engine_id, dp rank, window, signed hash) of blocks NOT loaded because the transaction
-        only removes them: their rows are deleted in SQL without being read."""
+        self.unloaded: set[BlockKey] = set()
+        """Keys of blocks NOT loaded because the transaction only removes them: their rows are
+        deleted in SQL without being read. (Whole keys, so that :func:`ledger.apply.apply` asks
+        with the key it already built: a per-block tuple less on the steady state's removals.)"""
         self.blind_removals: list[tuple[BlockKey, int]] = []
         """Removals of :attr:`unloaded` blocks in event order, each with the number of quarantines
         before it (so the writer deletes before or after a quarantine in the same order as
         replay); their counters are added from the rows each DELETE matched."""
 
-    def removal_of_unseen_block(self, key: BlockKey, stream_hash: tuple[str, int, int, int]) -> bool:
-        if self.unloaded and stream_hash in self.unloaded:
+    def removal_of_unseen_block(self, key: BlockKey) -> bool:
+        if key in self.unloaded:
             self.blind_removals.append((key, len(self.quarantines)))
             return True
         return False
@@ -136,7 +138,7 @@ def append(conn: Connection | Sql, items: Sequence[Input], *, now: float | None 
         _load_by_id(sql, proj, "sources", {i.source_id for i in items if isinstance(i, ev.ReceivedBatch)})
         needed, removal_only = _touched_hashes(items)
         _load_blocks(sql, proj, needed)
-        _pending(proj).unloaded = {(*stream, h) for stream, hashes in removal_only.items() for h in hashes}
+        _pending(proj).unloaded = removal_only
         for item in items:
             decider.handle(item)
         return decider.result
@@ -195,27 +197,42 @@ def _load_by_id(sql: Sql, proj: Projection, name: str, ids: Iterable[str]) -> No
             target[ident] = row_type(*row)
 
 
-def _touched_hashes(items: Sequence[Input]) -> tuple[dict[StreamKey, set[int]], dict[StreamKey, set[int]]]:
-    """Per stream, the storage hashes (signed 64-bit) of the batch's events: (stored or updated,
-    only removed). Rows of the first are loaded; the second are deleted without being read
-    (``Pending.unloaded``): a removal needs no row, only the count of rows it deleted."""
+def _touched_hashes(items: Sequence[Input]) -> tuple[dict[StreamKey, set[int]], set[BlockKey]]:
+    """Per stream, the storage hashes (signed 64-bit) of the batch's stored or updated blocks; and
+    the keys of the blocks it only removes (whose signed hash is none of those). Rows of the first
+    are loaded (by signed hash: every ``block_hash_ext``); the second are deleted without being
+    read (``Pending.unloaded``): a removal needs no row, only the count of rows it deleted."""
     needed: dict[StreamKey, set[int]] = defaultdict(set)
-    removed: dict[StreamKey, set[int]] = defaultdict(set)
+    removed: dict[StreamKey, list[BlockKey]] = defaultdict(list)
     for item in items:
         if not isinstance(item, ev.ReceivedBatch):
             continue
         for event in item.events:
             body = event.body
-            if type(body) is ev.BlockStored:
-                raw, target = [b.block_hash for b in body.blocks], needed
-            elif type(body) is ev.BlockRemoved:
-                raw, target = body.block_hashes, removed
-            elif type(body) is ev.BlockUpdated:
-                raw, target = [body.block_hash], needed
+            body_type = type(body)
+            stream = _new(StreamKey, (item.engine_id, event.attention_dp_rank, event.window_size))
+            if body_type is ev.BlockRemoved:
+                # the keys apply's _remove_blocks builds, as plain tuples (equal to BlockKeys), with
+                # split_hash inlined for 64-bit hashes as there: one tuple per removed block
+                keys, (engine_id, rank, window) = removed[stream], stream
+                for h in body.block_hashes:
+                    if type(h) is int:
+                        keys.append((engine_id, rank, window, h - TWO_64 if h > I64_MAX else h, b""))
+                    else:
+                        keys.append((engine_id, rank, window, *split_hash(h)))
+                continue
+            if body_type is ev.BlockStored:
+                raw = [b.block_hash for b in body.blocks]
+            elif body_type is ev.BlockUpdated:
+                raw = [body.block_hash]
             else:
                 continue
-            target[StreamKey(item.engine_id, event.attention_dp_rank, event.window_size)].update(storage_hashes(raw))
-    return needed, {stream: hashes - needed.get(stream, set()) for stream, hashes in removed.items()}
+            needed[stream].update(storage_hashes(raw))
+    only_removed: set[BlockKey] = set()
+    for stream, keys in removed.items():
+        loaded = needed.get(stream)
+        only_removed.update([k for k in keys if k[3] not in loaded] if loaded else keys)
+    return needed, only_removed
 
 
 def _load_blocks(sql: Sql, proj: Projection, touched: dict[StreamKey, set[int]]) -> None:

@@ -52,6 +52,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -392,6 +393,28 @@ def cpu_s(pid: int) -> float:
     return total
 
 
+def cpu_by_thread(pid: int) -> Counter[str]:
+    """User + system CPU seconds of ``pid``'s process tree by where it runs: ``writer process``
+    (every descendant), and the consumer's threads by their kernel name (``comm``: the main
+    thread is the event loop, ``ZMQbg/IO/0`` libzmq's I/O thread, ``asyncio_N`` the executor that
+    runs the block-index follower and the writer's hand-off, the rest the metrics server's)."""
+    out: Counter[str] = Counter()
+    tick = os.sysconf("SC_CLK_TCK")
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{member}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                    if member != pid:
+                        label = "writer process"
+                    elif int(task.name) == pid:
+                        label = "main thread (event loop: receive, decode, source)"
+                    else:
+                        label = "thread " + (task / "comm").read_text().strip()
+                    out[label] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def compare_paced(work: Path, args: argparse.Namespace, rate: float) -> list[tuple[str, dict]]:
     """Paced runs of ``--paced-s`` at ``rate``, this tree against ``--baseline-tree``, interleaved."""
     trees = {"this tree": REPO, "baseline": args.baseline_tree.resolve()}
@@ -422,6 +445,7 @@ def soak(db: str, args: argparse.Namespace, rate_block_events: float, tree: Path
     samples: list[tuple[float, float]] = []
     committed_at: list[tuple[float, float]] = []  # (wall clock, batches committed) per sample
     started, cpu_started = time.time(), cpu_s(consumer.proc.pid)
+    threads_started = cpu_by_thread(consumer.proc.pid)
     committed_before = scrape(consumer.metrics_port, "semkv_consumer_batches_committed_total")
     while time.time() - started < seconds:
         samples.append((time.time() - started, rss_mib(consumer.proc.pid)))
@@ -430,6 +454,8 @@ def soak(db: str, args: argparse.Namespace, rate_block_events: float, tree: Path
     committed = scrape(consumer.metrics_port, "semkv_consumer_batches_committed_total")
     transactions = scrape(consumer.metrics_port, "semkv_consumer_transactions_total")
     cpu = cpu_s(consumer.proc.pid) - cpu_started
+    threads = cpu_by_thread(consumer.proc.pid)
+    threads.subtract(threads_started)
     pub.conn.send("halt")
     t_first, t_last, sent = pub.finish()
     gaps = scrape(consumer.metrics_port, "semkv_consumer_gaps_total")
@@ -445,6 +471,8 @@ def soak(db: str, args: argparse.Namespace, rate_block_events: float, tree: Path
             committed * per_msg / (t_last - t_first), "backlog": int(sent - committed),
             "cpu_percent": 100 * cpu / seconds,
             "cpu_us_per_block_event": 1e6 * cpu / max(1.0, (committed - committed_before) * per_msg),
+            "cpu_us_by_thread": {name: 1e6 * s / max(1.0, (committed - committed_before) * per_msg)
+                                 for name, s in threads.most_common() if s > 0},
             "events_per_txn": committed * args.events_per_message / max(1.0, transactions),
             "backlog_max": max(backlog, default=0.0), "rss_start": samples[0][1],
             "rss_first": half[0][1], "rss_last": half[-1][1], "rss_max": max(r for _, r in samples),
@@ -516,6 +544,14 @@ def summarize_profile(path: Path, top: int = 12) -> list[tuple[str, float]]:
     return rows + [(f"leaf: {leaf}", 100.0 * n / total) for leaf, n in leaves.most_common(top)]
 
 
+def _thread_labels(paced: Sequence[tuple[str, dict]]) -> list[str]:
+    """Every thread label of the paced runs, the costliest first (merged over runs)."""
+    total: Counter[str] = Counter()
+    for _, r in paced:
+        total.update(r["cpu_us_by_thread"])
+    return [name for name, _ in total.most_common()]
+
+
 def report(rows: list[tuple], soak_row: dict | None, profile: list[tuple[str, float]], args,
            load_start: tuple[float, ...], paced: list[tuple[str, dict]] = ()) -> str:
     per_msg = args.events_per_message * args.blocks_per_event
@@ -544,6 +580,11 @@ def report(rows: list[tuple], soak_row: dict | None, profile: list[tuple[str, fl
                   "CPU µs per block event |", "|---|---:|---:|---:|---:|---:|"]
         lines += [f"| {name} | {r['committed_per_s']:,.0f} | {r['backlog']} | {r['events_per_txn']:.1f} | "
                   f"{r['cpu_percent']:.1f} | {r['cpu_us_per_block_event']:.2f} |" for name, r in paced]
+        lines += ["", "Where that CPU ran (µs per block event committed; threads named by the kernel):", "",
+                  "| tree, round | " + " | ".join(name for name in _thread_labels(paced)) + " |",
+                  "|---|" + "---:|" * len(_thread_labels(paced))]
+        lines += [f"| {name} | " + " | ".join(f"{r['cpu_us_by_thread'].get(label, 0.0):.2f}"
+                                              for label in _thread_labels(paced)) + " |" for name, r in paced]
     if soak_row:
         lines += ["", f"Soak ({args.soak_s:.0f} s, SQLite, publisher paced at {soak_row['target']:,.0f} block "
                   "events/s; RSS of the consumer and its ledger writer process sampled every second from the moment it serves /metrics; "
