@@ -82,7 +82,7 @@ from connector.save_copies import HostBuffers, SaveCopier, SaveCopy, copy_blocks
 from connector.saves import activity_for
 from connector.settings import ConnectorSettings, load_connector_settings
 from ledger.client import FreshnessMemo, LedgerClient
-from ledger.types import FreshnessPolicy
+from ledger.types import FreshnessPolicy, StaleReason
 
 __all__ = ["SemKvLoadError", "SemKvWorker"]
 
@@ -109,6 +109,13 @@ _IN_PLACE_RUNS_MAX = max(1, min(_iov_max(), 1024) - 2)
 at most this many runs of target blocks, plus the donor rows before and after them, in one ``preadv``."""
 _READ_BUFFER_KEPT_MAX = 256 * 2**20
 """The worker keeps a read buffer up to this size (bytes) between loads; a bigger layer gets its own."""
+
+
+_LEASE_POLL_S = 100e-6
+"""How often the worker asks the ledger for a lease still being committed (``lease_confirm_in_worker``):
+the write takes ~0.5 ms on SQLite, so a few tries at most."""
+
+_LEASE_NOT_HELD = f"ledger_{StaleReason.LEASE_NOT_HELD}"
 
 
 class SemKvLoadError(RuntimeError):
@@ -350,7 +357,7 @@ class SemKvWorker(KvCacheConnectorWorker):
                            ref=plan.shards[self.tp_rank][0] if plan.shards else plan.store_ref)
         self.store.lease(plan.donor_id)  # pinned here until _close
         try:
-            self._revalidate(load, None, full=True)
+            self._first_check(load)
             load.reader = reader = self._open(plan, load.secured)
             h = reader.header
             shard = (self.tp_rank, self.tp_size) if plan.shards else None
@@ -446,6 +453,52 @@ class SemKvWorker(KvCacheConnectorWorker):
         if not plan.binding:
             raise SemKvLoadError(plan, f"ledger_{stale}", f"donor no longer fresh: {stale}", layer_idx)
         self._signal(load, stale_reason_name(stale), f"donor no longer fresh: {stale}")
+
+    def _first_check(self, load: _ActiveLoad) -> None:
+        """The load's first, full revalidation (DESIGN §2 rule 6). A plan shipped before its lease
+        committed (``LoadPlan.lease_confirm_by``) is checked until the ledger shows the lease held
+        (:meth:`_await_lease`); nothing is read or copied before.
+
+        Raises:
+            SemKvLoadError: stale, the ledger unreachable, or the lease not held by its deadline.
+        """
+        while True:
+            try:
+                self._revalidate(load, None, full=True)
+                return
+            except SemKvLoadError as exc:
+                confirm_by = load.plan.lease_confirm_by
+                if confirm_by is None or exc.reason != _LEASE_NOT_HELD or time.time() >= confirm_by:
+                    raise
+            self._await_lease(load, confirm_by)
+
+    def _await_lease(self, load: _ActiveLoad, confirm_by: float) -> None:
+        """Wait until the ledger shows the plan's lease held, or ``confirm_by`` (epoch seconds). Each
+        try asks the lease alone (one statement, ~30 µs) and, while it is not held, the donor's full
+        freshness without the lease: a lease the scheduler's ledger thread is refusing (donor gone
+        stale, blocks removed) fails the load at once rather than at the deadline.
+
+        Raises:
+            SemKvLoadError: the donor stale, or the ledger unreachable.
+        """
+        plan, started = load.plan, time.perf_counter()
+        policy = FreshnessPolicy(plan.freshness_policy)
+        try:
+            while time.time() < confirm_by:
+                if self.ledger.donor_freshness(plan.donor_id, namespace=plan.namespace, num_blocks=0, policy=policy,
+                                               lease_id=plan.lease_id) is None:
+                    return
+                stale = self.ledger.donor_freshness(plan.donor_id, namespace=plan.namespace,
+                                                    num_blocks=plan.donor_block_end, policy=policy, lease_id=None)
+                if stale is not None:
+                    raise SemKvLoadError(plan, f"ledger_{stale}", f"donor no longer fresh: {stale}")
+                time.sleep(_LEASE_POLL_S)
+        except SemKvLoadError:
+            raise
+        except Exception as exc:  # the ledger unreachable is a failed validation, not a pass
+            raise SemKvLoadError(plan, "ledger_error", repr(exc)) from exc
+        finally:
+            self.revalidation_seconds += time.perf_counter() - started
 
     def _signal(self, load: _ActiveLoad, reason: str, detail: str) -> None:
         """A freshness signal on a binding plan: counted and logged once per plan and reason."""
