@@ -14,7 +14,9 @@ What a promise means is chosen once per engine (:mod:`connector.engine_contract`
 
 * :class:`RetractablePromises` (vLLM): the lease is written on the ledger thread after allocation
   and ``build_connector_meta`` waits for it (``lease_confirm_timeout_s``); a lease refused, short,
-  failed or late ships the plan FAILED, and the engine recomputes its blocks.
+  failed or late ships the plan FAILED, and the engine recomputes its blocks. With
+  ``lease_confirm_in_worker`` a lease still being written ships with its plan unconfirmed and the
+  worker waits for the ledger to show it held before its first copy (same deadline).
 * :class:`BindingPromises` (TensorRT-LLM): the donor's file is secured BEFORE the answer (no system
   call: the store keeps the files it checksummed open), so nothing the ledger, the donor engine or
   another process does afterwards can take the bytes; the plan ships at once and no ledger lease is
