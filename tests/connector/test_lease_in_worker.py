@@ -15,6 +15,7 @@ import pytest
 
 from connector.worker import SemKvLoadError
 from tests.connector.test_failure_injection import DOC, VllmOrder
+from tests.connector.test_vllm_per_layer_liveness import remove_a_donor_block_on_its_engine
 from tools.harness.fleet import MODEL, Fleet
 
 
@@ -93,8 +94,32 @@ def test_a_donor_gone_stale_while_the_worker_waits_for_its_lease_fails_the_plan_
         vllm.worker.ledger.donor_freshness = restart_a_at_the_first_poll  # type: ignore[method-assign]
         with pytest.raises(SemKvLoadError, match="ledger_quarantined"):
             vllm.run()
-        assert len(polls) == 2  # one try: the lease alone, then the donor without it (stale): no second try
+        assert len(polls) == 1  # one try (the donor and the lease): stale, no second try
         assert vllm.held_at_first_copy == []
         vllm.assert_failed("ledger_quarantined")
         vllm.scheduler.flush()
         assert vllm.scheduler.metrics.value("semkv_promises_broken_total", reason="donor_quarantined") == 1
+
+
+def test_a_donor_block_removed_while_the_worker_waits_for_its_lease_fails_the_plan_at_once(fleet: Fleet) -> None:
+    """A's donor block removed while the worker waits (the delayed lease will be refused for it):
+    the lease alone is still 'not held', and the try's block liveness read sees the removal, so
+    the plan fails then, not at the deadline."""
+    with order(fleet, 0.5, lease_confirm_timeout_s=5.0) as vllm:
+        freshness, polls = vllm.worker.ledger.donor_freshness, []
+
+        def remove_at_the_first_poll(donor_id: str, **kwargs: Any) -> Any:
+            if kwargs.get("memo") is None:  # the lease's tries
+                if not polls:
+                    remove_a_donor_block_on_its_engine(fleet)
+                polls.append(kwargs)
+            return freshness(donor_id, **kwargs)
+
+        vllm.worker.ledger.donor_freshness = remove_at_the_first_poll  # type: ignore[method-assign]
+        with pytest.raises(SemKvLoadError, match="ledger_blocks_not_live"):
+            vllm.run()
+        assert [kwargs["lease_id"] is None for kwargs in polls] == [False, True]  # the lease, then the blocks
+        assert vllm.held_at_first_copy == []
+        vllm.assert_failed("ledger_blocks_not_live")
+        vllm.scheduler.flush()
+        assert vllm.scheduler.metrics.value("semkv_promises_broken_total", reason="donor_blocks_removed") == 1
