@@ -69,6 +69,10 @@ class LoadPlan:
     """Prefill seconds the profitability gate predicted this load saves (None: not predicted;
     :mod:`connector.profit`); the worker compares it with the load's real time
     (``semkv_ttft_delta_seconds``)."""
+    lease_confirm_by: float | None = None
+    """Set when the plan shipped before its ledger lease committed (``lease_confirm_in_worker``): the
+    worker confirms the lease in the ledger before its first copy, waiting for it until this time
+    (epoch seconds); None: the scheduler saw the lease held (or the plan takes none)."""
     asynchronous: bool = False
     """Loaded off the engine's thread, every layer before the engine computes on the blocks (vLLM with
     ``load_async``: the request waits in ``WAITING_FOR_REMOTE_KVS`` until the worker reports it in

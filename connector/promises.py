@@ -14,7 +14,9 @@ What a promise means is chosen once per engine (:mod:`connector.engine_contract`
 
 * :class:`RetractablePromises` (vLLM): the lease is written on the ledger thread after allocation
   and ``build_connector_meta`` waits for it (``lease_confirm_timeout_s``); a lease refused, short,
-  failed or late ships the plan FAILED, and the engine recomputes its blocks.
+  failed or late ships the plan FAILED, and the engine recomputes its blocks. With
+  ``lease_confirm_in_worker`` a lease still being written ships with its plan unconfirmed and the
+  worker waits for the ledger to show it held before its first copy (same deadline).
 * :class:`BindingPromises` (TensorRT-LLM): the donor's file is secured BEFORE the answer (no system
   call: the store keeps the files it checksummed open), so nothing the ledger, the donor engine or
   another process does afterwards can take the bytes; the plan ships at once and no ledger lease is
@@ -168,8 +170,14 @@ class RetractablePromises:
         return None
 
     def lease_broken(self, book: PromiseBook, state: RequestState, plan: LoadPlan, wait_until: float) -> LoadPlan:
-        """The plan, or a FAILED plan when its lease is not held in time (counted, released)."""
-        broken = book.lease_outcome(state.promise, wait_until)
+        """The plan, or a FAILED plan when its lease is not held in time (counted, released). With
+        ``lease_confirm_in_worker``, a lease still being written ships with the plan unconfirmed: the
+        worker confirms it in the ledger before its first copy (:meth:`PromiseBook.confirm_in_worker`)."""
+        promise = state.promise
+        if (book.settings.lease_confirm_in_worker and promise is not None and promise.lease is not None
+                and not promise.lease.done()):
+            return book.confirm_in_worker(promise, plan, wait_until)
+        broken = book.lease_outcome(promise, wait_until)
         if broken is None:
             return plan
         book.metrics.promises_broken.labels(reason=broken[0]).inc()
@@ -438,6 +446,23 @@ class PromiseBook:
         self.unshipped.discard(state.request_id)
         state.shipped = True
         return dataclasses.replace(state.plan, failed=reason)
+
+    def confirm_in_worker(self, promise: Promise, plan: LoadPlan, wait_until: float) -> LoadPlan:
+        """``plan`` shipped before its lease committed: the worker waits for the ledger to show the
+        lease held until the deadline of the scheduler's own wait (``wait_until``, monotonic, as epoch
+        seconds). A lease that ends refused or failed is counted here when it does, as the scheduler's
+        wait would have counted it; the load, not confirmed, fails in the worker and vLLM recomputes.
+        The promise is released as any shipped one (load over, ``request_finished``)."""
+        lease = promise.lease
+        assert lease is not None
+
+        def counted(_: Future[Lease | StaleReason]) -> None:  # on the ledger thread (a counter is thread-safe)
+            broken = self.lease_outcome(promise, time.monotonic())  # done: no wait
+            if broken is not None:
+                self.metrics.promises_broken.labels(reason=broken[0]).inc()
+
+        lease.add_done_callback(counted)
+        return dataclasses.replace(plan, lease_confirm_by=time.time() + max(0.0, wait_until - time.monotonic()))
 
     def lease_outcome(self, promise: Promise | None, wait_until: float) -> tuple[str, str] | None:
         """None when the promise's ledger lease is held for every promised block, else

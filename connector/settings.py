@@ -159,6 +159,16 @@ class ConnectorSettings(BaseSettings):
     failed and vLLM recomputes it (counted in ``semkv_promises_broken_total``). While the connector's ledger
     thread has been busy or backed up for half of this, lookups miss (``ledger_busy``) instead of promising.
     TensorRT-LLM writes no lease (unless ``lease_before_answer``): its promises hold the donor's secured file."""
+    lease_confirm_in_worker: bool = False
+    """vLLM: a plan whose ledger lease is still being written when ``build_connector_meta`` runs ships at
+    once, and the worker confirms the lease in the ledger itself before its first copy (its first, full
+    check asks for the lease anyway), waiting for it until ``lease_confirm_timeout_s`` after the metadata
+    was built. The lease's write transaction (~0.5 ms on SQLite at 8,000 tokens) then overlaps vLLM's
+    hand-over of the step to its worker process instead of delaying the scheduler. No copy happens before
+    the ledger shows the lease held; a lease refused for stale blocks or a stale donor fails the load at
+    once (the worker's check sees why), one that never commits fails it at the deadline, and vLLM
+    recomputes in both cases (counted in ``semkv_load_failures_total``, and the refusal or failure in
+    ``semkv_promises_broken_total`` as before). Off: the scheduler waits for the commit (the default)."""
     donor_view_refresh_s: float = Field(0.005, ge=0)
     """The scheduler answers lookups from an in-memory view of the ledger's fresh donors (those whose bytes
     this host's store holds, with their block liveness), caught up from the ledger this often (seconds).

@@ -94,10 +94,10 @@ class VllmOrder:
     real KV pool: lookup, allocation, metadata, ``start_load_kv``, ``wait_for_layer_load`` per
     layer (through :attr:`wait`, which a test may replace), ``wait_for_save``."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, **overrides: Any) -> None:
         self.fleet = fleet
         self.pool = fleet.engine("B", connector=False).llm
-        self.scheduler, self.worker = fleet.vllm_connector("B", self.pool.llm_args)
+        self.scheduler, self.worker = fleet.vllm_connector("B", self.pool.llm_args, **overrides)
         self.worker.register_kv_caches(self.pool.kv_cache)
         self.wait: Callable[[int, Any], None] = self.worker.wait_for_layer_load
 

@@ -26,7 +26,7 @@ DOC_SOURCES = ("calendar.py", "tokenize.py")
 
 
 class AsyncFleet(FleetReads):
-    def __init__(self, root: Path, python: str, model: Path) -> None:
+    def __init__(self, root: Path, python: str, model: Path, **b_settings: object) -> None:
         self.db_path = root / "ledger.db"
         db, store = f"sqlite:///{self.db_path}", root / "donors"
         a_events, b_events, self.b_metrics = free_port(), free_port(), free_port()
@@ -36,7 +36,7 @@ class AsyncFleet(FleetReads):
                         semkv_config=connector_toml(root / "A.toml", db=db, engine_id="A", store_dir=store))
         self.b = Engine(python, model, root / "B.log", events_port=b_events,
                         semkv_config=connector_toml(root / "B.toml", db=db, engine_id="B", store_dir=store,
-                                                    metrics_port=self.b_metrics, load_async=True))
+                                                    metrics_port=self.b_metrics, load_async=True, **b_settings))
         self.docs = [self.tokens(name)[:DOC_TOKENS] for name in DOC_SOURCES]
         self.questions = [self.a.call(op="encode", text=f"\n# Question {i}: what does this module define?\n")
                           ["token_ids"] for i in range(3)]
@@ -80,10 +80,13 @@ class AsyncFleet(FleetReads):
         assert self.consumer.close() == 0
 
 
-@pytest.fixture(scope="module")
-def fleet(vllm_env, tmp_path_factory) -> AsyncFleet:
+@pytest.fixture(scope="module", params=[{}, {"lease_confirm_in_worker": True}], ids=["lease_in_scheduler",
+                                                                                   "lease_in_worker"])
+def fleet(request, vllm_env, tmp_path_factory) -> AsyncFleet:
+    """B loading asynchronously; with ``lease_confirm_in_worker`` too (the worker confirms the lease
+    in the ledger before its first copy: with the write lock held, it never does, and the load fails)."""
     python, model = vllm_env
-    fleet = AsyncFleet(tmp_path_factory.mktemp("vllm-async"), python, model)
+    fleet = AsyncFleet(tmp_path_factory.mktemp("vllm-async"), python, model, **request.param)
     yield fleet
     fleet.close()
 
