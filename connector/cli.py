@@ -98,6 +98,16 @@ def connector_check(
     def origin(name: str) -> str:
         return f"setting '{name}', {setting_origin(name, config=settings.config)}"
 
+    if settings.discovery.enabled:  # the engine resolves its providers at start-up, and fails on one it cannot
+        from connector.discovery.registry import resolve_provider
+
+        for spec in settings.discovery.providers:
+            try:
+                resolve_provider(spec)
+            except ConnectorConfigError as exc:
+                _fail(f"{exc} (setting 'discovery.providers': [discovery] providers in the TOML file or "
+                      "env TRTLLM_SEMKV_DISCOVERY__PROVIDERS)")
+
     try:  # with the engine's statement timeout: an unreachable host fails within it, as the engine would
         LedgerClient(settings.db, statement_timeout_s=settings.ledger_statement_timeout_s).close()
     except Exception as exc:  # noqa: BLE001 - only ledger and driver errors are the user's; the rest re-raised

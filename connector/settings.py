@@ -392,7 +392,8 @@ def load_connector_settings(overrides: Mapping[str, Any] | None = None, *,
     path_text = env.get(CONFIG_ENV)
     path = Path(path_text) if path_text else None
     if path is not None and not path.is_file():
-        raise ConnectorConfigError(f"{CONFIG_ENV}={path_text}: connector config file not found")
+        why = "is a directory, not a connector config file" if path.is_dir() else "connector config file not found"
+        raise ConnectorConfigError(f"{CONFIG_ENV}={path_text}: {why}")
     values = {k: v for k, v in (overrides or {}).items() if v is not None}
     if path is not None:
         values.setdefault("config", path)

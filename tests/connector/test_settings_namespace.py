@@ -267,3 +267,8 @@ def test_connector_check_command(tmp_path, sqlite_db) -> None:
     bad.write_text('mode = "experimental"\n')
     result = CliRunner().invoke(app, ["connector-check", "--config", str(bad)])
     assert result.exit_code == 2 and "rule 5" in result.output
+    # a discovery provider the engine could not resolve at start-up is not "ready" (newcomer, 2026-12-05)
+    unknown = tmp_path / "unknown-provider.toml"
+    unknown.write_text(good.read_text() + '[discovery]\nenabled = true\nproviders = ["nope.mod:Cls"]\n')
+    result = CliRunner().invoke(app, ["connector-check", "--config", str(unknown)])
+    assert result.exit_code == 2 and "discovery provider 'nope.mod:Cls'" in result.output, result.output
