@@ -80,7 +80,8 @@ def connector_check(
     its value came from (env TRTLLM_SEMKV_*, the TOML file, or the default).
     """
     from connector.donor_store import FileDonorStore, StoreDirUnusable
-    from connector.settings import CONFIG_ENV, ConnectorConfigError, load_connector_settings, setting_origin
+    from connector.settings import (CONFIG_ENV, ConnectorConfigError, load_connector_settings, setting_origin,
+                                    unknown_env_settings)
     from ledger.errors import LedgerError, database_error_line, is_database_error, url_for_humans
     from ledger.client import LedgerClient
 
@@ -97,6 +98,9 @@ def connector_check(
 
     def origin(name: str) -> str:
         return f"setting '{name}', {setting_origin(name, config=settings.config)}"
+
+    for name in unknown_env_settings(environ):
+        typer.echo(f"warning: {name} names no connector setting: ignored (docs/connector-settings.md)", err=True)
 
     if settings.discovery.enabled:  # the engine resolves its providers at start-up, and fails on one it cannot
         from connector.discovery.registry import resolve_provider

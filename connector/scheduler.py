@@ -69,7 +69,7 @@ from connector.profit import cost_model_for, memory_level_of
 from connector.promises import LedgerBackoff, PromiseBook, RequestState
 from connector.reuse_guard import UnverifiedBlocks
 from connector.saves import ArmedSaves, NoSaves, SavesAfterFinish, activity_for
-from connector.settings import ConnectorSettings, load_connector_settings
+from connector.settings import ConnectorSettings, load_connector_settings, unknown_env_settings
 from connector.spans import LookupMiss, SpanFinder
 from ledger.errors import LedgerError
 from ledger.client import LedgerClient
@@ -163,6 +163,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
                  engine: EngineContract = TENSORRT_LLM) -> None:
         super().__init__(llm_args)
         self.settings = s = settings or load_connector_settings()
+        if settings is None and (typos := unknown_env_settings()):
+            log.warning("semkv: environment variables naming no connector setting, ignored: %s", ", ".join(typos))
         self.engine = engine
         self.metrics = metrics or process_metrics()
         if s.metrics_port is not None:

@@ -409,6 +409,19 @@ def load_connector_settings(overrides: Mapping[str, Any] | None = None, *,
         _CONFIG_FILE.reset(token)
 
 
+def unknown_env_settings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``TRTLLM_SEMKV_*`` variables of ``environ`` (default ``os.environ``) that name no setting:
+    pydantic-settings ignores them, so a typo (``TRTLLM_SEMKV_MDOE``) would leave the default in
+    force without a word. (A variable under a table, ``TRTLLM_SEMKV_DISCOVERY__…``, is checked by
+    the table's own model, which refuses unknown keys.)"""
+    env = os.environ if environ is None else environ
+    known = {ENV_PREFIX + name.upper() for name in ConnectorSettings.model_fields} | {CONFIG_ENV}
+    tables = tuple(ENV_PREFIX + name.upper() + "__" for name, field in ConnectorSettings.model_fields.items()
+                   if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel))
+    return sorted(name for name in env if name.upper().startswith(ENV_PREFIX)
+                  and name.upper() not in known and not name.upper().startswith(tables))
+
+
 def _describe(exc: ValidationError, path: Path | None, overrides: Mapping[str, Any]) -> str:
     problems = []
     for error in exc.errors():

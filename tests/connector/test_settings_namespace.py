@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -272,3 +274,20 @@ def test_connector_check_command(tmp_path, sqlite_db) -> None:
     unknown.write_text(good.read_text() + '[discovery]\nenabled = true\nproviders = ["nope.mod:Cls"]\n')
     result = CliRunner().invoke(app, ["connector-check", "--config", str(unknown)])
     assert result.exit_code == 2 and "discovery provider 'nope.mod:Cls'" in result.output, result.output
+
+
+def test_a_misspelt_setting_variable_is_named(tmp_path, sqlite_db, monkeypatch) -> None:
+    """pydantic-settings ignores a ``TRTLLM_SEMKV_*`` variable naming no field: ``TRTLLM_SEMKV_MDOE``
+    left the engine in ``discovery_only`` without a word (newcomer, 2026-12-05)."""
+    from connector.settings import unknown_env_settings
+
+    assert unknown_env_settings({"TRTLLM_SEMKV_MDOE": "x", "TRTLLM_SEMKV_MODE": "x", "TRTLLM_SEMKV_CONFIG": "c",
+                                 "TRTLLM_SEMKV_DISCOVERY__ENABLED": "1", "PATH": "/bin"}) == ["TRTLLM_SEMKV_MDOE"]
+    monkeypatch.setenv("TRTLLM_SEMKV_MDOE", "exact_equivalent")
+    monkeypatch.setenv("TRTLLM_SEMKV_DB", sqlite_db)
+    monkeypatch.setenv("TRTLLM_SEMKV_STORE_DIR", str(tmp_path / "s"))
+    result = subprocess.run([sys.executable, "-m", "ledger", "connector-check"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "warning: TRTLLM_SEMKV_MDOE names no connector setting" in result.stderr
+    assert "mode=discovery_only" in result.stdout
