@@ -217,8 +217,12 @@ class SQLiteBackend(Backend):
         path = _ensure_file(url, create=False)
         refusal = write_refusal(path)
         if refusal is None:
-            with super().audit_engine(url) as opened:
-                yield opened
+            engine = create_engine(_open_url(url, "sqlite+pysqlite"))
+            _listeners(engine, writer=False, read_only=True)  # an audit writes nothing: not even the journal mode
+            try:
+                yield engine, None
+            finally:
+                engine.dispose()
             return
         with _audit_read_only(url, path, refusal) as opened:
             yield opened

@@ -364,3 +364,24 @@ def test_a_ledger_this_user_cannot_read_or_reach_is_one_line_that_says_permissio
     assert unreachable.returncode == 2 and unreachable.stderr.splitlines() == [
         f"error: cannot reach the ledger {where / 'inner' / 'ledger.db'}: permission denied on a directory of its "
         "path for this user"]
+
+
+def test_audits_of_a_writable_ledger_change_no_byte_of_it(built: Path, tmp_path: Path) -> None:
+    """``stats``, ``inspect`` and ``replay`` only read (docs/operations.md): on a writable ledger in
+    rollback-journal mode they used to switch it to WAL (a write in the file's header), and on a
+    0-byte file they wrote a database."""
+    import hashlib
+
+    rollback = tmp_path / "rollback.db"
+    shutil.copy(built, rollback)
+    with sqlite3.connect(rollback) as db:
+        assert db.execute("PRAGMA journal_mode=DELETE").fetchone() == ("delete",)
+    digest = hashlib.sha256(rollback.read_bytes()).hexdigest()
+    for args in AUDITS:
+        result = cli(*args, "--db", str(rollback))
+        assert result.returncode in (0, 1), result.stderr
+    assert hashlib.sha256(rollback.read_bytes()).hexdigest() == digest
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    result = cli("stats", "--db", str(empty))
+    assert result.returncode == 2 and empty.stat().st_size == 0, result.stderr
