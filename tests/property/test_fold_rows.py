@@ -89,8 +89,8 @@ def test_the_comparison_catches_a_fold_that_differs(template_db, monkeypatch):
     history = ([[("stored", [1, 2])], [("stored", [1])]], ["deliver", "deliver"], [False, False], 1)
     original = apply_module._store_blocks
 
-    def untracked_differs(proj, engine_id, dp_rank, window, seq, body, changes, pending):
-        original(proj, engine_id, dp_rank, window, seq, body, changes, pending)
+    def untracked_differs(proj, engine_id, dp_rank, window, seq, body, changes, held):
+        original(proj, engine_id, dp_rank, window, seq, body, changes, held)
         if changes is None:
             proj.counters[(engine_id, "stored_while_live")] += 1
 
