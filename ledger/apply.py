@@ -239,7 +239,8 @@ def fold_rows(proj: Projection, rows: Iterable[LogRowColumns]) -> None:
     row, so a row it folds ends the run). A block stored into no row is kept apart, per engine
     (:data:`HeldBlocks`), until a row folded by :func:`apply` (its handlers read ``proj.blocks``
     and the live index) or the end of ``rows``, then added to ``proj.blocks`` and the live index
-    in bulk; a removal in between only drops it, so a block stored and evicted within one page
+    in bulk; a removal in between only drops it, so a block stored and evicted between two such
+    rows (in a log, within one batch: each batch's ``batch_received`` row goes through apply)
     never enters either (tools/results/ledger-replay-2026-12-05-1203.md).
 
     Raises:
