@@ -235,6 +235,14 @@ def fold_rows(proj: Projection, rows: Iterable[LogRowColumns]) -> None:
     per-row calls and the change tracking were over half of replay's fold (profile in
     tools/results/ledger-replay-2026-12-05.md).
 
+    A run of rows of one stream looks its stream and engine up once (apply may replace the engine's
+    row, so a row it folds ends the run). A block stored into no row is kept apart, per engine
+    (:data:`HeldBlocks`), until a row folded by :func:`apply` (its handlers read ``proj.blocks``
+    and the live index) or the end of ``rows``, then added to ``proj.blocks`` and the live index
+    in bulk; a removal in between only drops it, so a block stored and evicted between two such
+    rows (in a log, within one batch: each batch's ``batch_received`` row goes through apply)
+    never enters either (tools/results/ledger-replay-2026-12-05-1203.md).
+
     Raises:
         KeyError: an entry refers to an engine that was never registered (a corrupt log).
         msgspec.ValidationError, msgspec.DecodeError: a body that does not decode as a log body.
@@ -243,37 +251,67 @@ def fold_rows(proj: Projection, rows: Iterable[LogRowColumns]) -> None:
     engines, streams, counters = proj.engines, proj.streams, proj.counters
     stored_type, removed_type, active = ev.BlockStored, ev.BlockRemoved, EngineStatus.ACTIVE
     tally: dict[tuple[str, str, bool], int] = {}  # (engine_id, type_name, applied) -> events, added to counters at the end
-    for seq, raw, type_name, engine_id, event_id, dp_rank, window, applied in rows:
-        body = decode(raw)
-        body_type = type(body)
-        if (body_type is not stored_type and body_type is not removed_type) or engine_id is None:
-            apply(proj, LogEntry(seq, 0.0, body, type_name, engine_id, event_id=event_id, attention_dp_rank=dp_rank,
-                                 window_size=window, applied=bool(applied)))
-            continue
-        applied = bool(applied)
-        tally_key = (engine_id, type_name, applied)
-        tally[tally_key] = tally.get(tally_key, 0) + 1
-        if not applied:
-            continue
-        dp_rank, window = dp_rank or 0, window or 0
-        stream_key = _new(StreamKey, (engine_id, dp_rank, window))
-        stream = streams.get(stream_key)
-        if stream is None:
-            stream = streams[stream_key] = Stream(engine_id, dp_rank, window, None, False)
-        if event_id is not None:
-            stream.last_event_id = event_id
-            stream.resync = False
-        engine = engines[engine_id]
-        engine.last_seq = seq
-        engine.status = active
-        if body_type is stored_type:
-            _store_blocks(proj, engine_id, dp_rank, window, seq, body, None)
-        else:
-            _remove_blocks(proj, engine_id, dp_rank, window, body, None)
+    stream_key: StreamKey | None = None  # the stream of the previous block event folded here (None: none or stale)
+    stream = engine = None
+    held: HeldBlocks = {}
+    engine_held: dict[BlockKey, Block] = {}
+    try:
+        for seq, raw, type_name, engine_id, event_id, dp_rank, window, applied in rows:
+            body = decode(raw)
+            body_type = type(body)
+            if (body_type is not stored_type and body_type is not removed_type) or engine_id is None:
+                _add_held(proj, held)
+                apply(proj, LogEntry(seq, 0.0, body, type_name, engine_id, event_id=event_id,
+                                     attention_dp_rank=dp_rank, window_size=window, applied=bool(applied)))
+                stream_key = None  # apply may have replaced the engine's row (a registration)
+                continue
+            applied = bool(applied)
+            tally_key = (engine_id, type_name, applied)
+            tally[tally_key] = tally.get(tally_key, 0) + 1
+            if not applied:
+                continue
+            dp_rank, window = dp_rank or 0, window or 0
+            if stream_key is None or stream_key[0] != engine_id or stream_key[1] != dp_rank or stream_key[2] != window:
+                stream_key = _new(StreamKey, (engine_id, dp_rank, window))
+                stream = streams.get(stream_key)
+                if stream is None:
+                    stream = streams[stream_key] = Stream(engine_id, dp_rank, window, None, False)
+                engine = engines[engine_id]
+                engine_held = held.get(engine_id)
+                if engine_held is None:
+                    engine_held = held[engine_id] = {}
+            if event_id is not None:
+                stream.last_event_id = event_id
+                stream.resync = False
+            engine.last_seq = seq
+            engine.status = active
+            if body_type is stored_type:
+                _store_blocks(proj, engine_id, dp_rank, window, seq, body, None, engine_held)
+            else:
+                _remove_blocks(proj, engine_id, dp_rank, window, body, None, engine_held)
+    finally:
+        _add_held(proj, held)
     for (engine_id, type_name, applied), n in tally.items():  # counters are only ever added to: order is free
         counters[(engine_id, "events_logged")] += n
         counters[(engine_id, EVENTS_OF_TYPE + type_name)] += n
         counters[(engine_id, "events_applied" if applied else "events_stale")] += n
+
+
+HeldBlocks = dict[str, dict[BlockKey, Block]]
+"""A whole fold's blocks stored into no row and not yet in ``proj.blocks`` nor the live index:
+engine_id -> key -> row (always live)."""
+
+
+def _add_held(proj: Projection, held: HeldBlocks) -> None:
+    """Add the held blocks to ``proj.blocks`` and the live index, and forget them."""
+    for engine_id, rows in held.items():
+        if rows:
+            proj.blocks.update(rows)
+            live = proj.live_blocks.get(engine_id)
+            if live is None:
+                live = proj.live_blocks[engine_id] = set()
+            live.update(rows)
+            rows.clear()
 
 
 def _advance_stream(proj: Projection, entry: LogEntry) -> None:
@@ -316,18 +354,21 @@ def _drop_block(proj: Projection, key: BlockKey) -> None:
 
 def _on_stored(proj: Projection, entry: LogEntry, body: ev.BlockStored) -> None:
     _store_blocks(proj, entry.engine_id, entry.attention_dp_rank or 0, entry.window_size or 0, entry.seq, body,
-                  proj.changes)
+                  proj.changes, None)
 
 
 def _store_blocks(proj: Projection, engine_id: str, dp_rank: int, window: int, seq: int, body: ev.BlockStored,
-                  changes: Changes | None) -> None:
-    """``_on_stored``'s work; ``changes`` None: nothing recorded (a whole fold, :func:`fold_rows`)."""
+                  changes: Changes | None, held: dict[BlockKey, Block] | None) -> None:
+    """``_on_stored``'s work; ``changes`` None: nothing recorded, and ``held`` given: a block in no
+    row is held there (a whole fold, :func:`fold_rows`)."""
     generation = proj.engines[engine_id].generation
     blocks = proj.blocks
     tracked = changes is not None
     if tracked:
         dirty, dropped = changes.dirty["blocks"], changes.dropped_blocks
-    live = proj.live_blocks.setdefault(engine_id, set())
+    live = proj.live_blocks.get(engine_id)
+    if live is None:  # (not setdefault: its default set would be built on every call)
+        live = proj.live_blocks[engine_id] = set()
     p_hash, p_ext = split_hash(body.parent_hash) if body.parent_hash is not None else (None, None)
     lora_id = body.lora_id
     again = 0
@@ -343,6 +384,15 @@ def _store_blocks(proj: Projection, engine_id: str, dp_rank: int, window: int, s
             digest -= TWO_64
         key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
         row = blocks.get(key)
+        held_row = None
+        if row is None and held is not None:
+            row = held_row = held.get(key)
+            if row is None:
+                held[key] = Block(engine_id, dp_rank, window, h, ext, p_hash, p_ext, block.num_tokens, digest,
+                                  block.cache_level, block.priority, block.cache_salt, lora_id, _LIVE, generation,
+                                  1, seq, seq)
+                p_hash, p_ext = h, ext
+                continue
         if row is not None and row.state == _LIVE:
             row.store_count += 1
             again += 1
@@ -364,7 +414,8 @@ def _store_blocks(proj: Projection, engine_id: str, dp_rank: int, window: int, s
                 dropped.discard(key)
             if row is not None:  # it was quarantined
                 proj.quarantined_blocks.get(engine_id, set()).discard(key)
-        live.add(key)
+        if held_row is None:  # (a held row joins the live index when the fold adds it)
+            live.add(key)
         if tracked:
             dirty.add(key)
         p_hash, p_ext = h, ext
@@ -375,17 +426,20 @@ def _store_blocks(proj: Projection, engine_id: str, dp_rank: int, window: int, s
 
 
 def _on_removed(proj: Projection, entry: LogEntry, body: ev.BlockRemoved) -> None:
-    _remove_blocks(proj, entry.engine_id, entry.attention_dp_rank or 0, entry.window_size or 0, body, proj.changes)
+    _remove_blocks(proj, entry.engine_id, entry.attention_dp_rank or 0, entry.window_size or 0, body, proj.changes, None)
 
 
 def _remove_blocks(proj: Projection, engine_id: str, dp_rank: int, window: int, body: ev.BlockRemoved,
-                   changes: Changes | None) -> None:
-    """``_on_removed``'s work; ``changes`` None: nothing recorded (a whole fold, :func:`fold_rows`)."""
+                   changes: Changes | None, held: dict[BlockKey, Block] | None) -> None:
+    """``_on_removed``'s work; ``changes`` None: nothing recorded, and ``held`` given: the fold's
+    blocks in no row yet (a whole fold, :func:`fold_rows`)."""
     blocks = proj.blocks
     tracked = changes is not None
     if tracked:
         dirty, dropped = changes.dirty["blocks"], changes.dropped_blocks
-    live = proj.live_blocks.setdefault(engine_id, set())
+    live = proj.live_blocks.get(engine_id)
+    if live is None:  # (not setdefault: its default set would be built on every call)
+        live = proj.live_blocks[engine_id] = set()
     removed = unknown = not_live = 0
     for block_hash in body.block_hashes:
         if type(block_hash) is int:
@@ -393,6 +447,9 @@ def _remove_blocks(proj: Projection, engine_id: str, dp_rank: int, window: int, 
         else:
             h, ext = split_hash(block_hash)
         key = _new(BlockKey, (engine_id, dp_rank, window, h, ext))
+        if held is not None and held.pop(key, None) is not None:  # live, in neither blocks nor the live index
+            removed += 1
+            continue
         row = blocks.pop(key, None)
         if row is None:
             if not tracked or not changes.removal_of_unseen_block(key):
