@@ -59,8 +59,9 @@ def route_report(
     if json_out:
         typer.echo(json.dumps(totals.to_dict()))
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from ledger.views import output_console
 
     table = Table("requests", "same events", "prompt tokens", "available", "routed", "delivered",
                   "routed to top set", "delivered = ledger", title=f"route join: {records}")
@@ -68,7 +69,7 @@ def route_report(
     table.add_row(*map(str, (t.requests, t.same_events, t.prompt_tokens, t.available_tokens, t.routed_tokens,
                              t.delivered_tokens)), f"{t.routed_to_top}/{t.requests}",
                   f"{t.delivered_as_advised}/{t.requests - t.routed_unknown}")
-    Console().print(table)
+    output_console().print(table)  # off a terminal as wide as the table: no header cut to "reques…"
 
 
 def serve(

@@ -82,6 +82,8 @@ def test_the_log_the_report_and_the_metrics_agree(advice: Advice, tmp_path: Path
     assert json.loads(done.stdout) == totals.to_dict()
     table = route_report(join.path)
     assert table.returncode == 0 and "1/3" in table.stdout and "1/2" in table.stdout, table.stdout
+    piped = route_report(join.path, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})  # no COLUMNS: rich's 80
+    assert "routed to top set" in piped.stdout and "delivered = ledger" in piped.stdout, piped.stdout
 
 
 def test_a_bad_line_is_one_error_naming_it(advice: Advice, tmp_path: Path) -> None:
@@ -95,6 +97,6 @@ def test_a_bad_line_is_one_error_naming_it(advice: Advice, tmp_path: Path) -> No
     assert missing.returncode == 2, missing.stderr
 
 
-def route_report(path: Path, *args: str) -> subprocess.CompletedProcess:
+def route_report(path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ledger", "route-report", str(path), *args],
-                          capture_output=True, text=True, timeout=60, env=dict(os.environ, COLUMNS="200"))
+                          capture_output=True, text=True, timeout=60, env=env or dict(os.environ, COLUMNS="200"))
