@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -471,7 +472,7 @@ def consume_command(
         settings = load_settings(overrides, config_file=config,
                                  cli_source=flag_source if engine_id is not None else None)
     except ValidationError as exc:
-        typer.echo(f"error: {_one_line(exc)}", err=True)
+        typer.echo(f"error: {_one_line(exc, lambda name: _origin(name, overrides, config))}", err=True)
         raise typer.Exit(2) from exc
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -490,14 +491,29 @@ def consume_command(
     raise typer.Exit(code)
 
 
-def _one_line(exc: Any) -> str:
-    """A pydantic ValidationError as one line: ``field: message; field: message``."""
+def _one_line(exc: Any, origin: Callable[[str], str] | None = None) -> str:
+    """A pydantic ValidationError as one line: ``field: message; field: message``, each followed by
+    ``origin(top-level field)`` in parentheses when given and not empty."""
     parts = []
     for error in exc.errors():
-        where = ".".join(str(part) for part in error.get("loc", ()))
+        loc = error.get("loc", ())
+        where = ".".join(str(part) for part in loc)
         message = str(error.get("msg", "")).removeprefix("Value error, ")
-        parts.append(f"{where}: {message}" if where else message)
+        source = origin(str(loc[0])) if origin is not None and loc else ""
+        parts.append((f"{where}: {message}" if where else message) + (f" ({source})" if source else ""))
     return "; ".join(parts) or str(exc).replace("\n", " ")
+
+
+def _origin(name: str, overrides: dict[str, Any], config: Path | None) -> str:
+    """Where the consume setting ``name`` came from, in ``load_settings``' order: its flag, its
+    ``SEMKV_*`` variable, the ``--config`` file."""
+    if overrides.get(name) is not None:
+        return f"from --{name.replace('_', '-')}"
+    if f"SEMKV_{name.upper()}" in os.environ:
+        return f"from env SEMKV_{name.upper()}"
+    if config is not None:
+        return f"from --config {config}"
+    return ""
 
 
 def _is_record_error(exc: OSError, record: Path | None) -> bool:

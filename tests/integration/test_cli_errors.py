@@ -147,6 +147,15 @@ OTHER_ROWS: dict[str, Row] = {
         lambda s: [*CONSUME(s), "--db", s.migrated, "--record", str(s.tmp)], lambda s: ["--record", "directory"]),
     "consume-config_missing": Row(
         lambda s: [*CONSUME(s), "--config", str(s.tmp / "nope.toml")], lambda s: ["config file", "nope.toml"]),
+    "consume-bad_env_value": Row(  # the line says where the value came from, as the connector's do
+        lambda s: [*CONSUME(s), "--db", s.migrated], lambda s: ["batch_max_events", "from env SEMKV_BATCH_MAX_EVENTS"],
+        env=lambda s: {"SEMKV_BATCH_MAX_EVENTS": "0"}),
+    "consume-non_finite_flag": Row(
+        lambda s: [*CONSUME(s), "--db", s.migrated, "--replay-timeout-s", "inf"],
+        lambda s: ["replay_timeout_s", "finite", "from --replay-timeout-s"]),
+    "publish-port_out_of_range": Row(
+        lambda s: ["publish", "--from-file", CAPTURE(s), "--endpoint", "tcp://127.0.0.1:99999", "--replay-endpoint", ""],
+        lambda s: ["99999", "1..65535"]),
     "consume-config_is_a_directory": Row(
         lambda s: [*CONSUME(s), "--config", str(s.tmp)], lambda s: ["--config", str(s.tmp), "is a directory"],
         forbids=("not found",)),
