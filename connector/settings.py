@@ -123,7 +123,8 @@ class ConnectorSettings(BaseSettings):
     """Everything the connector needs. Units are in the field names."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", frozen=True,
-                                      extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+                                      extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False,
+                                      env_ignore_empty=True)  # VAR= means unset
 
     config: Path | None = None
     """The TOML file these settings came from (``TRTLLM_SEMKV_CONFIG``); informational."""
@@ -484,7 +485,9 @@ def settings_markdown() -> str:
         f"Priority: environment > TOML file (named by `{CONFIG_ENV}`) > default. Only `TRTLLM_*` variables",
         "reach TensorRT-LLM's MPI workers; vLLM takes the file from",
         "`kv_connector_extra_config={\"semkv_config\": ...}` and single values from `\"semkv_settings\"`.",
-        "`semkv-ledger connector-check --config FILE` validates a file.", "",
+        "`semkv-ledger connector-check --config FILE` validates a file. An empty variable counts as unset; one",
+        "naming no setting is warned about (connector-check, and the scheduler's log at start). Numbers are finite.",
+        "",
         *header, *model_rows(ConnectorSettings, env_prefix=ENV_PREFIX, skip=frozenset({"namespace", "discovery", "profit"})), "",
         "## `[namespace]`: fields the connector cannot always read from the engine", "",
         *header, *model_rows(NamespaceOverrides, env_prefix=ENV_PREFIX, key_prefix="namespace."), "",

@@ -137,7 +137,8 @@ class ConsumerSettings(BaseSettings):
     """Everything ``semkv-ledger consume`` needs. Units are in the field names."""
 
     model_config = SettingsConfigDict(env_prefix="SEMKV_", env_nested_delimiter="__", frozen=True,
-                                      extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+                                      extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False,
+                                      env_ignore_empty=True)  # VAR= means unset
 
     db: str = DEFAULT_DB
     """Ledger database URL or SQLite file path (default: ``semkv-ledger.db`` in the working directory)."""
@@ -319,7 +320,8 @@ def settings_markdown() -> str:
     lines = ["# `semkv-ledger consume` settings", "",
              "Generated from `consumer/settings.py` by `python -m consumer.settings > docs/consume-settings.md`",
              "(a test fails when this file and the model disagree). Priority: flag > environment > TOML file",
-             "(`--config`) > default. `SEMKV_SOURCES` is a JSON list of source objects.", "",
+             "(`--config`) > default. `SEMKV_SOURCES` is a JSON list of source objects. An empty variable",
+             "counts as unset. Numbers are finite.", "",
              "| setting (TOML key) | environment | flag | default | meaning |", "|---|---|---|---|---|"]
     for name, field in ConsumerSettings.model_fields.items():
         lines.append(f"| `{name}` | `SEMKV_{name.upper()}` | {_flag(flags, name)} | {default_text(field)} | "

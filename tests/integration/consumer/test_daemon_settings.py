@@ -138,3 +138,13 @@ async def test_a_source_that_cannot_bind_is_unhealthy_and_retried(tmp_path):
 def test_settings_model_is_the_one_passed_down():
     settings = ConsumerSettings(sources=[SourceSettings(engine_id="e")])
     assert settings.model_config["frozen"] and settings.sources[0].source_id == "e@tcp://127.0.0.1:5557"
+
+
+def test_an_empty_variable_counts_as_unset(monkeypatch):
+    """``SEMKV_RECORD=`` read as the path '' ("--record . is a directory"), ``SEMKV_CURVE_SECRET_KEY=``
+    as a key given (newcomer, 2026-12-05): an empty variable is no value."""
+    monkeypatch.setenv("SEMKV_RECORD", "")
+    monkeypatch.setenv("SEMKV_CURVE_SECRET_KEY", "")
+    monkeypatch.setenv("SEMKV_SOURCES", '[{"engine_id": "e"}]')
+    settings = load_settings({})
+    assert settings.record is None and settings.curve_secret_key is None
