@@ -146,7 +146,7 @@ class ConsumerSettings(BaseSettings):
     """Engine endpoints (``[[sources]]`` tables in TOML; fields in the second table below)."""
     batch_max_events: int = Field(1024, ge=1)
     """Engine events per ledger transaction, at most (a single larger message still goes alone)."""
-    batch_max_delay_ms: float = Field(20.0, ge=0, le=60_000)
+    batch_max_delay_ms: float = Field(20.0, ge=0, le=3_600_000)
     """How long the writer waits for more messages before committing a partial transaction."""
     writer_process: bool = True
     """SQLite: run the ledger writer in a child process (``ledger/writer_process.py``), so the
