@@ -961,11 +961,12 @@ class SemKvWorker(KvCacheConnectorWorker):
 
     def _registered(self, instruction: SaveInstruction) -> bool:
         """Wait (the store writer's thread) until the ledger knows donor ``instruction.donor_id``,
-        whose registration the scheduler queued on its ledger thread at ``request_finished``
+        whose registration the scheduler wrote or queued at ``request_finished``
         (``donor_saved`` must follow ``donor_registered``; bytes published for a donor the ledger
         never registers would be orphans); False after ``register_lock_wait_s`` plus
-        ``_REGISTRATION_SLACK_S``. Usually the first read answers: the registration is written while
-        the blocks are copied. Raises what the ledger read raises (PersistenceError)."""
+        ``_REGISTRATION_SLACK_S``. Usually the first read answers: the engine's thread wrote the
+        registration itself (the write lock was free), or the ledger thread did while the blocks were
+        copied. Raises what the ledger read raises (PersistenceError)."""
         deadline = time.monotonic() + self.settings.register_lock_wait_s + _REGISTRATION_SLACK_S
         pause = 0.002
         while self.ledger.donor_freshness(instruction.donor_id, namespace=instruction.namespace, num_blocks=0,
