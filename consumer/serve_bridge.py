@@ -70,6 +70,8 @@ def events_url(url: str) -> str:
         raise ValueError(f"invalid trtllm-serve URL {url!r}: {exc}") from exc
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise ValueError(f"trtllm-serve URL must be http(s)://host[:port], got {url!r}")
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:  # httpx keeps 99999 as given
+        raise ValueError(f"trtllm-serve URL {url!r}: port {parsed.port} is not in 1..65535")
     return url.rstrip("/") + EVENTS_PATH
 
 

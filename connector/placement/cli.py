@@ -106,6 +106,8 @@ def serve(
 
     if not 0 <= overlap_weight <= MAX_OVERLAP_WEIGHT:  # NaN and inf too
         _fail(f"--overlap-weight {overlap_weight}: must be a number from 0 to {MAX_OVERLAP_WEIGHT:g}")
+    if not 0 < semantic_timeout_s <= 60:  # NaN and inf too; a minute is already no deadline for an answer
+        _fail(f"--semantic-timeout-s {semantic_timeout_s}: must be a number of seconds above 0, at most 60")
     _require_http_extra()
     import structlog
     import uvicorn

@@ -227,6 +227,12 @@ OTHER_ROWS: dict[str, Row] = {
     "serve-port_out_of_range": Row(  # as consume --metrics-port: one line, not click's usage box
         lambda s: ["serve", "--db", s.migrated, "--port", "70000", "--no-discovery"],
         lambda s: ["--port 70000", "65535"], forbids=("serve.started", "Usage:")),
+    "serve-negative_semantic_timeout": Row(
+        lambda s: ["serve", "--db", s.migrated, "--port", "0", "--no-discovery", "--semantic-timeout-s", "-1"],
+        lambda s: ["--semantic-timeout-s -1.0", "above 0"], forbids=("serve.started", "Usage:")),
+    "bridge-serve-url_port_out_of_range": Row(  # httpx keeps the port as given: it was retried for ever
+        lambda s: ["bridge-serve", "--url", "http://127.0.0.1:99999", "--endpoint", f"tcp://127.0.0.1:{_free_port()}",
+                   "--replay-endpoint", ""], lambda s: ["99999", "1..65535"]),
     "serve-negative_overlap_weight": Row(
         lambda s: ["serve", "--db", s.migrated, "--port", "0", "--no-discovery", "--overlap-weight", "-1"],
         lambda s: ["--overlap-weight -1.0", "from 0 to 1e+06"], forbids=("serve.started", "Usage:")),
