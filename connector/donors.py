@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from connector.block_keys import request_v1_hashes
 from connector.namespace import DeploymentNamespace, Namespace, content_keys, probe_key
@@ -42,7 +42,16 @@ from connector.plan import SaveInstruction
 from connector.settings import ConnectorSettings
 from ledger import events as ev
 
-__all__ = ["DonorRank", "DonorRegistrar", "prefill_completed"]
+__all__ = ["DonorRank", "DonorRegistrar", "Donation", "prefill_completed"]
+
+
+class Donation(NamedTuple):
+    """What :meth:`DonorRegistrar.prepare` decided: the registration to write, and the namespace and
+    whole prompt blocks the donor's save instruction is made from."""
+
+    event: ev.DonorRegistered
+    namespace: Namespace
+    num_blocks: int
 
 
 log = logging.getLogger(__name__)
@@ -144,8 +153,9 @@ class DonorRegistrar:
             on_finish=on_finish, num_shards=self.namespace.tp_size)
 
     def prepare(self, request: Any, block_ids: list[int], *, namespace: Any = None, keys: list[bytes] | None = None,
-                block_hashes: list[int] | None = None, donor_id: str | None = None) -> ev.DonorRegistered | None:
-        """The ``donor_registered`` event that makes ``request`` a donor, or None (not a donor). Reads
+                block_hashes: list[int] | None = None, donor_id: str | None = None) -> Donation | None:
+        """The ``donor_registered`` event that makes ``request`` a donor (with the namespace and the
+        number of prompt blocks its save instruction needs), or None (not a donor). Reads
         the ledger (is the span already a fresh donor? the engine's generation, which the donor's KV
         was computed in); writes nothing (:meth:`write`).
 
@@ -177,12 +187,12 @@ class DonorRegistrar:
         if hashes is None:  # its engine block hashes cannot be known
             return None
         engine = self.ledger.engine(s.engine_id)
-        return ev.DonorRegistered(
+        return Donation(ev.DonorRegistered(
             donor_id=donor_id or uuid.uuid4().hex, namespace=ns.digest, engine_id=s.engine_id,
             generation=engine.generation if engine else 1, content_keys=keys, block_hashes=hashes,
             num_tokens=n * tpb, tokens_per_block=tpb,
             expires_at=time.time() + s.donor_ttl_s if s.donor_ttl_s else None,
-            attention_dp_rank=rank, window_size=self.window_size)
+            attention_dp_rank=rank, window_size=self.window_size), ns, n)
 
     def write(self, donor: ev.DonorRegistered, lock_wait_s: float) -> None:
         """Append ``donor`` (:meth:`prepare`'s) to the ledger, waiting at most ``lock_wait_s`` seconds

@@ -46,7 +46,7 @@ import uuid
 from collections import OrderedDict, deque
 from typing import Any
 
-from connector.donors import DonorRegistrar, prefill_completed
+from connector.donors import Donation, DonorRegistrar, prefill_completed
 from connector.lookup import BackgroundRunner
 from connector.metrics import ConnectorMetrics
 from connector.plan import SaveInstruction
@@ -89,7 +89,7 @@ class _DonorSaves:
         return saves, disarmed
 
     def register(self, request: Any, cache_block_ids: list[int], state: RequestState,
-                 donor_id: str | None = None) -> ev.DonorRegistered | None:
+                 donor_id: str | None = None) -> Donation | None:
         """Decide whether ``request`` is a donor (under ``donor_id`` when armed) and queue its
         registration on the ledger thread; None: not a donor (nothing queued) — also, counted
         ``ledger_busy``, while the ledger backs off a failed write or ``save_queue_max``
@@ -98,19 +98,20 @@ class _DonorSaves:
             self.metrics.donors_not_registered.labels(reason="ledger_busy").inc()
             return None
         try:
-            donor = self.registrar.prepare(request, list(cache_block_ids), namespace=state.namespace,
-                                           keys=state.keys, block_hashes=state.block_hashes, donor_id=donor_id)
+            donation = self.registrar.prepare(request, list(cache_block_ids), namespace=state.namespace,
+                                              keys=state.keys, block_hashes=state.block_hashes, donor_id=donor_id)
         except LedgerError as exc:
             self.metrics.donors_not_registered.labels(reason="ledger_error").inc()
             log.warning("semkv: request %s not registered as a donor: %s", request.request_id, exc)
             return None
-        if donor is None:
+        if donation is None:
             return None
+        donor = donation.event
         if self._queued == 0:  # nothing queued: the lock is likely free, and writing here is cheapest
             try:
                 self.registrar.write(donor, _TRY_LOCK_S)
                 self.backoff.succeeded()
-                return donor
+                return donation
             except LedgerError as exc:
                 if not (isinstance(exc, PersistenceError) and lock_timed_out(exc)):
                     self._refused(donor, exc)
@@ -118,7 +119,7 @@ class _DonorSaves:
         with self._queued_lock:
             self._queued += 1
         self.ledger_jobs.submit(lambda: self._write_queued(donor), must=True)
-        return donor
+        return donation
 
     def _write_queued(self, donor: ev.DonorRegistered) -> None:
         """The ledger thread: append the registration, waiting for the lock at most
@@ -174,13 +175,13 @@ class ArmedSaves(_DonorSaves):
             self.metrics.donors_not_registered.labels(reason="not_armed").inc()
             return None
         same_blocks = tuple(int(b) for b in cache_block_ids[: armed.num_blocks]) == armed.block_ids
-        donor = None
+        donation = None
         if same_blocks and prefill_completed(request) and not self._reused_unverified(state):
-            donor = self.register(request, cache_block_ids, state, donor_id=armed.donor_id)
-        if donor is None:
+            donation = self.register(request, cache_block_ids, state, donor_id=armed.donor_id)
+        if donation is None:
             self._disarmed.append(armed.request_id)
             return None
-        return armed, donor
+        return armed, donation.event
 
     def _reused_unverified(self, state: RequestState) -> bool:
         """Did the request reuse, from TensorRT-LLM's own tree, a block an abandoned prefill left there
@@ -211,14 +212,13 @@ class SavesAfterFinish(_DonorSaves):
 
     def finished(self, request: Any, cache_block_ids: list[int], state: RequestState) -> DonorSave | None:
         """Queue the donor's registration, and its instruction for the next metadata."""
-        donor = self.register(request, cache_block_ids, state)
-        if donor is None:
+        donation = self.register(request, cache_block_ids, state)
+        if donation is None:
             return None
-        found = self.registrar.candidate(request, list(cache_block_ids), state.namespace)
-        assert found is not None  # register() checked it
-        save = self.registrar.instruction(request, list(cache_block_ids), *found, donor_id=donor.donor_id)
+        save = self.registrar.instruction(request, list(cache_block_ids), donation.namespace, donation.num_blocks,
+                                          donor_id=donation.event.donor_id)
         self._to_ship.append(save)
-        return save, donor
+        return save, donation.event
 
     def forget(self, state: RequestState) -> None:
         """Nothing was armed."""

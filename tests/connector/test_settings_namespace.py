@@ -291,3 +291,13 @@ def test_a_misspelt_setting_variable_is_named(tmp_path, sqlite_db, monkeypatch) 
     assert result.returncode == 0, result.stderr
     assert "warning: TRTLLM_SEMKV_MDOE names no connector setting" in result.stderr
     assert "mode=discovery_only" in result.stdout
+
+
+def test_non_finite_connector_settings_are_refused(monkeypatch) -> None:
+    """``donor_ttl_s = inf`` wrote ``"expires_at": Infinity`` into `inspect --json` (not JSON); ``nan``
+    passed every bound it was compared with."""
+    for name, value in (("DONOR_TTL_S", "inf"), ("LOOKUP_TIMEOUT_S", "nan"), ("PROFIT__MARGIN", "inf")):
+        with monkeypatch.context() as env:
+            env.setenv(f"TRTLLM_SEMKV_{name}", value)
+            with pytest.raises(ConnectorConfigError, match="finite number"):
+                load_connector_settings({}, environ={})
