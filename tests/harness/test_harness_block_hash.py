@@ -21,7 +21,9 @@ from connector.block_keys import (
     chop_into_blocks,
     mix32,
     mix64,
+    request_v1_hashes,
     v1_block_key,
+    v1_block_keys,
 )
 
 U64 = np.uint64
@@ -111,3 +113,39 @@ def test_chop_into_blocks_partial_rule() -> None:
     assert chop_into_blocks(list(range(10)), 9, 4, allow_partial=False) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(ValueError):
         chop_into_blocks([1], 2, 4, allow_partial=True)
+
+
+def test_v1_block_keys_is_the_chain_of_v1_block_key() -> None:
+    """The one-pass chain (token terms in numpy) equals block after block of the reference."""
+    rng = random.Random(2)
+    tokens = [rng.randrange(0, 300_000) for _ in range(32 * 9 + 5)]
+    for lora, salt in ((None, None), (3, None), (None, cache_salt_id("tenant-A"))):
+        expected, parent = [], 0
+        for start in range(0, 32 * 9, 32):
+            parent = _np_hash(tokens[start : start + 32], parent, lora, salt)
+            expected.append(parent)
+        assert v1_block_keys(tokens, 32, 9, lora_task_id=lora, cache_salt_id=salt) == expected
+        assert v1_block_keys(np.asarray(tokens), 32, 9, lora_task_id=lora, cache_salt_id=salt) == expected
+    assert v1_block_keys(tokens, 32, 0) == []
+    with pytest.raises(ValueError, match="need more than"):
+        v1_block_keys(tokens[:63], 32, 2)
+
+
+def test_ids_outside_int64_and_negative_ids_hash_by_their_low_32_bits() -> None:
+    """C++ truncates a token id to ``uint32_t``; ids numpy cannot hold as int64 take the scalar path."""
+    assert v1_block_key([2**64 + 5, 7]) == v1_block_key([5, 7]) == _np_hash([5, 7], 0)
+    assert v1_block_key([-1, 7]) == _np_hash([2**32 - 1, 7], 0)
+
+
+def test_partial_last_block_and_request_fallback_use_the_same_chain() -> None:
+    tokens = list(range(1000, 1100))
+    chain = block_hash_chain(tokens, 32, allow_partial=True)
+    assert chain[:3] == block_hash_chain(tokens, 32) and chain[3] == v1_block_key(tokens[96:], chain[2])
+
+    class Request:  # TensorRT-LLM's LlmRequest as request_v1_hashes reads it
+        lora_task_id, cache_salt_id, multimodal_hashes = None, cache_salt_id("s"), None
+
+        def get_tokens(self, beam: int) -> list[int]:
+            return tokens
+
+    assert request_v1_hashes(Request(), 32, 2) == block_hash_chain(tokens[:64], 32, cache_salt="s")
