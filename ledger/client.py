@@ -147,7 +147,9 @@ class LedgerClient:
         database lock (instead of ``busy_timeout``, 30 s), PostgreSQL's lock on the log that every
         writer takes (``lock_timeout``; no limit otherwise). A write that cannot get it raises
         :class:`~ledger.errors.PersistenceError`, for which :func:`ledger.errors.lock_timed_out` is True. For
-        writes on a thread that must not stall (the engine's)."""
+        writes on a thread that must not stall (the engine's). On SQLite a wait longer than 1 ms is
+        tried about every millisecond until ``seconds`` (``SQLiteBackend.lock_poll_ms``: SQLite's own
+        handler tries every 100 ms, which a writer committing back to back can starve)."""
         with self._connections.lock_wait(seconds):
             yield
 

@@ -23,7 +23,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ledger.backends import backend_named
 from ledger.db import Sql, sync_engine
-from ledger.errors import DeadlineExceeded, persistence_error
+from ledger.errors import DeadlineExceeded, LockTimeout, persistence_error
 from ledger.migrate import check_schema
 
 T = TypeVar("T")
@@ -99,13 +99,7 @@ class Connections:
         returns, rolled back when it raises)."""
         sql = self._sql()
         self._local.writes += 1  # before it may commit: change_token must never miss this connection's own commit
-        try:
-            sql.driver(self.backend.write_begin)
-        except sql.errors as exc:
-            wrapped = sql.wrap(exc)
-            if wrapped.connection_invalidated:
-                self._drop()
-            raise persistence_error(wrapped) from wrapped
+        self._begin_write(sql)
         try:
             value = fn(sql)
             sql.driver("COMMIT")
@@ -117,6 +111,28 @@ class Connections:
         except BaseException:
             self._rollback(sql)
             raise
+
+    def _begin_write(self, sql: Sql) -> None:
+        """Open the write transaction; inside a polled :meth:`lock_wait`, try again after each
+        short wait for the lock until the wait's deadline.
+
+        Raises:
+            PersistenceError: the database failed (:class:`~ledger.errors.LockTimeout`: the lock
+                was not free in time).
+        """
+        while True:
+            try:
+                sql.driver(self.backend.write_begin)
+                return
+            except sql.errors as exc:
+                wrapped = sql.wrap(exc)
+                if wrapped.connection_invalidated:
+                    self._drop()
+                error = persistence_error(wrapped)
+                deadline = getattr(self._local, "lock_deadline", None)
+                if not (isinstance(error, LockTimeout) and deadline is not None and time.monotonic() < deadline
+                        and getattr(self._local, "sql", None) is sql):
+                    raise error from wrapped
 
     def change_token(self) -> tuple[int, int, int] | None:
         """A token of what this thread's connection has seen of the database: equal to an earlier
@@ -174,15 +190,18 @@ class Connections:
         """Bound this thread's wait for the ledger's write lock (see
         :meth:`ledger.client.LedgerClient.lock_wait`)."""
         sql = self._sql()
-        wait, restore = self.backend.lock_wait(max(1, round(seconds * 1000)))
+        ms, poll = max(1, round(seconds * 1000)), self.backend.lock_poll_ms
+        wait, restore = self.backend.lock_wait(min(ms, poll) if poll else ms)
         try:
             sql.driver(wait)
         except sql.errors as exc:
             self._drop()
             raise persistence_error(sql.wrap(exc)) from exc
+        self._local.lock_deadline = time.monotonic() + seconds if poll and ms > poll else None
         try:
             yield
         finally:
+            self._local.lock_deadline = None
             if getattr(self._local, "sql", None) is sql:  # not replaced by a reconnect meanwhile
                 try:
                     sql.driver(restore)

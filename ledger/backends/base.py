@@ -79,6 +79,10 @@ class Backend:
     """Whether :meth:`deadline` can interrupt a running statement."""
     write_begin: str = "BEGIN"
     """The driver SQL opening a write transaction on a connection that emits its own BEGIN."""
+    lock_poll_ms: int | None = None
+    """Where the backend's own wait for the write lock is not a queue, a bounded wait
+    (:meth:`lock_wait`) is this short wait tried again and again until its deadline instead
+    (:meth:`ledger.connections.Connections.lock_wait`); None: the backend's own wait."""
     snapshot_begin: str | None = None
     """The driver SQL opening a read transaction (one snapshot for several statements), or None
     when the connection's autocommit statements already see consistent data."""

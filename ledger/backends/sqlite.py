@@ -181,6 +181,11 @@ class SQLiteBackend(Backend):
     name = "sqlite"
     interruptible = True
     write_begin = "BEGIN IMMEDIATE"
+    lock_poll_ms = 1
+    """SQLite's busy handler sleeps 1, 2, 5, … then 100 ms between tries (``sqliteDefaultBusyCallback``,
+    sqlite.org/src/file/src/main.c), so a writer committing back to back (a busy consumer) holds the
+    lock at nearly every try and a 5 s wait can fail; tries about every millisecond find its gaps
+    between transactions (tools/bench_registration.py)."""
     snapshot_begin = "BEGIN"  # a deferred read transaction: one WAL snapshot for its statements
     change_counter = "PRAGMA data_version"
     """Changes when another connection commits, never for this connection's own commits
