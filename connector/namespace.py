@@ -59,7 +59,7 @@ from blake3 import blake3
 from connector.layouts import (attention_dp_api, attention_dp_layout, parallel_layouts, refused,
                                sliding_window_layout, tensor_parallel_kv_heads, tensor_parallel_layout,
                                tensor_parallel_size)
-from connector.settings import NamespaceOverrides
+from connector.settings import NamespaceOverrides, kv_layout_dims
 
 __all__ = ["CONNECTOR_VERSION", "PROBE_TOKENS", "DeploymentNamespace", "KvLayout", "Namespace", "NamespaceUnknown",
            "PrefixKeys", "content_keys", "pool_key", "pool_layout", "prefix_keys", "probe_key", "register_pool_layout",
@@ -347,13 +347,8 @@ def _layout(llm_args: Any, harness: Any, tpb: int, dtype: str, o: NamespaceOverr
             tp_size: int = 1) -> tuple[KvLayout, int | None] | NamespaceUnknown:
     """ONE rank's pool layout and the model's KV heads (None when an explicit ``kv_layout`` gives the
     per-rank shape without them)."""
-    if o.kv_layout:
-        try:
-            parts = dict(item.split("=", 1) for item in o.kv_layout.split(","))
-            return KvLayout(int(parts["num_layers"]), int(parts["kv_factor"]), int(parts["block_elems"]), dtype), None
-        except (KeyError, ValueError):
-            return NamespaceUnknown("kv_layout", f"cannot parse [namespace] kv_layout={o.kv_layout!r}; expected "
-                                    "'num_layers=N,kv_factor=2,block_elems=E'")
+    if o.kv_layout:  # checked when the settings were loaded
+        return KvLayout(*kv_layout_dims(o.kv_layout), dtype), None
     if harness is not None:
         return _rank_layout(harness.num_layers, harness.num_kv_heads, harness.head_dim, tpb, dtype, tp_size)
     adapted = getattr(llm_args, "semkv_kv_layout", None)  # another engine's adapter knows its pool exactly

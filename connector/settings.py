@@ -41,12 +41,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError,
+                               TomlConfigSettingsSource)
 
 from connector.discovery.settings import DiscoverySettings
+from ledger.settings_errors import explain_settings_error
 from ledger.types import FreshnessPolicy
 
-__all__ = ["CONFIG_ENV", "ENV_PREFIX", "ConnectorConfigError", "ConnectorSettings", "NamespaceOverrides", "ProfitSettings",
+__all__ = ["CONFIG_ENV", "ENV_PREFIX", "ConnectorConfigError", "ConnectorSettings", "NamespaceOverrides", "ProfitSettings", "kv_layout_dims",
            "load_connector_settings", "setting_origin"]
 
 ENV_PREFIX = "TRTLLM_SEMKV_"
@@ -58,6 +60,26 @@ _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("semk
 
 class ConnectorConfigError(ValueError):
     """The connector's settings are invalid; the message names the setting (raised at start-up)."""
+
+
+def kv_layout_dims(text: str) -> tuple[int, int, int]:
+    """``(num_layers, kv_factor, block_elems)`` of a ``[namespace] kv_layout`` string such as
+    ``"num_layers=32,kv_factor=2,block_elems=4096"`` (one rank's pool: layers, K and V or one latent,
+    elements per block per layer and factor).
+
+    Raises:
+        ValueError: not exactly those three keys, a value that is not a positive integer, or a
+            ``kv_factor`` other than 1 or 2.
+    """
+    expected = "expected 'num_layers=N,kv_factor=2,block_elems=E' (positive integers; kv_factor 1 or 2)"
+    try:
+        parts = dict(item.strip().split("=", 1) for item in text.split(","))
+        dims = tuple(int(parts.pop(key)) for key in ("num_layers", "kv_factor", "block_elems"))
+    except (KeyError, ValueError):
+        raise ValueError(f"cannot parse kv_layout={text!r}; {expected}") from None
+    if parts or min(dims) < 1 or dims[1] > 2:
+        raise ValueError(f"kv_layout={text!r}: {expected}")
+    return dims  # type: ignore[return-value]
 
 
 class NamespaceOverrides(BaseModel):
@@ -77,6 +99,13 @@ class NamespaceOverrides(BaseModel):
     """KV cache dtype, e.g. ``bfloat16``, ``fp8``; required when llm_args only says ``auto``."""
     kv_layout: str | None = None
     """``"num_layers=32,kv_factor=2,block_elems=4096"`` for this rank; default from the model config."""
+
+    @field_validator("kv_layout")
+    @classmethod
+    def _kv_layout_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            kv_layout_dims(value)
+        return value
     attention_backend: str | None = None
     """Token layout inside a block depends on it (NHD/HND); default ``llm_args.attn_backend``."""
     tokenizer: str | None = None
@@ -403,6 +432,8 @@ def load_connector_settings(overrides: Mapping[str, Any] | None = None, *,
         return ConnectorSettings(**values)
     except ValidationError as exc:
         raise ConnectorConfigError(_describe(exc, path, values)) from None
+    except SettingsError as exc:  # a list or table from the environment that is not JSON
+        raise ConnectorConfigError(f"invalid connector setting: {explain_settings_error(exc, ENV_PREFIX)}") from None
     except Exception as exc:  # TOML syntax errors, bad URLs (LedgerError): name the source
         where = f" (config file {path})" if path else ""
         raise ConnectorConfigError(f"invalid connector settings{where}: {' '.join(str(exc).split())}") from None

@@ -449,10 +449,12 @@ def consume_command(
 ) -> None:
     """``semkv-ledger consume``: see ``_CONSUME_HELP`` and :func:`consumer.daemon.serve`."""
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from consumer.daemon import serve
     from consumer.metrics import MetricsServerError
-    from consumer.settings import load_settings
+    from consumer.settings import ENV_PREFIX, load_settings
+    from ledger.settings_errors import explain_settings_error
 
     overrides = {"db": db, "metrics_port": metrics_port, "metrics_host": metrics_host, "record": record,
                  "batch_max_events": batch_max_events, "batch_max_delay_ms": batch_max_delay_ms,
@@ -473,6 +475,9 @@ def consume_command(
                                  cli_source=flag_source if engine_id is not None else None)
     except ValidationError as exc:
         typer.echo(f"error: {_one_line(exc, lambda name: _origin(name, overrides, config))}", err=True)
+        raise typer.Exit(2) from exc
+    except SettingsError as exc:
+        typer.echo(f"error: {explain_settings_error(exc, ENV_PREFIX)}", err=True)
         raise typer.Exit(2) from exc
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -77,7 +77,7 @@ import zmq.asyncio
 from consumer.capture import CaptureWriter
 from consumer.curve import CurveError, CurveKeys, ZapAuthorizer, exposure_warning, metrics_exposure_warning
 from consumer.metrics import ConsumerMetrics, MetricsServer
-from consumer.settings import ConsumerSettings, SourceSettings
+from consumer.settings import ConsumerSettings, SourceSettings, unknown_env_settings
 from consumer.source import Item, Source
 from ledger.block_index import BlockIndexFollower, IndexAhead
 from ledger.errors import (ConfigurationError, LedgerError, LedgerUnwritable, PersistenceError, SchemaOutOfDate,
@@ -623,6 +623,9 @@ def serve(settings: ConsumerSettings, *, migrate: bool = False, exit_when_idle_s
 
     configure_json_logging(settings.log_level)
     log = structlog.get_logger("consumer.daemon")
+    if typos := unknown_env_settings():
+        log.warning("settings.unknown_env", variables=typos,
+                    detail="these SEMKV_* variables name no consume setting and are ignored")
     daemon = Daemon(settings, exit_when_idle_s=exit_when_idle_s)
     try:
         if migrate:

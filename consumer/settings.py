@@ -33,6 +33,7 @@ public key). ``docs/consume-settings.md`` is generated from this model: ``python
 from __future__ import annotations
 
 import contextvars
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -49,9 +50,12 @@ from ledger.db import DEFAULT_DB
 from ledger.types import BlockKeyScheme
 from ledger.settings_doc import default_text, markdown_cell
 
-__all__ = ["DEFAULT_ENDPOINT", "ConsumerSettings", "SourceSettings", "check_tcp_endpoint", "load_settings"]
+__all__ = ["DEFAULT_ENDPOINT", "ENV_PREFIX", "ConsumerSettings", "SourceSettings", "check_tcp_endpoint", "load_settings",
+           "unknown_env_settings"]
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+ENV_PREFIX = "SEMKV_"
+"""The prefix of every consume setting's environment variable (``SEMKV_DB``, ``SEMKV_SOURCES`` …)."""
 MIB = 2**20
 _TRANSPORTS = ("tcp://", "ipc://", "inproc://")
 _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("semkv_config_file", default=None)
@@ -136,7 +140,7 @@ class SourceSettings(BaseModel):
 class ConsumerSettings(BaseSettings):
     """Everything ``semkv-ledger consume`` needs. Units are in the field names."""
 
-    model_config = SettingsConfigDict(env_prefix="SEMKV_", env_nested_delimiter="__", frozen=True,
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", frozen=True,
                                       extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False,
                                       env_ignore_empty=True)  # VAR= means unset
 
@@ -286,6 +290,20 @@ def load_settings(
     if not settings.sources:
         raise _no_source_error()
     return settings
+
+
+_OTHER_ENV = frozenset({"SEMKV_CURVE_SECRET_KEY"})
+"""``SEMKV_*`` variables ``consume`` reads that are not settings (flags' environment variables)."""
+
+
+def unknown_env_settings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``SEMKV_*`` variables of ``environ`` (default ``os.environ``) that name no consume setting:
+    pydantic-settings ignores them, so a typo (``SEMKV_BATCH_MAX_EVENT``) leaves the default in
+    force without a word. A variable under a table (``SEMKV_SOURCES__…``) counts as its table's."""
+    env = os.environ if environ is None else environ
+    fields = {ENV_PREFIX + name.upper() for name in ConsumerSettings.model_fields}
+    return sorted(name for name in env if name.upper().startswith(ENV_PREFIX) and name.upper() not in _OTHER_ENV
+                  and name.upper().split("__", 1)[0] not in fields)
 
 
 def _no_source_error() -> Exception:

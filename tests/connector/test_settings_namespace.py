@@ -12,7 +12,7 @@ import pytest
 from connector.harness import HarnessLlmArgs, KvCacheConfig, LlmRequest, ModelConfig
 from connector.namespace import DeploymentNamespace, NamespaceUnknown, content_keys, prefix_keys, probe_key, salt_id, without_multimodal
 from connector.plan import ConnectorMetadata, LoadPlan, SaveInstruction
-from connector.settings import ConnectorConfigError, NamespaceOverrides, load_connector_settings
+from connector.settings import ConnectorConfigError, NamespaceOverrides, kv_layout_dims, load_connector_settings
 
 CFG = ModelConfig()
 ARGS = HarnessLlmArgs(model=CFG.name, harness_model_config=CFG, kv_cache_config=KvCacheConfig(), max_seq_len=4096,
@@ -301,3 +301,21 @@ def test_non_finite_connector_settings_are_refused(monkeypatch) -> None:
             env.setenv(f"TRTLLM_SEMKV_{name}", value)
             with pytest.raises(ConnectorConfigError, match="finite number"):
                 load_connector_settings({}, environ={})
+
+
+def test_a_kv_layout_that_does_not_parse_is_refused_at_load() -> None:
+    """``kv_layout = "garbage"`` passed connector-check; the engine then treated every request's
+    namespace as unknown (nothing materialized, one log line). Now refused where the settings load."""
+    for bad in ("garbage", "num_layers=32,kv_factor=2", "num_layers=32,kv_factor=3,block_elems=4096",
+                "num_layers=0,kv_factor=2,block_elems=4096", "num_layers=32,kv_factor=2,block_elems=4096,x=1"):
+        with pytest.raises(ConnectorConfigError, match="namespace.kv_layout"):
+            load_connector_settings({"namespace": {"kv_layout": bad}}, environ={})
+    settings = load_connector_settings({"namespace": {"kv_layout": "num_layers=32, kv_factor=1, block_elems=576"}},
+                                       environ={})
+    assert kv_layout_dims(settings.namespace.kv_layout) == (32, 1, 576)
+
+
+def test_a_table_from_the_environment_that_is_not_json_is_named(monkeypatch) -> None:
+    monkeypatch.setenv("TRTLLM_SEMKV_DISCOVERY", "{enabled: true}")
+    with pytest.raises(ConnectorConfigError, match="TRTLLM_SEMKV_DISCOVERY is not valid JSON: Expecting property name"):
+        load_connector_settings({}, environ={})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import signal
 import socket
 import sqlite3
@@ -24,7 +25,7 @@ import msgspec
 import pytest
 from pydantic import ValidationError
 
-from consumer.settings import load_settings
+from consumer.settings import load_settings, unknown_env_settings
 from tests.integration.consumer.daemon_support import (
     DaemonRun,
     FaultPublisher,
@@ -220,6 +221,25 @@ def test_consume_refuses_a_port_out_of_range_in_one_line_exit_2(tmp_path):
     assert result.returncode == 2
     line = _error_line(result)
     assert line.startswith("error: ") and "99999" in line and "1..65535" in line
+
+
+
+def test_consume_says_sources_from_the_environment_are_json(tmp_path):
+    """``SEMKV_SOURCES=A=tcp://…`` got pydantic-settings' 'error parsing value for field "sources" from
+    source "EnvSettingsSource"', which names neither the variable nor JSON."""
+    result = subprocess.run([*CLI, "consume", "--db", str(tmp_path / "x.db")], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "SEMKV_SOURCES": "A=tcp://127.0.0.1:5557"})
+    assert result.returncode == 2
+    line = _error_line(result)
+    assert line.startswith("error: SEMKV_SOURCES is not valid JSON: Expecting value") and "is JSON" in line
+
+
+
+def test_a_semkv_variable_naming_no_setting_is_reported():
+    """``SEMKV_BATCH_MAX_EVENT=64`` (a typo) left the default 1024 in force without a word."""
+    env = {"SEMKV_BATCH_MAX_EVENT": "64", "SEMKV_BATCH_MAX_EVENTS": "64", "SEMKV_SOURCES__0__ENGINE_ID": "e",
+           "SEMKV_CURVE_SECRET_KEY": "k", "PATH": "/bin"}
+    assert unknown_env_settings(env) == ["SEMKV_BATCH_MAX_EVENT"]
 
 
 if __name__ == "__main__":  # pragma: no cover
