@@ -180,11 +180,13 @@ def v1_block_keys(
     tokens_per_block: int,
     num_blocks: int,
     *,
+    parent_hash: int = 0,
     lora_task_id: int | None = None,
     cache_salt_id: int | None = None,
 ) -> list[int]:
     """The chained :func:`v1_block_key` hashes of the first ``num_blocks`` full blocks of
-    ``token_ids`` (root parent 0), the token terms computed in one numpy pass.
+    ``token_ids``, the first block's parent ``parent_hash`` (0: the root), the token terms computed
+    in one numpy pass.
 
     Raises:
         ValueError: ``token_ids`` holds fewer than ``num_blocks * tokens_per_block`` ids.
@@ -192,7 +194,7 @@ def v1_block_keys(
     if len(token_ids) < num_blocks * tokens_per_block:
         raise ValueError(f"{num_blocks} blocks of {tokens_per_block} need more than {len(token_ids)} token ids")
     terms = _token_terms(token_ids[: num_blocks * tokens_per_block])
-    parent, hashes = 0, []
+    parent, hashes = parent_hash, []
     for start in range(0, num_blocks * tokens_per_block, tokens_per_block):
         parent = _fold_terms(_block_seed(tokens_per_block, parent, cache_salt_id),
                              terms[start : start + tokens_per_block])

@@ -6,8 +6,9 @@ Why: placement advice (a request's TensorRT-LLM block keys), donor registration 
 replica, charged to every harness engine's TTFT) all hash token ids with it
 (tools/results/block-keys-DATE.md).
 
-Rows: ``block_hash_chain`` of a 2K and a 32K-token prompt (the advice path), and one 32-token
-``v1_block_key`` after another with its parent (the harness's per-block commit).
+Rows: ``block_hash_chain`` of a 2K and a 32K-token prompt (the advice path); one 32-token
+``v1_block_key`` after another with its parent (the harness's per-block store); the harness's
+``RequestData.block_hashes`` of a new request (the per-block loop before, ``v1_block_keys`` now).
 
 Usage: ``python tools/bench_block_keys.py --baseline REV [--rounds 5] [--out FILE]``.
 """
@@ -56,11 +57,17 @@ def workloads(module: ModuleType, tokens_2k: list[int], tokens_32k: list[int]) -
             out.append(parent)
         return out
 
+    def harness_commit() -> list[int]:  # connector/harness/kv_cache_manager.py: block_hashes of a new request
+        if hasattr(module, "v1_block_keys"):
+            return module.v1_block_keys(tokens_2k, TPB, len(tokens_2k) // TPB)
+        return per_block()  # the harness before v1_block_keys
+
     return {
         "block_hash_chain, 2K tokens": lambda: module.block_hash_chain(tokens_2k, TPB),
         "block_hash_chain, 32K tokens": lambda: module.block_hash_chain(tokens_32k, TPB),
         "block_hash_chain, 2K tokens, cache_salt": lambda: module.block_hash_chain(tokens_2k, TPB, cache_salt="t"),
         "v1_block_key per 32-token block, 2K tokens": per_block,
+        "harness: RequestData.block_hashes of a new 2K-token request": harness_commit,
     }
 
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from connector.block_keys import cache_salt_id as compute_cache_salt_id
-from connector.block_keys import chop_into_blocks, v1_block_key
+from connector.block_keys import chop_into_blocks, v1_block_key, v1_block_keys
 from .events import EventShape, KvEventBuffer
 from .retention import DEFAULT_RETENTION_PRIORITY, KvCacheRetentionConfig, per_block_priorities
 
@@ -271,10 +271,10 @@ class KVCacheManager:
         Committed once per block and cached on the sequence, as the C++ side sets ``mHash`` once.
         """
         tpb, done = self.tokens_per_block, seq.committed_hashes
-        while (len(done) + 1) * tpb <= len(seq.tokens):
-            block = seq.tokens[len(done) * tpb : (len(done) + 1) * tpb]
-            done.append(v1_block_key(block, done[-1] if done else 0, lora_task_id=seq.lora_task_id,
-                                     cache_salt_id=seq.cache_salt_id))
+        new_blocks = len(seq.tokens) // tpb - len(done)
+        if new_blocks > 0:
+            done += v1_block_keys(seq.tokens[len(done) * tpb :], tpb, new_blocks, parent_hash=done[-1] if done else 0,
+                                  lora_task_id=seq.lora_task_id, cache_salt_id=seq.cache_salt_id)
         return list(done)
 
     def read_stored_block(self, block_hash: int) -> torch.Tensor | None:

@@ -126,6 +126,8 @@ def test_v1_block_keys_is_the_chain_of_v1_block_key() -> None:
             expected.append(parent)
         assert v1_block_keys(tokens, 32, 9, lora_task_id=lora, cache_salt_id=salt) == expected
         assert v1_block_keys(np.asarray(tokens), 32, 9, lora_task_id=lora, cache_salt_id=salt) == expected
+        assert v1_block_keys(tokens[96:], 32, 3, parent_hash=expected[2], lora_task_id=lora,
+                             cache_salt_id=salt) == expected[3:6]  # a chain continued: the salt only at the root
     assert v1_block_keys(tokens, 32, 0) == []
     with pytest.raises(ValueError, match="need more than"):
         v1_block_keys(tokens[:63], 32, 2)
