@@ -140,8 +140,27 @@ def persistence_error(exc: BaseException) -> PersistenceError:
     if code is not None:
         return PersistenceError(message, transient=code in _SQLITE_TRANSIENT)
     transient = (isinstance(exc, (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError))
-                 or bool(getattr(exc, "connection_invalidated", False)))
+                 or bool(getattr(exc, "connection_invalidated", False)) or sqlstate.startswith(_PG_TRANSIENT))
     return PersistenceError(message, transient=transient)
+
+
+_PG_TRANSIENT = ("08", "53", "57P01", "57P02", "57P03", "40001", "40P01", "55000")
+"""PostgreSQL SQLSTATEs worth a retry (postgresql.org/docs/current/errcodes-appendix.html): class 08
+(connection exception), class 53 (insufficient resources: too many connections, disk full), the
+server shutting down or starting (57P01–57P03), serialization failure and deadlock (40001, 40P01),
+and 55000, which a server answers a new connection with while the database does not accept
+connections (``ALTER DATABASE … ALLOW_CONNECTIONS false``)."""
+
+
+def unreached_error(exc: BaseException) -> PersistenceError:
+    """The ledger's error for one a driver raised untranslated while connecting (asyncpg raises
+    its own errors and ``ConnectionRefusedError`` outside SQLAlchemy's wrapping, see
+    :func:`is_database_error`): transient when the server could not be reached or refused the
+    connection for now (network errors, the SQLSTATEs of :data:`_PG_TRANSIENT`). Raise it ``from exc``."""
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    transient = (isinstance(exc, (ConnectionError, TimeoutError)) or sqlstate.startswith(_PG_TRANSIENT)
+                 or (isinstance(exc, OSError) and exc.errno in _NETWORK_ERRNOS))
+    return PersistenceError(f"{type(exc).__name__}: {one_line(str(exc))}", transient=transient)
 
 
 _DRIVER_MODULES = ("sqlite3", "psycopg", "asyncpg", "aiosqlite")

@@ -51,7 +51,7 @@ from ledger import recorder, writer_process
 from ledger.db import async_engine, backend_of, sync_engine
 from ledger import events as ev
 from ledger.decide import BATCH_ROW_INDEX, AppendResult
-from ledger.errors import LedgerError, PersistenceError, is_database_error, one_line, persistence_error
+from ledger.errors import LedgerError, PersistenceError, is_database_error, persistence_error, unreached_error
 from ledger.migrate import check_schema
 from ledger.schema import LogRow, SourceRow
 from ledger.sqlite_writer import FileId, SQLiteWriterConnection, check_writable, ledger_path
@@ -122,9 +122,7 @@ class LedgerWriter:
             await writer.close()
             if isinstance(exc, LedgerError) or not is_database_error(exc):
                 raise
-            # asyncpg raises its own errors (and ConnectionRefusedError) untranslated while connecting
-            raise PersistenceError(f"{type(exc).__name__}: {one_line(str(exc))}",
-                                   transient=isinstance(exc, (ConnectionError, TimeoutError))) from exc
+            raise unreached_error(exc) from exc
         return writer
 
     async def append(self, items: Sequence[recorder.Input], *, now: float | None = None) -> AppendResult:
@@ -142,6 +140,10 @@ class LedgerWriter:
             return await self._runner.append(items, now)
         except SQLAlchemyError as exc:
             raise persistence_error(exc) from exc
+        except Exception as exc:
+            if isinstance(exc, LedgerError) or not is_database_error(exc):
+                raise
+            raise unreached_error(exc) from exc  # a server gone while the consumer runs: retried
 
     @property
     def mode(self) -> str:
