@@ -510,6 +510,11 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             self.saves.forget(state)
 
     # ============================================================ lifecycle
+    def donor_view_seq(self) -> int | None:
+        """The ledger log seq the donor view reflects (-1 before its load; None without a view):
+        lookups see every donor registered at or before it."""
+        return self.spans.view.cursor if self.spans.view is not None else None
+
     def sync_view(self) -> None:
         """Catch the donor view up with the ledger, and re-check the store's verified entries, now
         instead of at their next periodic runs (tests that need a change they just made seen; no-op

@@ -80,6 +80,10 @@ class _DemoEngine:
                 "num_connector_tokens": result.num_connector_tokens, "token_ids": list(result.token_ids),
                 "prefill_seconds": result.prefill_seconds, "last_seq": self.pump()}
 
+    def donor_view_seq(self) -> int | None:
+        """The ledger seq this engine's connector's donor view reflects (refreshed in the background)."""
+        return self.llm.connector.scheduler.donor_view_seq()
+
     def compare_with_native(self, prefix: list[int]) -> dict[str, Any]:
         """Recompute the last request on a connector-less engine whose device cache holds ``prefix``
         (TensorRT-LLM's own reuse path): prefill logits must be bit-identical."""

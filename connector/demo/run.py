@@ -38,14 +38,14 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 
 from connector.demo.engine_process import TOPIC, engine_main
 from connector.demo.expected import RECORDING, recording_facts
 from ledger.db import sync_engine
 from ledger.migrate import upgrade
 from ledger.replay import replay
-from ledger.schema import SourceRow
+from ledger.schema import LogRow, SourceRow
 from ledger.stats import ledger_stats
 from ledger.views import id_column, output_console, print_stats
 
@@ -152,6 +152,15 @@ class Demo:
             engine.dispose()
         return None if row is None else (row.epoch, row.last_seq)
 
+    def log_head(self) -> int:
+        """The ledger's last log seq (-1: empty)."""
+        engine = sync_engine(self.db)
+        try:
+            with engine.connect() as conn:
+                return conn.execute(select(func.max(LogRow.__table__.c.seq))).scalar() or -1
+        finally:
+            engine.dispose()
+
     def wait_for(self, what: str, predicate: Callable[[], bool], timeout_s: float = SYNC_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while not predicate():
@@ -221,6 +230,9 @@ class Demo:
         self.step(f"A serves document D ({len(doc)} tokens) + question 1")
         first = a.call("generate", doc + q1, 4, None)
         self.synced(a, first["last_seq"])
+        head = self.log_head()  # A's donor and its blocks are in the ledger: B's connector must see them
+        self.wait_for("B's donor view to reach the ledger's head (it refreshes in the background)",
+                      lambda: _at_least(b.call("donor_view_seq"), head))
         self.step("B serves D + question 2 (the connector should materialize D from A's donor)")
         warm = b.call("generate", doc + q2, 4, None)
         parity = b.call("compare_with_native", doc + q1)
@@ -268,6 +280,11 @@ class Demo:
             if process.poll() is None:
                 process.kill()
                 process.wait(10)
+
+
+def _at_least(view_seq: int | None, seq: int) -> bool:
+    """A donor view at ``seq`` or later (None: no view, lookups read the ledger itself)."""
+    return view_seq is None or view_seq >= seq
 
 
 def _tokens(n: int, seed: int) -> list[int]:
