@@ -209,6 +209,7 @@ class Source:
         self._restart_logged = False  # ...and the restart was already reported to the ledger (GapReport)
         self._describe = source.block_key_scheme  # carried by the first batch passed on, then None
         self._replayed = 0  # replayed batches passed on (not dropped as duplicates)
+        self._probe_gaps: int | None = None  # during a probe: gaps its answer showed (no live batch counted them)
         self.tracker = SeqTracker(position.last_seq if position else None, settings.dedup_window_batches,
                                   position.last_digest if position else None)
         self._m = metrics
@@ -438,11 +439,16 @@ class Source:
             start = last if judge or self._resume_pending else last + 1
         self._resume_pending = False  # without a digest, the ledger's last batch is re-requested once
         self._verdict = "pending" if judge else None
-        replayed_before = self._replayed
-        result = await self.replay(start)
+        replayed_before, self._probe_gaps = self._replayed, 0
+        try:
+            result = await self.replay(start)
+        finally:
+            probe_gaps, self._probe_gaps = self._probe_gaps, None
         restarted, self._verdict = self._verdict == "restart" and start > 0, None
         self._probed_at = time.monotonic()
         self._m.replay_probes.labels(**self._labels).inc()
+        if probe_gaps:  # what it was asked for (everything after last_seq) came with a hole: a partial replay
+            self._m.replays.labels(**self._labels, outcome="partial").inc()
         gone = judge and result.empty  # the batch at last_seq, held before, is no longer held: a restart
         if gone:
             self.log.warning("source.restart_found_by_empty_replay", last_seq=last,
@@ -487,6 +493,9 @@ class Source:
             kind = "next"  # the ledger's last batch, digest unknown here: the ledger judges
         self._m.replayed_batches.labels(**self._labels).inc()
         self._replayed += 1
+        if kind == "gap" and self._probe_gaps is not None:  # seen in a probe's answer, not by a live batch
+            self._probe_gaps += 1
+            self._m.gaps_seen.labels(**self._labels).inc()
         await self._admit(item, frames, kind)
 
     async def _admit(self, item: ReceivedBatch, frames: list[bytes], kind: Kind) -> None:

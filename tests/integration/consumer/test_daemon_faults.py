@@ -81,6 +81,32 @@ async def test_dropped_beyond_replay_buffer_is_a_gap_and_quarantine(tmp_path):
     assert replay(db).equal
 
 
+async def test_a_gap_found_by_a_restarted_consumers_probe_is_counted_as_seen_and_partial(tmp_path):
+    """The consumer stopped at seq 9; while it was down the engine published 10..39 and its replay
+    buffer kept only the last 5. The restarted consumer's start-up probe finds the hole: the ledger
+    records it (``semkv_consumer_gaps_total``), and so must the source's own counters, which the
+    dashboard's gap panel and the replay alert read (before: ``seq_gaps_total`` 0, no replay counted)."""
+    db, path = migrated_db(tmp_path)
+    make = PayloadMaker()
+    with FaultPublisher(buffer_steps=5) as pub:
+        async with DaemonRun(settings_for(db, source_of(pub))) as run:
+            await subscribed(pub, run)
+            for seq in range(10):
+                pub.publish(seq, make(seq))
+            await wait_until(lambda: run.daemon.stats.batches == 10, what="first 10")
+            await run.stop()
+        for seq in range(10, 40):
+            pub.publish(seq, make(seq))  # nobody subscribed: only the replay buffer keeps the last 5
+        async with DaemonRun(settings_for(db, source_of(pub))) as run:
+            await wait_until(lambda: run.daemon.stats.batches == 5, what="the 5 the buffer held")
+            await run.stop()
+    assert ledger_counts(path).gaps() == {"seq_gap": 1}
+    assert run.metric("semkv_consumer_gaps_total", engine_id=ENGINE, reason="seq_gap") == 1
+    assert run.metric("semkv_consumer_seq_gaps_total", engine_id=ENGINE) == 1
+    assert run.metric("semkv_consumer_replays_total", engine_id=ENGINE, outcome="partial") == 1
+    assert replay(db).equal
+
+
 async def test_duplicated_and_reordered_batches_with_replay(tmp_path):
     db, path = migrated_db(tmp_path)
     make = PayloadMaker("trt")
