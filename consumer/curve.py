@@ -354,6 +354,21 @@ HINTS: dict[str, str] = {
     "mechanism_mismatch": "one side uses CURVE and the other does not",
     "protocol": "ZMTP protocol error during the handshake",
 }
+"""What a refused handshake means on a CURVE socket, by reason."""
+
+PLAIN_HINTS: dict[str, str] = {
+    "no_detail": "the peer closed the connection during the handshake: it is not a ZMQ publisher (a wrong "
+                 "host or port?), or it requires CURVE",
+    "protocol": "the peer does not speak ZMTP: not a ZMQ socket (a wrong host or port?)",
+    "mechanism_mismatch": "the peer uses CURVE: give this source curve_publisher_key and the consumer "
+                          "curve_secret_key",
+}
+"""The same on a socket without CURVE, where no key can be wrong (other reasons: :data:`HINTS`)."""
+
+
+def hint(reason: str, *, curve: bool) -> str:
+    """The operator's hint for a refused handshake of ``reason`` on a socket with or without CURVE."""
+    return HINTS[reason] if curve else PLAIN_HINTS.get(reason, HINTS[reason])
 
 
 # --- exposure --------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ import zmq
 import zmq.asyncio
 
 from consumer.capture import CaptureWriter
-from consumer.curve import HINTS, CurveKeys, RefusalLogGate, classify, monitor
+from consumer.curve import CurveKeys, RefusalLogGate, classify, hint, monitor
 from consumer.metrics import ConsumerMetrics
 from consumer.settings import ConsumerSettings, SourceSettings
 from consumer.wire import WireLimits, decode_message, is_end_marker, pack_seq
@@ -673,7 +673,7 @@ class Source:
                 self.log.warning("source.handshake_refused", socket=label, reason=event.reason,
                                  endpoint=event.endpoint, refused_on_socket=on_socket,
                                  refused_total=self.handshakes_refused,
-                                 hint=HINTS[str(event.reason)])
+                                 hint=hint(str(event.reason), curve=self._curve is not None))
 
 
 def seq_carrying_letter_as_batch(item: ReceivedBatch | DeadLetter, frames: list[bytes]) -> ReceivedBatch | DeadLetter:

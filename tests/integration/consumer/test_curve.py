@@ -313,3 +313,38 @@ async def test_healthz_is_degraded_while_handshakes_are_refused_and_sub_refusals
     assert source["degraded"] and source["messages"] == 0
     refused = [e for e in logs if e["event"] == "source.handshake_refused"]
     assert {e["socket"] for e in refused} == {"sub", "replay"}, refused
+
+
+async def test_a_peer_that_is_no_zmq_publisher_is_not_called_a_key_problem(tmp_path: Path) -> None:
+    """No CURVE configured and the endpoint is a TCP port that closes every connection (another
+    service, a wrong port): the refusal's hint says so instead of naming keys nobody configured."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    stop = threading.Event()
+
+    def close_every_connection() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=close_every_connection, daemon=True).start()
+    db, _ = migrated_db(tmp_path)
+    endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with structlog.testing.capture_logs() as logs:
+            async with DaemonRun(settings_for(db, {"engine_id": ENGINE, "endpoint": endpoint})) as run:
+                await wait_until(lambda: any(e["event"] == "source.handshake_refused" for e in logs), 30, "a refusal")
+                await run.stop()
+    finally:
+        stop.set()
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+    refused = [e for e in logs if e["event"] == "source.handshake_refused"]
+    assert all("not a ZMQ publisher" in e["hint"] and "secret key" not in e["hint"] for e in refused), refused
