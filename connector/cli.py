@@ -101,6 +101,10 @@ def connector_check(
 
     for name in unknown_env_settings(environ):
         typer.echo(f"warning: {name} names no connector setting: ignored (docs/connector-settings.md)", err=True)
+    if settings.engine_id is None and settings.mode != "discovery_only":
+        typer.echo("warning: engine_id is not set: this engine never registers donors of its own (it can still "
+                   "load other engines'); set it per host (engine_id in the TOML, or TRTLLM_SEMKV_ENGINE_ID) to the "
+                   "consumer's [[sources]] engine_id for this engine", err=True)
 
     if settings.discovery.enabled:  # the engine resolves its providers at start-up, and fails on one it cannot
         from connector.discovery.registry import resolve_provider

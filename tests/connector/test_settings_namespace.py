@@ -319,3 +319,23 @@ def test_a_table_from_the_environment_that_is_not_json_is_named(monkeypatch) -> 
     monkeypatch.setenv("TRTLLM_SEMKV_DISCOVERY", "{enabled: true}")
     with pytest.raises(ConnectorConfigError, match="TRTLLM_SEMKV_DISCOVERY is not valid JSON: Expecting property name"):
         load_connector_settings({}, environ={})
+
+
+def test_connector_check_warns_when_a_materializing_engine_has_no_engine_id(tmp_path, sqlite_db) -> None:
+    """The docs' fleet example had no engine_id (it differs per host) and connector-check said
+    "ready": such an engine never registers a donor of its own."""
+    import typer
+    from typer.testing import CliRunner
+
+    from connector.cli import register
+
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    for mode, engine_id, warned in (("exact_equivalent", "", True), ("exact_equivalent", 'engine_id = "e"\n', False),
+                                    ("discovery_only", "", False)):
+        config = tmp_path / f"{mode}-{warned}.toml"
+        config.write_text(f'mode = "{mode}"\n{engine_id}db = "{sqlite_db}"\nstore_dir = "{tmp_path / "s"}"\n')
+        result = CliRunner().invoke(app, ["connector-check", "--config", str(config)])
+        assert result.exit_code == 0 and "connector ready" in result.output, result.output
+        assert ("warning: engine_id is not set" in result.output) == warned, result.output
