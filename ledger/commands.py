@@ -31,7 +31,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from ledger.backends.base import ReadOnlyOpen
 from ledger.cli import HelpCommand, app
 from ledger.db import DEFAULT_DB, write_refusal
-from ledger.errors import LedgerError, database_error_line, is_database_error, one_line, url_for_humans
+from ledger.errors import (LedgerError, PersistenceError, database_error_line, is_database_error, is_transient,
+                           one_line, url_for_humans)
 from ledger.views import count, id_column, output_console
 
 DbOption = Annotated[str, typer.Option("--db", envvar="SEMKV_DB", help="Ledger database: a SQLite file path, "
@@ -362,12 +363,25 @@ def index(
         with _progress_bar(enabled=not json_out and sys.stderr.isatty()) as bar:
             progress = None if bar is None else _mover(bar, bar.add_task("indexing the log", total=None))
             done = follower.catch_up(progress=progress)
+            failing_since: float | None = None
             while follow and not stop.is_set():  # as the consumer's follower: when quiet or too far behind, paced
                 window_started = time.perf_counter()
-                if follower.step_when_quiet(done, max_lag_seqs=max_lag_seqs):
-                    stop.wait(time.perf_counter() - window_started)
-                else:
+                try:
+                    stepped = follower.step_when_quiet(done, max_lag_seqs=max_lag_seqs)
+                except PersistenceError as exc:  # the database gone meanwhile: the index waits, as the consumer's
+                    if not is_transient(exc):
+                        raise
+                    if failing_since is None:
+                        print(f"warning: {url_for_humans(db)}: {one_line(str(exc))}; retrying every {interval_s:g} s",
+                              file=sys.stderr)
+                        failing_since = time.monotonic()
                     stop.wait(interval_s)
+                    continue
+                if failing_since is not None:
+                    print(f"note: the ledger answers again after {time.monotonic() - failing_since:.0f} s",
+                          file=sys.stderr)
+                    failing_since = None
+                stop.wait(time.perf_counter() - window_started if stepped else interval_s)
         done.seconds = time.perf_counter() - started
     if json_out:
         print(json.dumps(dataclasses.asdict(done)))

@@ -370,6 +370,43 @@ def test_index_follow_stops_at_a_signal_without_waiting_out_its_interval(sqlite_
     assert json.loads(out)["watermark"] == head
 
 
+def test_index_follow_waits_out_a_postgresql_outage(postgres_db: str) -> None:
+    """``index --follow`` on a fleet ledger whose server goes away (a relay in front of it stopped,
+    then started): it warns once, retries every interval and goes on when the server is back
+    (it exited 2 at the first failed look), then stops at SIGTERM with exit 0."""
+    from tests.integration.consumer.test_postgres_outage import relayed
+
+    record(postgres_db, *_history())
+    with relayed(postgres_db) as (db, relay):
+        proc = subprocess.Popen([sys.executable, "-m", "ledger", "index", "--db", db, "--follow", "--interval-s", "0.2",
+                                 "--json"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            head = head_of(postgres_db)
+            engine = sync_engine(postgres_db)
+            try:
+                while True:
+                    with engine.connect() as conn:
+                        if index_state(conn).watermark == head:
+                            break
+                    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                    time.sleep(0.05)
+            finally:
+                engine.dispose()
+            relay.stop()
+            time.sleep(2.0)  # several looks at the log fail meanwhile
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            relay.start()
+            time.sleep(2.0)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, err
+    assert err.count("warning: ") == 1 and "retrying every 0.2 s" in err and "the ledger answers again" in err, err
+    assert json.loads(out)["watermark"] == head
+
+
 @pytest.mark.parametrize("interval", ["inf", "nan", "0", "-1"])
 def test_index_refuses_an_interval_that_is_not_a_positive_number(sqlite_db: str, interval: str) -> None:
     done = _cli("index", "--db", sqlite_db, "--follow", "--interval-s", interval)
