@@ -268,8 +268,8 @@ def inspect(
     ident: Annotated[str, typer.Argument(help="engine id, donor id, or block hash (decimal, 0x…, or 64 hex chars)")],
     db: DbOption = DEFAULT_DB,
     limit: Annotated[int, typer.Option(help="At most this many log rows (newest).", min=1, max=1_000_000)] = 200,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: kind, id and every log row "
-                                           "with its full decoded body (block hashes as decimal integers, "
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: kind, id, truncated (older rows "
+                                           "than --limit exist) and every log row shown with its full decoded body (block hashes as decimal integers, "
                                            "wide ones as 64 hex chars).")] = False,
 ) -> None:
     """Show one item's history from the log.
@@ -291,17 +291,20 @@ def inspect(
     with _reading(db) as conn, _progress_bar(enabled=kind == "block" and not json_out and sys.stderr.isatty()) as bar:
         if kind == "block":
             progress = None if bar is None else _mover(bar, bar.add_task("searching the log after the index", total=None))
-            lookup = find_block(conn, parse_hash(ident), limit, progress)
+            lookup = find_block(conn, parse_hash(ident), limit + 1, progress)
             rows = lookup.rows
         else:
-            rows = history(conn, kind, ident, limit)
+            rows = history(conn, kind, ident, limit + 1)
+    truncated = len(rows) > limit  # one more row than shown was asked for: there are older ones
+    rows = rows[-limit:]
     if lookup is not None and lookup.index_ahead:
         err_console.print("warning: the block index claims more of the log than there is: not used, the whole log was "
                           "searched (rebuild it: `semkv-ledger index --rebuild`)", highlight=False, soft_wrap=True)
     if json_out:
-        print(json.dumps({"kind": kind, "id": ident, "rows": [_log_row_json(r) for r in rows]}, default=_json_bytes))
+        print(json.dumps({"kind": kind, "id": ident, "truncated": truncated, "rows": [_log_row_json(r) for r in rows]},
+                         default=_json_bytes))
     else:
-        _print_history(kind, ident, rows)
+        _print_history(kind, ident, rows, truncated)
         if lookup is not None:
             console.print(f"block index through seq {lookup.indexed_through:,}; log searched after it: "
                           f"{lookup.searched_seqs:,} seqs", highlight=False)
@@ -404,10 +407,11 @@ def _json_bytes(value: Any) -> str:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def _print_history(kind: str, ident: str, rows: list[dict[str, Any]]) -> None:
+def _print_history(kind: str, ident: str, rows: list[dict[str, Any]], truncated: bool) -> None:
     from ledger.stats import describe
 
-    table = Table(title=f"{kind} {ident}: {count(len(rows))} log row(s)")
+    shown = f"the newest {count(len(rows))} log rows (older ones: --limit)" if truncated else f"{count(len(rows))} log row(s)"
+    table = Table(title=f"{kind} {ident}: {shown}")
     for column in ("seq", "kind", "type"):
         table.add_column(column)
     id_column(table, "engine")

@@ -147,3 +147,19 @@ def test_a_postgres_scheme_url_is_read_as_postgresql(postgres_db: str) -> None:
     result = cli("stats", "--json", "--db", "postgres://" + postgres_db.removeprefix("postgresql://"))
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["log_rows"] == 0  # the scratch ledger, migrated and empty
+
+
+def test_inspect_says_when_older_rows_than_limit_exist(sqlite_db: str) -> None:
+    """``inspect engine X`` showed the newest 200 rows titled "200 log row(s)", nothing said more exist."""
+    from tools.harness.builders import batch, record, stored
+
+    record(sqlite_db, *([batch(seq, stored(seq * 10 + 1))] for seq in range(5)))
+    everything = json.loads(cli("inspect", "engine", "engine-a", "--json", "--db", sqlite_db).stdout)
+    assert everything["truncated"] is False and len(everything["rows"]) > 2
+    newest = json.loads(cli("inspect", "engine", "engine-a", "--limit", "2", "--json", "--db", sqlite_db).stdout)
+    assert newest["truncated"] is True and newest["rows"] == everything["rows"][-2:]
+    exact = json.loads(cli("inspect", "engine", "engine-a", "--limit", str(len(everything["rows"])), "--json",
+                           "--db", sqlite_db).stdout)
+    assert exact["truncated"] is False and exact["rows"] == everything["rows"]
+    table = cli("inspect", "engine", "engine-a", "--limit", "2", "--db", sqlite_db).stdout
+    assert "engine engine-a: the newest 2 log rows (older ones: --limit)" in table
