@@ -38,15 +38,15 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError,
                                TomlConfigSettingsSource)
 
 from connector.discovery.settings import DiscoverySettings
 from ledger.settings_errors import explain_settings_error
-from ledger.types import FreshnessPolicy
+from ledger.types import FreshnessPolicy, checked_engine_id
 
 __all__ = ["CONFIG_ENV", "ENV_PREFIX", "ConnectorConfigError", "ConnectorSettings", "NamespaceOverrides", "ProfitSettings", "kv_layout_dims",
            "load_connector_settings", "setting_origin"]
@@ -162,8 +162,8 @@ class ConnectorSettings(BaseSettings):
     mode: Mode = "discovery_only"
     """``discovery_only`` (Mode 1, telemetry only), ``exact_equivalent`` (Mode 2, materialize exact KV),
     ``placement`` (Mode 3, advice only); ``experimental`` (Mode 4) is refused."""
-    engine_id: str | None = Field(None, min_length=1, max_length=200)
-    """This engine's id as the consumer knows it; None: donors are not registered by this engine."""
+    engine_id: Annotated[str, AfterValidator(checked_engine_id)] | None = Field(None, min_length=1, max_length=200)
+    """This engine's id as the consumer knows it (no control characters); None: donors are not registered by this engine."""
     freshness_policy: FreshnessPolicy = FreshnessPolicy.ENGINE
     """``engine``: every donor block must be live in the donor engine; ``store``: bytes in the store suffice."""
     lookup_timeout_s: float = Field(0.002, gt=0, le=1.0)

@@ -470,6 +470,9 @@ def consume_command(
         raise typer.Exit(2)
     if config is not None:
         require_toml_file("--config", config, "config")
+    if exit_when_idle is not None and not (math.isfinite(exit_when_idle) and exit_when_idle > 0):
+        typer.echo(f"error: --exit-when-idle {exit_when_idle:g}: a number of seconds above 0", err=True)
+        raise typer.Exit(2)
     try:
         settings = load_settings(overrides, config_file=config,
                                  cli_source=flag_source if engine_id is not None else None)

@@ -36,9 +36,9 @@ import contextvars
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -47,7 +47,7 @@ from pydantic_settings import (
 )
 
 from ledger.db import DEFAULT_DB
-from ledger.types import BlockKeyScheme
+from ledger.types import BlockKeyScheme, checked_engine_id
 from ledger.settings_doc import default_text, markdown_cell
 
 __all__ = ["DEFAULT_ENDPOINT", "ENV_PREFIX", "ConsumerSettings", "SourceSettings", "check_tcp_endpoint", "load_settings",
@@ -90,8 +90,8 @@ class SourceSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
-    engine_id: str = Field(min_length=1, max_length=200)
-    """Stable id of the engine's deployment slot (kept across restarts)."""
+    engine_id: Annotated[str, AfterValidator(checked_engine_id)] = Field(min_length=1, max_length=200)
+    """Stable id of the engine's deployment slot (kept across restarts); no control characters."""
     endpoint: str = DEFAULT_ENDPOINT
     """ZMQ endpoint of the engine's PUB socket (or, with ``bind``, where our SUB binds)."""
     replay_endpoint: str | None = None

@@ -31,6 +31,19 @@ from collections.abc import Iterable
 from typing import NamedTuple, NewType
 
 EngineId = NewType("EngineId", str)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def checked_engine_id(value: str) -> str:
+    """``value`` if it holds no control character (a newline in an id splits the log lines, tables
+    and Prometheus labels that carry it).
+
+    Raises:
+        ValueError: it does.
+    """
+    if _CONTROL.search(value):
+        raise ValueError(f"an engine id cannot hold control characters (a newline, a tab…): {value!r}")
+    return value
 SourceId = NewType("SourceId", str)
 Generation = NewType("Generation", int)
 Seq = NewType("Seq", int)

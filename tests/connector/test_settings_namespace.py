@@ -339,3 +339,8 @@ def test_connector_check_warns_when_a_materializing_engine_has_no_engine_id(tmp_
         result = CliRunner().invoke(app, ["connector-check", "--config", str(config)])
         assert result.exit_code == 0 and "connector ready" in result.output, result.output
         assert ("warning: engine_id is not set" in result.output) == warned, result.output
+
+
+def test_an_engine_id_with_a_control_character_is_refused() -> None:
+    with pytest.raises(ConnectorConfigError, match="an engine id cannot hold control characters"):
+        load_connector_settings({"engine_id": "trt\n0"}, environ={})

@@ -242,5 +242,18 @@ def test_a_semkv_variable_naming_no_setting_is_reported():
     assert unknown_env_settings(env) == ["SEMKV_BATCH_MAX_EVENT"]
 
 
+
+@pytest.mark.parametrize("args, message", [
+    (("--engine-id", ENGINE, "--exit-when-idle", "-1"), "--exit-when-idle -1: a number of seconds above 0"),
+    (("--engine-id", ENGINE, "--exit-when-idle", "nan"), "--exit-when-idle nan"),
+    (("--engine-id", "a\nb"), "an engine id cannot hold control characters"),
+])
+def test_consume_refuses_odd_but_plausible_values(tmp_path, args, message):
+    """``--exit-when-idle -1`` exited 0 at once; an engine id with a newline was accepted (it splits
+    log lines, tables and Prometheus labels)."""
+    result = _consume("--db", str(tmp_path / "x.db"), *args)
+    assert result.returncode == 2 and message in _error_line(result)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
