@@ -33,6 +33,7 @@ public key). ``docs/consume-settings.md`` is generated from this model: ``python
 from __future__ import annotations
 
 import contextvars
+import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,7 +51,7 @@ from ledger.db import DEFAULT_DB
 from ledger.types import BlockKeyScheme, checked_engine_id
 from ledger.settings_doc import default_text, markdown_cell
 
-__all__ = ["DEFAULT_ENDPOINT", "ENV_PREFIX", "ConsumerSettings", "SourceSettings", "check_tcp_endpoint", "load_settings",
+__all__ = ["DEFAULT_ENDPOINT", "ENV_PREFIX", "ConsumerSettings", "SourceSettings", "check_tcp_endpoint", "load_settings", "tcp_host_name",
            "unknown_env_settings"]
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
@@ -83,6 +84,22 @@ def check_tcp_endpoint(endpoint: str, *, bind: bool, what: str = "endpoint") -> 
         raise ValueError(f"{what} {endpoint!r}: port {port!r} is not in 1..65535")
     if host == "*" and not bind:
         raise ValueError(f"{what} {endpoint!r}: host * only where the socket binds; give the engine's address")
+
+
+def tcp_host_name(endpoint: str) -> str | None:
+    """The host NAME a connecting ``tcp://HOST:PORT`` endpoint resolves (None: another transport, an
+    IP address, ``*``, or no host part); a name that does not resolve leaves libzmq retrying
+    silently for ever."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host = endpoint[len("tcp://"):].rsplit(";", 1)[-1].rpartition(":")[0].strip("[]")
+    if not host or host == "*":
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return None
 
 
 class SourceSettings(BaseModel):

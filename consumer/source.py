@@ -70,6 +70,8 @@ socket monitor; a task counts their handshakes (``semkv_consumer_handshakes_tota
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -84,11 +86,14 @@ import zmq.asyncio
 from consumer.capture import CaptureWriter
 from consumer.curve import CurveKeys, RefusalLogGate, classify, hint, monitor
 from consumer.metrics import ConsumerMetrics
-from consumer.settings import ConsumerSettings, SourceSettings
+from consumer.settings import ConsumerSettings, SourceSettings, tcp_host_name
 from consumer.wire import WireLimits, decode_message, is_end_marker, pack_seq
 from ledger.events import DeadLetter, GapReport, ReceivedBatch
 from ledger.types import GenerationReason
 from ledger.writer import SourcePosition
+
+RESOLVE_EVERY_S = 30.0
+"""Seconds between tries to resolve an endpoint host name that did not resolve."""
 
 __all__ = ["ReplayResult", "SeqTracker", "Source", "Submit"]
 
@@ -220,6 +225,7 @@ class Source:
         self._dealer: zmq.asyncio.Socket | None = None
         self.endpoint: str | None = None  # resolved after run() opened the SUB (bind to port 0)
         self.alive = False  # the task runs (probing or receiving)
+        self.unresolved: dict[str, str] = {}  # endpoint host names that did not resolve at the last look
         self.running = False  # the SUB is open and read
         self.messages = 0
         self.last_message_at: float | None = None
@@ -232,13 +238,15 @@ class Source:
 
     def status(self) -> dict[str, object]:
         """For ``/healthz``: alive, last seq, messages, seconds since the last message, handshakes
-        refused (in all, and since the last message: ``degraded`` while that is not 0)."""
+        refused (in all, and since the last message), endpoint host names that do not resolve;
+        ``degraded`` while handshakes are refused since the last message or a name does not resolve."""
         age = None if self.last_message_at is None else round(time.time() - self.last_message_at, 3)
         return {"engine_id": self.config.engine_id, "alive": self.alive, "receiving": self.running, "last_seq": self.tracker.last_seq,
                 "messages": self.messages, "last_message_age_s": age,
                 "handshakes_refused": self.handshakes_refused,
                 "handshakes_refused_since_last_message": self.refused_since_message,
-                "degraded": self.refused_since_message > 0}
+                "unresolved_hosts": sorted(self.unresolved),
+                "degraded": self.refused_since_message > 0 or bool(self.unresolved)}
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -252,6 +260,7 @@ class Source:
         self.alive = True
         self._m.source_up.labels(**self._labels).set(1)
         watcher = asyncio.create_task(self._watch_handshakes(), name=f"semkv-handshakes-{self.source_id}")
+        resolver = asyncio.create_task(self._watch_host_names(stopping), name=f"semkv-resolve-{self.source_id}")
         try:
             if self.config.replay_endpoint is not None:
                 await self._probe()
@@ -264,7 +273,8 @@ class Source:
             self.alive = self.running = False
             self._m.source_up.labels(**self._labels).set(0)
             watcher.cancel()
-            await asyncio.wait([watcher])  # its own CancelledError stays inside; ours still propagates
+            resolver.cancel()
+            await asyncio.wait([watcher, resolver])  # their own CancelledError stays inside; ours still propagates
             self._close()
             self.log.info("source.stopped", last_seq=self.tracker.last_seq, messages=self.messages)
 
@@ -629,6 +639,33 @@ class Source:
         """The socket ``label`` was closed: its monitor is drained and closed by the watcher."""
         self._retired += [m for m in self._monitors if m[0] == label]
         self._monitors = [m for m in self._monitors if m[0] != label]
+
+    async def _watch_host_names(self, stopping: asyncio.Event) -> None:
+        """Resolve the host names of the endpoints this source connects to, at start and every
+        :data:`RESOLVE_EVERY_S` while one does not resolve: libzmq retries an unknown name silently,
+        so a mistyped host would look like an engine with nothing to say. Logged on each change,
+        and ``/healthz`` says ``degraded`` while a name does not resolve (the DNS may come later)."""
+        endpoints = () if self.config.bind else (self.config.endpoint, self.config.replay_endpoint or "")
+        names = {name for name in map(tcp_host_name, endpoints) if name is not None}
+        loop = asyncio.get_running_loop()
+        while names and not stopping.is_set():
+            failed: dict[str, str] = {}
+            for name in sorted(names):
+                try:
+                    await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+                except (OSError, ValueError) as exc:  # ValueError: UnicodeError of a name IDNA refuses
+                    failed[name] = str(exc)
+            if failed != self.unresolved:
+                if failed:
+                    self.log.warning("source.host_unresolved", hosts=failed,
+                                     hint="the endpoint's host name does not resolve: a typo, or DNS not ready")
+                elif self.unresolved:
+                    self.log.info("source.host_resolved", hosts=sorted(self.unresolved))
+                self.unresolved = failed
+            if not failed:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), RESOLVE_EVERY_S)
 
     async def _watch_handshakes(self) -> None:
         """Count handshake outcomes of this source's sockets until cancelled (by :meth:`run`)."""

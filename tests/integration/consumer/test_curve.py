@@ -348,3 +348,24 @@ async def test_a_peer_that_is_no_zmq_publisher_is_not_called_a_key_problem(tmp_p
         listener.close()
     refused = [e for e in logs if e["event"] == "source.handshake_refused"]
     assert all("not a ZMQ publisher" in e["hint"] and "secret key" not in e["hint"] for e in refused), refused
+
+
+async def test_a_host_name_that_does_not_resolve_makes_the_source_degraded(tmp_path: Path) -> None:
+    """``--endpoint tcp://ledger-hots.invalid:5557`` (a typo): libzmq retries the name silently and
+    /healthz said ok, receiving; now the source is degraded, naming the host, and the log says so."""
+    from tests.integration.consumer.test_daemon_settings import http_get
+
+    db, _ = migrated_db(tmp_path)
+    src = {"engine_id": ENGINE, "endpoint": "tcp://ledger-hots.invalid:5557",
+           "replay_endpoint": "tcp://ledger-hots.invalid:5558"}
+    with structlog.testing.capture_logs() as logs:
+        async with DaemonRun(settings_for(db, src, metrics_port=0, replay_timeout_s=0.2)) as run:
+            await wait_until(lambda: any(e["event"] == "source.host_unresolved" for e in logs), 30, "the warning")
+            status, _, body = await http_get(run.daemon.metrics_port, "/healthz")
+            await run.stop()
+    health = json.loads(body)
+    source = next(iter(health["sources"].values()))
+    assert status == 200 and health["status"] == "degraded", health
+    assert source["degraded"] and source["unresolved_hosts"] == ["ledger-hots.invalid"]
+    [warning] = [e for e in logs if e["event"] == "source.host_unresolved"]
+    assert list(warning["hosts"]) == ["ledger-hots.invalid"]
