@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import types
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -137,6 +138,12 @@ def connector_check(
     except OSError as exc:  # the probe write
         _fail(f"donor store directory {settings.store_dir} (store_dir): cannot write in it: {exc.strerror or exc} "
               f"({origin('store_dir')})")
+    disk = shutil.disk_usage(store.root)
+    if settings.store_capacity_bytes > disk.free + store.used_bytes():
+        typer.echo(f"warning: store_capacity_bytes {settings.store_capacity_bytes:,} is more than the file system of "
+                   f"{store.root} can give the store ({disk.free:,} bytes free of {disk.total:,}, plus "
+                   f"{store.used_bytes():,} it holds): the disk fills before the store evicts, and saves then fail "
+                   f"({origin('store_capacity_bytes')})", err=True)
     _check_layouts(llm_args, options, model_config, settings)  # a refused layout exits 1: never "ready"
     typer.echo(f"connector ready: mode={settings.mode} engine_id={settings.engine_id} "
                f"ledger={url_for_humans(settings.db)} store={store.root} "

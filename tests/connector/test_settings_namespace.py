@@ -344,3 +344,24 @@ def test_connector_check_warns_when_a_materializing_engine_has_no_engine_id(tmp_
 def test_an_engine_id_with_a_control_character_is_refused() -> None:
     with pytest.raises(ConnectorConfigError, match="an engine id cannot hold control characters"):
         load_connector_settings({"engine_id": "trt\n0"}, environ={})
+
+
+def test_connector_check_warns_when_the_store_capacity_exceeds_its_file_system(tmp_path, sqlite_db) -> None:
+    import shutil
+
+    import typer
+    from typer.testing import CliRunner
+
+    from connector.cli import register
+
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    total = shutil.disk_usage(tmp_path).total
+    for capacity, warned in ((2**20, False), (total * 10, True)):
+        config = tmp_path / f"c{capacity}.toml"
+        config.write_text(f'mode = "exact_equivalent"\nengine_id = "e"\ndb = "{sqlite_db}"\n'
+                          f'store_dir = "{tmp_path / "s"}"\nstore_capacity_bytes = {capacity}\n')
+        result = CliRunner().invoke(app, ["connector-check", "--config", str(config)])
+        assert result.exit_code == 0 and "connector ready" in result.output, result.output
+        assert ("is more than the file system of" in result.output) == warned, result.output
