@@ -14,6 +14,7 @@ Commands arrive over a ``multiprocessing`` pipe as tuples; replies are plain pic
 from __future__ import annotations
 
 import os
+import signal
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -22,7 +23,9 @@ TOPIC = b"kv"
 
 
 def engine_main(conn: Connection, engine_id: str, config_path: str, max_context: int) -> None:
-    """Process entry point (spawned). Replies ``("ready", endpoint, replay_endpoint)`` first."""
+    """Process entry point (spawned). Replies ``("ready", endpoint, replay_endpoint)`` first. Ignores
+    SIGINT: a Ctrl-C reaches the whole process group, and the demo stops its engines itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TRTLLM_SEMKV_CONFIG"] = config_path
     try:
         engine = _DemoEngine(engine_id, max_context)

@@ -435,13 +435,21 @@ def run_demo(*, workdir: Path | None = None, keep: bool = False, quick: bool = F
     console.print(f"[bold]semkv-ledger demo[/bold] in {workdir}" + (f"  (fault injected: {fault})" if fault else ""))
     started = time.monotonic()
     demo = Demo(console, workdir, quick=quick, fault=fault)
+    interrupted = False
     try:
         demo.run()
         evaluate(demo)
     except DemoError as exc:
         demo.check("demo ran to the end", False, failure_detail(exc))
+    except KeyboardInterrupt:  # Ctrl-C: stop the engines and the consumer, leave nothing behind
+        interrupted = True
     finally:
         demo.cleanup()
+    if interrupted:
+        if own_dir and not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        console.print("interrupted", highlight=False)
+        return 130
     ok = bool(demo.checks) and all(c.ok for c in demo.checks)
     if json_out:
         print(json.dumps(report_json(demo, ok, time.monotonic() - started), default=str))

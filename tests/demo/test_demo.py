@@ -98,3 +98,25 @@ def test_a_broken_step_makes_the_demo_fail(fault: str, failing_check: str) -> No
     assert done.returncode == 1, done.stdout + done.stderr
     failed = [line for line in done.stdout.splitlines() if "FAIL" in line]
     assert any(failing_check[:30] in line for line in failed), done.stdout
+
+
+def test_ctrl_c_stops_the_demo_quietly_and_removes_its_directory(tmp_path) -> None:
+    """A Ctrl-C (SIGINT to the whole process group, as a terminal sends it) printed two engine
+    processes' KeyboardInterrupt tracebacks and left its temporary directory behind."""
+    import os
+    import signal
+    import time
+
+    env = {**_env(), "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "ledger", "demo", "--quick"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("semkv-demo-*/consumer.toml")):  # the engines and the consumer run
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and out.rstrip().endswith("interrupted"), out
+    assert not list(tmp_path.glob("semkv-demo-*")), out
