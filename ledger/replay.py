@@ -260,6 +260,9 @@ class SnapshotTaken:
     """Log rows folded."""
     seconds: float
     size_bytes: int
+    """Bytes of the snapshot written (0 when ``already_there``)."""
+    already_there: bool = False
+    """The newest snapshot was already at the head of the log: nothing was written."""
 
 
 def snapshot_at_head(db: str, progress: Progress | None = None) -> SnapshotTaken:
@@ -281,7 +284,7 @@ def snapshot_at_head(db: str, progress: Progress | None = None) -> SnapshotTaken
             seconds = time.perf_counter() - started
             conn.rollback()  # end the read before the write transaction (SQLite: BEGIN IMMEDIATE)
         if start is not None and last_seq == start.seq:  # nothing logged since: keep the one there is
-            return SnapshotTaken(last_seq, start.seq, 0, seconds, 0)
+            return SnapshotTaken(last_seq, start.seq, 0, seconds, 0, already_there=True)
         with engine.begin() as conn:
             size = save_snapshot(conn, from_projection(proj, last_seq), revision)
         return SnapshotTaken(last_seq, start.seq if start is not None else 0, folded, seconds, size)

@@ -88,8 +88,11 @@ def test_donors_and_leases_survive_a_snapshot_and_replay_until_starts_from_it(sq
         assert client.release_lease(lease.lease_id, "finished")
     finally:
         client.close()
-    assert taken.started_from == 0 and taken.folded == taken.seq and taken.size_bytes > 0
-    assert snapshot_at_head(sqlite_db).started_from == taken.seq  # the next one folds from it
+    assert taken.started_from == 0 and taken.folded == taken.seq and taken.size_bytes > 0 and not taken.already_there
+    following = snapshot_at_head(sqlite_db)
+    assert following.started_from == taken.seq and not following.already_there  # the next one folds from it
+    again = snapshot_at_head(sqlite_db)  # nothing logged since: nothing written, and it says so
+    assert again.already_there and again.seq == following.seq and again.folded == 0 and again.size_bytes == 0
     for split in range(taken.seq + 1):
         assert_snapshot_plus_tail_is_the_whole_fold(sqlite_db, split)
     report = replay(sqlite_db, until=taken.seq + 1)
