@@ -127,7 +127,9 @@ def _in_existing_directory(url: URL, missing_directory: str) -> Path:
         LedgerError: either of the above; ``missing_directory`` begins the message.
     """
     path = url.database
-    if not path or path == ":memory:":
+    if not path:
+        raise LedgerError("no ledger file given (an empty path): give the SQLite ledger file, e.g. --db ledger.db")
+    if path == ":memory:":
         raise LedgerError("the ledger needs a SQLite file, not an in-memory database")
     file = Path(path)
     try:
@@ -137,6 +139,8 @@ def _in_existing_directory(url: URL, missing_directory: str) -> Path:
                           "for this user") from None
     if not exists and not file.parent.is_dir():
         raise LedgerError(f"{missing_directory} {path}: directory {file.parent} does not exist")
+    if file.is_dir():
+        raise LedgerError(f"{path} is a directory, not a SQLite ledger file: give the file, e.g. {file / 'ledger.db'}")
     if exists and file.is_file() and not os.access(file, os.R_OK):  # SQLite would say "unable to open"
         raise LedgerError(f"cannot read the ledger {path}: permission denied for this user (mode "
                           f"{file.stat().st_mode & 0o777:04o}, owner uid {file.stat().st_uid}); ledgers are "

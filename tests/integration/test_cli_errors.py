@@ -107,9 +107,11 @@ DB_CASES: dict[str, tuple[Callable[[Scene], str], Callable[[Scene], list[str]], 
                           lambda s: [s.missing_dir_db, f"directory {s.tmp / 'no-such-dir'} does not exist"],
                           ("migrate",), False),
     "unmigrated": (lambda s: s.unmigrated, lambda s: [s.unmigrated, "semkv-ledger migrate"], (), False),
+    "a_directory": (lambda s: str(s.tmp), lambda s: [str(s.tmp), "is a directory, not a SQLite ledger file"], (),
+                    False),
 }
 DB_COMMANDS = {
-    "migrate": ("pg_unreachable", "pg_missing_database", "junk_file", "missing_directory"),
+    "migrate": ("pg_unreachable", "pg_missing_database", "junk_file", "missing_directory", "a_directory"),
     **{c: tuple(DB_CASES) for c in ("stats", "inspect", "replay", "consume", "connector-check", "serve")},
 }
 SETTING_NAMES = {"connector-check": ["setting 'db', from env TRTLLM_SEMKV_DB"]}
