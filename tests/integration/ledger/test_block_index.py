@@ -347,23 +347,29 @@ def test_a_following_follower_waits_while_the_log_grows_unless_too_far_behind(sq
     assert index_rows(sqlite_db) == whole_log_index(sqlite_db)
 
 
+def wait_indexed(db: str, proc: subprocess.Popen) -> int:
+    """Wait until the index of ``db`` reaches the log's head (``proc``, the indexer, still running);
+    returns the head."""
+    engine = sync_engine(db)
+    try:
+        head = head_of(db)
+        while True:
+            with engine.connect() as conn:
+                if index_state(conn).watermark == head:
+                    return head
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+    finally:
+        engine.dispose()
+
+
 def test_index_follow_stops_at_a_signal_without_waiting_out_its_interval(sqlite_db: str) -> None:
     """``index --follow --interval-s 600`` stopped by SIGTERM while it waits ends then (a sleep lasted to
     its end: a systemd stop timed out into SIGKILL), with its summary and exit 0."""
     record(sqlite_db, *_history())
     proc = subprocess.Popen([sys.executable, "-m", "ledger", "index", "--db", sqlite_db, "--follow", "--interval-s",
                              "600", "--json"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    engine = sync_engine(sqlite_db)
-    try:
-        head = head_of(sqlite_db)
-        while True:  # caught up: now it waits its interval
-            with engine.connect() as conn:
-                if index_state(conn).watermark == head:
-                    break
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            time.sleep(0.05)
-    finally:
-        engine.dispose()
+    head = wait_indexed(sqlite_db, proc)  # caught up: now it waits its interval
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)  # far less than the 600 s interval
     assert proc.returncode == 0, err
@@ -381,17 +387,7 @@ def test_index_follow_waits_out_a_postgresql_outage(postgres_db: str) -> None:
         proc = subprocess.Popen([sys.executable, "-m", "ledger", "index", "--db", db, "--follow", "--interval-s", "0.2",
                                  "--json"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            head = head_of(postgres_db)
-            engine = sync_engine(postgres_db)
-            try:
-                while True:
-                    with engine.connect() as conn:
-                        if index_state(conn).watermark == head:
-                            break
-                    assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                    time.sleep(0.05)
-            finally:
-                engine.dispose()
+            head = wait_indexed(postgres_db, proc)
             relay.stop()
             time.sleep(2.0)  # several looks at the log fail meanwhile
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
