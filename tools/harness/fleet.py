@@ -161,6 +161,9 @@ class Fleet:
     def connector_settings(self, engine_id: str, **overrides: Any) -> ConnectorSettings:
         values = {"db": self.db, "mode": "exact_equivalent", "engine_id": engine_id, "store_dir": self.store_dir,
                   "lookup_timeout_s": 1.0, "lease_ttl_s": 60.0, "store_capacity_bytes": 2**30,
+                  # A loaded two-core CI machine has taken over the default 0.5 s to commit a lease
+                  # (the plan then fails "late"); tests of that deadline set their own.
+                  "lease_confirm_timeout_s": 10.0,
                   **self.connector_defaults, **overrides}
         return load_connector_settings(values, environ={})
 
