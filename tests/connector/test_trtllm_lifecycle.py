@@ -30,7 +30,7 @@ DOC = doc_tokens(10 * TPB, seed=61)  # 320 tokens: the donor's prefill runs in 2
 PROMPT = DOC + doc_tokens(20, seed=62)
 ORPHAN_TIMEOUT_S = 2.0
 """``request_orphan_timeout_s`` of the recipient in the leak scenarios (released within 1.25x it):
-long enough that a loaded machine does not reach it between one request's hooks (0.4 s was not)."""
+long enough that a loaded machine does not reach it between one request's hooks (0.4 s left little margin)."""
 
 
 @pytest.fixture(params=TRTLLM_VERSIONS, ids=lambda v: v.name)
