@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
 
 import pytest
 
@@ -272,15 +271,13 @@ async def test_database_briefly_locked_is_retried(tmp_path, monkeypatch):
     with FaultPublisher() as pub:
         async with DaemonRun(settings_for(db, source_of(pub), db_retry_max_s=0.2)) as run:
             await subscribed(pub, run)
-            locker.execute("BEGIN IMMEDIATE")  # another writer holds the database
-            released = threading.Timer(1.0, locker.execute, args=("COMMIT",))
-            released.start()
+            locker.execute("BEGIN IMMEDIATE")  # another writer holds the database ...
             for seq in range(60):
                 pub.publish(seq, make(seq))
             await wait_until(lambda: run.daemon.stats.db_retries >= 1, what="a retry")
+            locker.execute("COMMIT")  # ... until a retry was seen (a 1 s timer could let go before the first try)
             await wait_until(lambda: run.daemon.stats.batches == 60, what="60 batches after the lock")
             stats = await run.stop()
-            released.join()
     locker.close()
     counts = ledger_counts(path)
     assert counts.engine_events == 60 * EVENTS_PER_BATCH == stats.events_applied

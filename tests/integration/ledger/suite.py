@@ -502,14 +502,15 @@ class RecorderContract:
         self._donor(db, "old", hashes=(1, 2, 3))
         self._donor(db, "new", hashes=(11, 12, 13))
         self._donor(db, "elsewhere", hashes=(1, 2, 3))
-        self._donor(db, "expiring", hashes=(1, 2, 3), expires_at=time.time() + 0.2)
+        expires_at = time.time() + 3.0  # long enough that a loaded machine still sees it live first
+        self._donor(db, "expiring", hashes=(1, 2, 3), expires_at=expires_at)
         keys = [f"ns-k{i}".encode() for i in range(3)]
         client = LedgerClient(db)
         view = DonorView(wanted=lambda donor_id, store_ref, checksum: donor_id != "elsewhere")
         try:
             assert self._view_span(client, view, keys) == ("expiring", 3)  # the newest
             assert view.stats()["donors"] == 3  # "elsewhere" is not in this host's store
-            time.sleep(0.25)
+            time.sleep(max(0.0, expires_at - time.time()) + 0.05)
             assert self._view_span(client, view, keys) == ("new", 3)
             append(db, batch(1, removed(12)))
             assert self._view_span(client, view, keys) == ("old", 3)  # a live older donor beats a dead newer

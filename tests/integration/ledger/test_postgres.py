@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from sqlalchemy import func, select
@@ -64,7 +65,17 @@ def test_a_transaction_reports_its_wait_for_the_log_lock(postgres_db: str, sqlit
         with psycopg.connect(postgres_db) as conn:
             conn.execute("LOCK TABLE log IN SHARE ROW EXCLUSIVE MODE")
             locked.set()
-            release.wait(10)
+            release.wait(60)
+
+    def lock_requested() -> None:
+        """Until the writer's transaction waits for the log lock (on a loaded machine the append
+        may take longer than the sleep below to get there)."""
+        with psycopg.connect(postgres_db, autocommit=True) as conn:
+            deadline = time.monotonic() + 30
+            while not conn.execute("SELECT count(*) FROM pg_locks WHERE relation = 'log'::regclass "
+                                   "AND NOT granted").fetchone()[0]:
+                assert time.monotonic() < deadline, "the append never asked for the log lock"
+                time.sleep(0.01)
 
     async def main(db: str) -> tuple[float | None, float | None]:
         writer = await LedgerWriter.open(db)
@@ -77,6 +88,7 @@ def test_a_transaction_reports_its_wait_for_the_log_lock(postgres_db: str, sqlit
             try:
                 await asyncio.to_thread(locked.wait, 10)
                 behind = asyncio.create_task(writer.append([batch(1, stored(2), engine_id="engine-a")]))
+                await asyncio.to_thread(lock_requested)
                 await asyncio.sleep(0.5)
             finally:
                 release.set()

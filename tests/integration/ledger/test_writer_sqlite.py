@@ -106,15 +106,14 @@ async def test_the_health_read_is_not_queued_behind_a_transaction_waiting_for_th
     writer = await LedgerWriter.open(sqlite_db)
     try:
         await writer.append([batch(0, stored(1))])
-        lock_holder.hold()
-        timer = lock_holder.release_after(1.5)
+        lock_holder.hold()  # until after the read: a read queued behind the transaction times out
         pending = asyncio.create_task(writer.append([batch(1, stored(2))]))
         await asyncio.sleep(0.05)
-        positions = await asyncio.wait_for(writer.source_positions(), 1.0)  # WAL: readers do not wait
+        positions = await asyncio.wait_for(writer.source_positions(), 10.0)  # WAL: readers do not wait
         assert [p.last_seq for p in positions.values()] == [0]
         assert not pending.done()
+        lock_holder.release()
         assert (await pending).batches == 1
-        timer.join()
         assert [p.last_seq for p in (await writer.source_positions()).values()] == [1]
     finally:
         await writer.close()
@@ -124,14 +123,14 @@ async def test_a_cancelled_append_still_commits_or_rolls_back_as_a_whole(sqlite_
     """Cancelling the awaiting task (the daemon's shutdown timeout) cannot cut a transaction in two:
     it runs to its end on the writer thread, and close waits for it."""
     writer = await LedgerWriter.open(sqlite_db)
-    lock_holder.hold()
-    timer = lock_holder.release_after(0.3)
+    lock_holder.hold()  # until after the cancel (a timed release could let it commit first on a loaded machine)
     item = batch(0, stored(1, 2, 3))
     pending = asyncio.create_task(writer.append([item]))
     await asyncio.sleep(0.05)
     pending.cancel()
     with pytest.raises(asyncio.CancelledError):
         await pending
+    timer = lock_holder.release_after(0.3)  # while close waits for the transaction
     await writer.close()
     timer.join()
     reopened = await LedgerWriter.open(sqlite_db)
