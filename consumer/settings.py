@@ -51,8 +51,8 @@ from ledger.db import DEFAULT_DB
 from ledger.types import BlockKeyScheme, checked_engine_id
 from ledger.settings_doc import default_text, markdown_cell
 
-__all__ = ["DEFAULT_ENDPOINT", "ENV_PREFIX", "ConsumerSettings", "SourceSettings", "check_tcp_endpoint", "load_settings", "tcp_host_name",
-           "unknown_env_settings"]
+__all__ = ["DEFAULT_ENDPOINT", "ENV_PREFIX", "ConsumerSettings", "SourceSettings", "check_tcp_endpoint",
+           "load_settings", "tcp_host_name", "unknown_env_settings"]
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 ENV_PREFIX = "SEMKV_"

@@ -269,7 +269,8 @@ def inspect(
     db: DbOption = DEFAULT_DB,
     limit: Annotated[int, typer.Option(help="At most this many log rows (newest).", min=1, max=1_000_000)] = 200,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object: kind, id, truncated (older rows "
-                                           "than --limit exist) and every log row shown with its full decoded body (block hashes as decimal integers, "
+                                           "than --limit exist) and every log row shown with its full decoded "
+                                           "body (block hashes as decimal integers, "
                                            "wide ones as 64 hex chars).")] = False,
 ) -> None:
     """Show one item's history from the log.
