@@ -303,6 +303,11 @@ def refuse_foreign_scratch(path: Path) -> None:
     if not path.exists():
         if not path.parent.is_dir():
             raise LedgerError(f"--out {path}: directory {path.parent} does not exist")
+        try:  # the file replay will write: created (and removed) here, so that a refusal names --out
+            path.touch(mode=0o600, exist_ok=False)
+            path.unlink()
+        except OSError as exc:
+            raise LedgerError(f"--out {path}: cannot create the file: {exc.strerror or exc}") from None
         return
     if not path.is_file():
         raise LedgerError(f"--out {path}: not a regular file")

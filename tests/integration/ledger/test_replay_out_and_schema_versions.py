@@ -53,7 +53,7 @@ def test_replay_out_refuses_another_ledger_a_directory_and_junk(ledger: Path) ->
     assert (cwd / "other.db").read_bytes() == other
     (cwd / "adir").mkdir()
     (cwd / "junk").write_text("not sqlite")
-    for out in ("adir", "junk", "missing-dir/out.db"):
+    for out in ("adir", "junk", "missing-dir/out.db", "/proc/out.db"):  # /proc: a directory where no file can be made
         assert f"--out {out}" in one_error_line(cli("replay", "--db", "ledger.db", "--out", out, cwd=cwd))
 
 
