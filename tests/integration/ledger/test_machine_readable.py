@@ -79,7 +79,7 @@ def test_inspect_json_gives_every_row_with_its_full_body(ledger: str) -> None:
 def test_inspect_json_of_an_unknown_item_is_empty_and_exits_1(ledger: str) -> None:
     result = cli("inspect", "engine", "nosuch", "--db", ledger, "--json")
     assert result.returncode == 1
-    assert json.loads(result.stdout) == {"kind": "engine", "id": "nosuch", "rows": []}
+    assert json.loads(result.stdout) == {"kind": "engine", "id": "nosuch", "truncated": False, "rows": []}
 
 
 def test_replay_until_does_not_claim_equality_it_did_not_check(ledger: str) -> None:
