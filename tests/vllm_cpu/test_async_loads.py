@@ -41,8 +41,10 @@ class AsyncFleet(FleetReads):
         self.questions = [self.a.call(op="encode", text=f"\n# Question {i}: what does this module define?\n")
                           ["token_ids"] for i in range(3)]
 
-    def donate(self, doc: list[int]) -> str:
-        """A serves ``doc`` + a question; A's donor once it is saved (its blocks live in the ledger).
+    def donate(self, doc: list[int]) -> tuple[str, list[int]]:
+        """A serves ``doc`` + a question; A's donor once it is saved (its blocks live in the ledger),
+        and the prompt A computed it from (native reuse must compute the same prompt: a forward of
+        another length may round the document's KV differently).
         A donor registration that meets the ledger's write lock held (the consumer, B) is dropped
         by design on the engine's thread ("not registered as a donor: database is locked"): A then
         serves the document again, with another question, up to three times."""
@@ -54,8 +56,8 @@ class AsyncFleet(FleetReads):
             new = [donor for (donor,) in rows if donor not in before]
             return new[0] if new else None
         for attempt in range(3):
-            self.a.generate(doc + self.a.call(op="encode", text=f"\n# Donor question {attempt}.\n")["token_ids"],
-                            max_tokens=2)
+            prompt = doc + self.a.call(op="encode", text=f"\n# Donor question {attempt}.\n")["token_ids"]
+            self.a.generate(prompt, max_tokens=2)
             try:
                 donor = wait_for(saved, 30, "A's donor saved")
                 break
@@ -63,7 +65,7 @@ class AsyncFleet(FleetReads):
                 if attempt == 2:
                     raise
         time.sleep(1.0)  # A's BlockStored events committed; B's donor view caught up and the entry verified
-        return donor
+        return donor, prompt
 
     def counters(self) -> dict[str, float]:
         sched, work = scrape(self.b_metrics), scrape(self.b_metrics + 1)
@@ -98,13 +100,13 @@ def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 def test_async_load_answers_exactly_as_native_reuse(fleet: AsyncFleet) -> None:
     """B loads A's 32 blocks asynchronously; its logprobs are bit-identical to vLLM's own prefix
     reuse of the same KV on B, and the lease is gone once the request finished."""
-    doc, (q0, q1) = fleet.docs[0], fleet.questions[:2]  # q0: B computes the document before its own reuse
-    donor = fleet.donate(doc)
+    doc, q1 = fleet.docs[0], fleet.questions[1]
+    donor, donor_prompt = fleet.donate(doc)
     before = fleet.counters()
     warm = fleet.b.generate(doc + q1, max_tokens=8)
     counted = wait_for(lambda: (d := _delta(before, fleet.counters()))["materialized"] and d, 30,
                        "the asynchronous load counted")
-    fleet.b.generate(doc + q0, max_tokens=2, cache_salt="native-reuse")  # B computes the document as A did
+    fleet.b.generate(donor_prompt, max_tokens=2, cache_salt="native-reuse")  # B computes the document as A did
     native = fleet.b.generate(doc + q1, max_tokens=8, cache_salt="native-reuse")  # vLLM's own prefix hit
     print(f"\nasync load of donor {donor}: {counted}; wall: async {warm['seconds']:.3f} s, "
           f"native reuse {native['seconds']:.3f} s")
@@ -121,7 +123,7 @@ def test_failed_async_load_is_recomputed_not_served(fleet: AsyncFleet) -> None:
     answer — not one computed on the target blocks' stale contents — and nothing counts as
     materialized."""
     doc, q1 = fleet.docs[1], fleet.questions[1]
-    donor = fleet.donate(doc)
+    donor, _ = fleet.donate(doc)
     cold = fleet.b.generate(doc + q1, max_tokens=8, cache_salt="cold-reference")
     before = fleet.counters()
     blocker = sqlite3.connect(fleet.db_path, timeout=30, isolation_level=None)
