@@ -80,14 +80,14 @@ _LOG_COLUMNS = ("seq", "committed_at", "body", "type_name", "engine_id", "source
                 "batch_index", "event_id", "attention_dp_rank", "window_size", "applied")
 """Log columns in :class:`~ledger.apply.LogEntry`'s field order (``payload`` is not read)."""
 _LOG_PAGE = Prepared(select(*(_LOG.c[name] for name in _LOG_COLUMNS))
-                     .where(_LOG.c.seq > bindparam("after"), _LOG.c.seq <= bindparam("until"))
-                     .order_by(_LOG.c.seq).limit(bindparam("page_rows")))
+                     .where(_LOG.c.seq > bindparam("after"), _LOG.c.seq <= bindparam("upto"))
+                     .order_by(_LOG.c.seq))
 _FOLD_COLUMNS = ("seq", "body", "type_name", "engine_id", "event_id", "attention_dp_rank", "window_size", "applied")
 """Log columns of :data:`ledger.apply.LogRowColumns`, what a fold reads."""
 _FOLD_PAGE = Prepared(select(*(_LOG.c[name] for name in _FOLD_COLUMNS))
-                      .where(_LOG.c.seq > bindparam("after"), _LOG.c.seq <= bindparam("until"))
-                      .order_by(_LOG.c.seq).limit(bindparam("page_rows")))
-_SEQ_MAX = 2**63 - 1
+                      .where(_LOG.c.seq > bindparam("after"), _LOG.c.seq <= bindparam("upto"))
+                      .order_by(_LOG.c.seq))
+_HEAD = select(func.max(_LOG.c.seq))
 
 
 def iter_log(conn: Connection, until: int | None = None, batch_rows: int = 20_000, *,
@@ -120,19 +120,30 @@ def iter_log_pages(conn: Connection, until: int | None = None, page_rows: int = 
 
 
 def _pages(conn: Connection, statement: Prepared, until: int | None, page_rows: int, after: int) -> Iterator[list]:
-    """Pages are read on the DBAPI cursor (:class:`~ledger.prepared.Prepared`): SQLAlchemy's result
-    rows cost a third of the rebuild (tools/results/replay-2026-12-03.md)."""
+    """The log's rows after ``after`` up to ``until`` (None: the head when called), one window of
+    ``page_rows`` seqs per statement.
+
+    A window (``seq > a AND seq <= a + page_rows``), never an open range with a ``LIMIT``: PostgreSQL
+    without statistics on the log (autovacuum off, a restored dump, a ledger just loaded) plans
+    ``seq > a ORDER BY seq LIMIT n`` as a bitmap scan and a sort of every row after ``a``, so each page
+    read the rest of the log: 500k rows took 5.0 s to read instead of 1.15 s, and the cost grows with
+    the square of the log (tools/results/replay-2026-12-05-pg.md). Seqs are unique and gapless
+    (:mod:`ledger.recorder`), so a window holds at most ``page_rows`` rows; a gap only shortens a page.
+    Pages are read on the DBAPI cursor (:class:`~ledger.prepared.Prepared`): SQLAlchemy's result rows
+    cost a third of the rebuild (tools/results/replay-2026-12-03.md).
+    """
     sql = Sql.of(conn)
-    params = {"after": after, "until": _SEQ_MAX if until is None else until, "page_rows": page_rows}
-    while True:
-        try:
-            rows = sql.all(statement, params, binary=True)
-        except sql.errors as exc:
-            raise sql.wrap(exc) from exc
-        if not rows:
-            return
-        yield rows
-        params["after"] = rows[-1][0]
+    try:
+        head = conn.execute(_HEAD).scalar() or 0
+        end = head if until is None else min(until, head)
+        while after < end:
+            upto = min(end, after + page_rows)
+            rows = sql.all(statement, {"after": after, "upto": upto}, binary=True)
+            if rows:
+                yield rows
+            after = upto
+    except sql.errors as exc:
+        raise sql.wrap(exc) from exc
 
 
 def rebuild(conn: Connection, until: int | None = None, progress: Progress | None = None, *,
