@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, select, text
 
 from ledger.db import sync_engine
 from ledger.migrate import upgrade
@@ -81,6 +81,38 @@ def test_the_migrated_schema_is_the_models_schema(backend, request):
     finally:
         engine.dispose()
     assert diff == []
+
+
+def test_the_head_every_command_checks_is_alembics_head():
+    """``HEAD_REVISION`` (what the schema check compares with, without importing Alembic) is the newest
+    script in migrations/versions: a new migration must move it."""
+    from alembic.script import ScriptDirectory
+
+    from ledger.migrate import HEAD_REVISION, alembic_config
+
+    assert ScriptDirectory.from_config(alembic_config()).get_current_head() == HEAD_REVISION
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_revision_read_without_alembic_is_alembics(backend, request):
+    from alembic.migration import MigrationContext
+
+    from ledger.migrate import current_revision
+
+    db = request.getfixturevalue(f"{backend}_db" if backend == "sqlite" else "postgres_db")
+    engine = sync_engine(db)
+    try:
+        for revision in ("0004", None):
+            if revision is not None:
+                downgrade(db, revision)
+            with engine.connect() as conn:
+                assert current_revision(conn) == MigrationContext.configure(conn).get_current_revision()
+                assert current_revision(conn) == revision
+                if revision is not None:
+                    conn.execute(text("DELETE FROM alembic_version"))  # then: no revision at all
+                    conn.commit()
+    finally:
+        engine.dispose()
 
 
 def test_0003_makes_blocks_one_btree_on_sqlite_and_downgrades(sqlite_db):
