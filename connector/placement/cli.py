@@ -179,20 +179,28 @@ def _require_http_extra() -> None:
 
 
 def _check_ledger(db: str) -> None:
-    """Refuse (exit 2, one line) a ledger that cannot be opened or is not at the schema head."""
-    from ledger.db import sync_engine
+    """Refuse (exit 2, one line) a ledger that cannot be opened or is not at the schema head, or a
+    SQLite ledger this process cannot write (a read-only mount): ``serve`` follows a live ledger and
+    does not open one read-only as the audits do, since a frozen copy would be answered as if current."""
+    from ledger.db import sync_engine, write_refusal
+    from ledger.errors import url_for_humans
     from ledger.migrate import check_schema
 
     try:
-        engine = sync_engine(db)
-        try:
-            with engine.connect() as conn:
-                check_schema(conn, db)
-        finally:
-            engine.dispose()
+        refusal = write_refusal(db)
+        if refusal is None:
+            engine = sync_engine(db)
+            try:
+                with engine.connect() as conn:
+                    check_schema(conn, db)
+            finally:
+                engine.dispose()
     except Exception as exc:  # noqa: BLE001 - ledger and driver errors are the user's; the rest re-raised
         _fail_on_database_error(exc, db)
         raise
+    if refusal is not None:
+        _fail(f"cannot serve advice from the ledger {url_for_humans(db)}: it cannot be written here ({refusal}); "
+              "serve follows the live ledger its consumer writes: run it where that ledger can be written")
 
 
 def _bind(host: str, port: int) -> socket.socket:

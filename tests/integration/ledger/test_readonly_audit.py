@@ -231,7 +231,9 @@ def test_migrate_on_a_read_only_mount_is_one_line_and_exit_2(read_only_mounts, l
     ("index", "cannot index the ledger {db}: it cannot be written here (read-only file system); `inspect block` "
               "reads it read-only and searches the log past the index"),
     ("snapshot", "cannot take a snapshot of the ledger {db}: it cannot be written here (read-only file system); "
-                 "`replay --until SEQ` reads it read-only (folding from the start)")])
+                 "`replay --until SEQ` reads it read-only (folding from the start)"),
+    ("serve", "cannot serve advice from the ledger {db}: it cannot be written here (read-only file system); serve "
+              "follows the live ledger its consumer writes: run it where that ledger can be written")])
 def test_writing_commands_on_a_read_only_mount_are_one_line_and_exit_2(read_only_mounts, ledger_dir: Path,
                                                                       tmp_path: Path, command: str, line: str) -> None:
     # the block index and snapshots are written into the ledger: say so, not the driver's "attempt to
