@@ -8,7 +8,8 @@ fresh tail of one block, asked of two advisors on the same ledger in alternation
 time: ``PlacementAdvisor(live_index=False)`` (one statement per engine and stream per 64 blocks, the
 code before issue #22's index) and ``PlacementAdvisor()`` (the index, caught up before every answer:
 ``refresh_s`` 0), once from tokens (Dynamo's hashes computed per engine) and once with the block
-hashes given; then the same over HTTP (``semkv-ledger serve``'s app under uvicorn on a loopback
+hashes given; then the same over HTTP (``semkv-ledger serve``'s app under uvicorn, on the HTTP
+parser and event loop serve picks (:func:`connector.placement.cli.server_stack`), on a loopback
 socket, one server per advisor, httpx with a kept connection, the body encoded by msgspec inside the
 timing, as a router client would send it). Garbage collection is off while
 timing (in process). Both answers are compared (every engine's overlap); a difference stops the run.
@@ -22,7 +23,8 @@ checked equal to the live index's.
 
 Usage: ``python tools/bench_placement.py [--engines 8] [--prompts-per-engine 16]
 [--prompt-tokens 32768] [--queries 300] [--dynamo-python PATH]``; prints a markdown table of p50 /
-p99 in ms.
+p99 in ms, and with Dynamo's indexer a second one of the HTTP rows: p50 / p90 / p99 of the live
+index's service and of Dynamo's, and their ratios.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from connector.block_keys import dynamo_block_hashes  # noqa: E402
 from connector.placement.advice import PlacementAdvisor  # noqa: E402
+from connector.placement.cli import server_stack  # noqa: E402
 from connector.placement.http import create_app  # noqa: E402
 from ledger.migrate import upgrade  # noqa: E402
 from ledger.writer import LedgerWriter  # noqa: E402
@@ -95,7 +98,9 @@ def serve(advisor: PlacementAdvisor) -> tuple[str, uvicorn.Server, threading.Thr
     # such sockets, and without it a response's second write waits out the client's delayed ACK (~40 ms)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(advisor), log_level="warning", lifespan="off"))
+    http, loop = server_stack()  # uvicorn's HTTP parser and event loop as `semkv-ledger serve` picks them
+    server = uvicorn.Server(uvicorn.Config(create_app(advisor), log_level="warning", lifespan="off", http=http,
+                                          loop=loop))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:
@@ -106,6 +111,12 @@ def serve(advisor: PlacementAdvisor) -> tuple[str, uvicorn.Server, threading.Thr
 def percentiles(seconds: list[float]) -> tuple[float, float]:
     """(p50, p99) in ms."""
     return statistics.median(seconds) * 1e3, statistics.quantiles(seconds, n=100)[98] * 1e3
+
+
+def quantiles_ms(seconds: list[float]) -> tuple[float, float, float]:
+    """(p50, p90, p99) in ms."""
+    q = statistics.quantiles(seconds, n=100)
+    return statistics.median(seconds) * 1e3, q[89] * 1e3, q[98] * 1e3
 
 
 def row(case: str, times: dict[str, list[float]]) -> tuple[str, tuple[float, float], tuple[float, float]]:
@@ -230,7 +241,7 @@ def main() -> None:
         indexed = PlacementAdvisor(db, tokens_per_block=TPB)
         print(f"index loaded in {time.perf_counter() - started:.2f} s ({indexed.index.blocks()} blocks)")
         direct = PlacementAdvisor(db, tokens_per_block=TPB, live_index=False)
-        rows, dynamo_rows = [], {}
+        rows, dynamo_rows, http_rows = [], {}, []
         try:
             for label, length in (("2K tokens", 2048), (f"{args.prompt_tokens // 1024}K tokens", args.prompt_tokens)):
                 queries = [rng.choice(rng.choice(prompts))[: length - TPB] + [rng.randrange(50_000) for _ in range(TPB)]
@@ -291,6 +302,7 @@ def main() -> None:
                     rows.append(row(f"{label}, from tokens, over HTTP", times))
                     if dynamo_times:
                         dynamo_rows[f"{label}, from tokens, over HTTP"] = percentiles(dynamo_times)
+                        http_rows.append((label, times["live index"], dynamo_times))
             finally:
                 if indexer is not None:
                     indexer.close()
@@ -310,6 +322,14 @@ def main() -> None:
         dynamo_cells = (f"{theirs[0]:.3f} / {theirs[1]:.3f} | {after[1] / theirs[1]:.1f}×" if theirs else "— | —")
         print(f"| {case} | {before[0]:.3f} / {before[1]:.3f} | {after[0]:.3f} / {after[1]:.3f} | "
               f"{before[1] / after[1]:.1f}× | {dynamo_cells} |")
+    if http_rows:
+        print("\n| over HTTP, from tokens | live index p50 / p90 / p99 (ms) | Dynamo's indexer p50 / p90 / p99 (ms) "
+              "| ratio p50 / p90 / p99 |")
+        print("|---|---:|---:|---:|")
+        for label, ours, theirs in http_rows:
+            a, b = quantiles_ms(ours), quantiles_ms(theirs)
+            print(f"| {label} | {' / '.join(f'{x:.3f}' for x in a)} | {' / '.join(f'{x:.3f}' for x in b)} | "
+                  f"{' / '.join(f'{x / y:.2f}×' for x, y in zip(a, b))} |")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,14 @@ Both apps (``connector/placement/http.py`` of this tree, and of ``--baseline REV
 ``git show``) serve the SAME :class:`~connector.placement.advice.PlacementAdvisor` (live index over a
 ledger of 8 engines' Dynamo-hashed prompts, as tools/bench_placement.py builds it) from two uvicorn
 servers on 127.0.0.1; each query goes to both, the order alternating, and the answers must be equal.
-So the difference is the HTTP layer alone (middleware, decoding, the thread hop), not the advice.
+So the difference is the HTTP layer alone (middleware, decoding, the thread hop, and with
+``--baseline-stack`` uvicorn's HTTP parser and event loop), not the advice. This tree's app runs on
+the stack ``semkv-ledger serve`` picks (:func:`connector.placement.cli.server_stack`); the baseline's on
+the same unless ``--baseline-stack HTTP,LOOP`` names another (``h11,asyncio``: what serve ran on before
+httptools and uvloop were dependencies, issue 22).
 
-Usage: python tools/bench_placement_http.py --baseline REV [--queries 300] [--out FILE]
+Usage: python tools/bench_placement_http.py --baseline REV [--baseline-stack HTTP,LOOP] [--queries 300]
+[--out FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from connector.placement.advice import PlacementAdvisor  # noqa: E402
+from connector.placement.cli import server_stack  # noqa: E402
 from connector.placement.http import create_app  # noqa: E402
 from ledger.migrate import upgrade  # noqa: E402
 from tools.bench_placement import _JSON, TPB, _nodelay, populate  # noqa: E402
@@ -55,11 +61,13 @@ def baseline_create_app(rev: str, workdir: Path):  # noqa: ANN201 - the other re
     return module.create_app
 
 
-def serve(app) -> tuple[str, uvicorn.Server]:  # noqa: ANN001
-    """``app`` on a loopback socket bound as ``semkv-ledger serve`` binds (IPPROTO_TCP: TCP_NODELAY)."""
+def serve(app, stack: tuple[str, str]) -> tuple[str, uvicorn.Server]:  # noqa: ANN001
+    """``app`` on a loopback socket bound as ``semkv-ledger serve`` binds (IPPROTO_TCP: TCP_NODELAY),
+    under uvicorn with ``stack`` = (http, loop)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    http, loop = stack
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=http, loop=loop))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     while not server.started:
         time.sleep(0.01)
@@ -69,6 +77,8 @@ def serve(app) -> tuple[str, uvicorn.Server]:  # noqa: ANN001
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="git revision whose placement app is compared")
+    parser.add_argument("--baseline-stack", type=lambda v: tuple(v.split(",")), default=server_stack(),
+                        help="uvicorn's http,loop for the baseline's app (default: serve's, as for this tree)")
     parser.add_argument("--queries", type=int, default=300, help="queries per prompt length (each to both apps)")
     parser.add_argument("--prompt-tokens", type=int, default=32_768)
     parser.add_argument("--seed", type=int, default=22)
@@ -85,8 +95,10 @@ def main() -> None:
         upgrade(db)
         blocks = asyncio.run(populate(db, 8, prompts))
         advisor = PlacementAdvisor(db, tokens_per_block=TPB)
-        servers = {f"baseline {args.baseline}": serve(baseline_create_app(args.baseline, Path(tmp))(advisor)),
-                   "this tree": serve(create_app(advisor))}
+        stacks = {"baseline": args.baseline_stack, "this tree": server_stack()}
+        servers = {f"baseline {args.baseline} ({'/'.join(stacks['baseline'])})":
+                   serve(baseline_create_app(args.baseline, Path(tmp))(advisor), stacks["baseline"]),
+                   f"this tree ({'/'.join(stacks['this tree'])})": serve(create_app(advisor), stacks["this tree"])}
         clients = {name: httpx.Client(base_url=url, timeout=60, transport=_nodelay())
                    for name, (url, _) in servers.items()}
         rows = []
@@ -121,7 +133,8 @@ def main() -> None:
                 server.should_exit = True
     ended = dt.datetime.now(dt.timezone.utc)
     lines = [f"# `POST /v1/placement` over HTTP: this tree vs {args.baseline} — {started:%Y-%m-%d %H:%M}–{ended:%H:%M} UTC",
-             "", f"`python tools/bench_placement_http.py --baseline {args.baseline} --queries {args.queries}`. "
+             "", f"`python tools/bench_placement_http.py --baseline {args.baseline} --baseline-stack "
+             f"{','.join(args.baseline_stack)} --queries {args.queries}`. "
              f"One live-index advisor over {blocks:,} blocks (8 engines, Dynamo hashes, {TPB} tokens per block), "
              "served by both apps on 127.0.0.1; every query to both, order alternating, answers equal. "
              f"Machine: {os.cpu_count()} CPUs shared with other work; load average at start {load_start}, at end "

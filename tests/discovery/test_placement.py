@@ -185,3 +185,38 @@ def test_cli_serve_starts_and_refuses_an_unmigrated_ledger(sqlite_db: str, tmp_p
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.parametrize(("missing", "stack"), [
+    ((), {"http": "httptools", "loop": "uvloop"}),  # both in the [discovery] extra: what serve runs on
+    (("uvloop",), {"http": "httptools", "loop": "asyncio"}),
+    (("httptools", "uvloop"), {"http": "h11", "loop": "asyncio"}),
+])
+def test_serve_runs_on_httptools_and_uvloop_and_falls_back_without_them(
+        sqlite_db: str, tmp_path: Path, missing: tuple[str, ...], stack: dict[str, str]) -> None:
+    # a module that cannot be imported is shadowed by one first on PYTHONPATH that fails as a missing package does
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    for name in missing:
+        (shadow / f"{name}.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(shadow), str(REPO)))}
+    proc = subprocess.Popen([sys.executable, "-c", "from ledger.cli import main; main()", "serve", "--db", sqlite_db,
+                             "--port", "0", "--no-discovery"], env=env, cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if '"serve.started"' in line:
+                break
+        else:
+            raise AssertionError(f"serve.started never came: {''.join(seen)[-4000:]}")
+        started = json.loads(seen[-1])
+        assert {key: started[key] for key in stack} == stack
+        answer = httpx.post(f"http://127.0.0.1:{started['port']}/v1/placement", json={"token_ids": [1, 2, 3]},
+                            timeout=30)
+        assert answer.status_code == 200 and answer.json()["engines"] == []
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stderr.close()
