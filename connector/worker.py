@@ -613,6 +613,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         pieces: list[Any] = [spare[:head]] if head else []
         # slices of the layer's flat bytes (~0.1 µs a run) where a tensor slice per run viewed as
         # bytes cost ~4 µs: ~0.9 ms per layer for the 250 one-block runs of a fragmented 8K plan
+        # (tools/results/vllm-cpu-2026-12-05-1724.md)
         layer, block = self._layer_bytes[layer_idx], h.block_bytes
         for target, _, length in load.runs:  # type: ignore[union-attr]  # in source-row order
             pieces.append(layer[target * block : (target + length) * block])
