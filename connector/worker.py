@@ -215,6 +215,9 @@ class SemKvWorker(KvCacheConnectorWorker):
         self._pool_blocks_contiguous = False
         """Every layer view is host memory with its blocks one after another (vLLM's CPU attention):
         a run of consecutive target blocks is one byte range a read can land in."""
+        self._layer_bytes: list[memoryview] = []
+        """With :attr:`_pool_blocks_contiguous`: each layer's bytes as one flat ``memoryview``, made
+        once here, which a run of target blocks is sliced from (:meth:`_read_into_pool`)."""
         self.num_blocks = 0
         self.layout: KvLayout | None = None
         self._active: list[_ActiveLoad] = []
@@ -321,6 +324,8 @@ class SemKvWorker(KvCacheConnectorWorker):
                                  f"{expected} {layout.dtype}")
         self.layers, self.num_blocks, self.layout = list(views), expected[0], layout
         self._pool_blocks_contiguous = all(view.device.type == "cpu" and view.is_contiguous() for view in views)
+        self._layer_bytes = ([memoryview(view.view(-1).view(torch.uint8).numpy()) for view in views]
+                             if self._pool_blocks_contiguous else [])
         register_pool_layout(pool_key(self.settings.engine_id, self.settings.store_dir), layout)
 
     # ============================================================ loads
@@ -562,7 +567,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         started = time.perf_counter()
         try:
             if load.into_pool:
-                self._read_into_pool(load, layer_idx, kv)
+                self._read_into_pool(load, layer_idx)
                 self.copy_seconds += time.perf_counter() - started
                 return
             raw = load.reader.read_layer(layer_idx, into=self._read_buffer(h.layer_bytes))
@@ -583,7 +588,7 @@ class SemKvWorker(KvCacheConnectorWorker):
             kv.index_copy_(0, load.targets, src)
         self.copy_seconds += time.perf_counter() - started
 
-    def _read_into_pool(self, load: _ActiveLoad, layer_idx: int, kv: torch.Tensor) -> None:
+    def _read_into_pool(self, load: _ActiveLoad, layer_idx: int) -> None:
         """Read layer ``layer_idx`` of the donor straight into the target blocks (one ``preadv``
         scattering the donor's rows over the runs of consecutive targets; the rows the plan does
         not load land in the read buffer) and verify its checksum there
@@ -606,8 +611,12 @@ class SemKvWorker(KvCacheConnectorWorker):
         tail = (h.num_blocks - plan.donor_block_end) * h.block_bytes
         spare = memoryview(self._read_buffer(head + tail) or bytearray(head + tail))
         pieces: list[Any] = [spare[:head]] if head else []
+        # slices of the layer's flat bytes (~0.1 µs a run) where a tensor slice per run viewed as
+        # bytes cost ~4 µs: ~0.9 ms per layer for the 250 one-block runs of a fragmented 8K plan
+        # (tools/results/vllm-cpu-2026-12-05-1724.md)
+        layer, block = self._layer_bytes[layer_idx], h.block_bytes
         for target, _, length in load.runs:  # type: ignore[union-attr]  # in source-row order
-            pieces.append(kv[target : target + length].view(-1).view(torch.uint8).numpy())
+            pieces.append(layer[target * block : (target + length) * block])
         if tail:
             pieces.append(spare[head : head + tail])
         load.reader.read_layer_into(layer_idx, pieces)  # type: ignore[union-attr]
