@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from ledger.backends import backend_named
 from ledger.db import Sql, sync_engine
@@ -211,10 +211,14 @@ class Connections:
     def _sql(self) -> Sql:
         sql = getattr(self._local, "sql", None)
         if sql is None:
+            dbapi_error = self._engine.dialect.loaded_dbapi.Error
             try:
                 raw = self._engine.raw_connection()
             except SQLAlchemyError as exc:
                 raise persistence_error(exc) from exc
+            except dbapi_error as exc:  # the pool's connect is not wrapped (psycopg: "connection refused")
+                wrapped = DBAPIError.instance(None, None, exc, dbapi_error, dialect=self._engine.dialect)
+                raise persistence_error(wrapped) from exc
             sql = Sql(raw.dbapi_connection, self._engine.dialect)
             self.backend.prepare_client_connection(raw.dbapi_connection)
             self._local.sql, self._local.raw = sql, raw

@@ -72,3 +72,23 @@ def test_postgresql_errors_arrive_as_their_kind(postgres_db: str) -> None:
     assert isinstance(locked, LockTimeout) and locked.transient
     plain = persistence_error(_postgres_error(postgres_db, "SELECT * FROM no_such_table"))
     assert type(plain) is PersistenceError and not plain.transient
+
+
+def test_a_postgresql_server_that_refuses_the_connection_is_a_transient_persistence_error() -> None:
+    """The connections of the connector and of ``serve`` open through the pool, which SQLAlchemy does
+    not wrap: psycopg's own ``OperationalError`` escaped every ``except LedgerError`` (``serve``
+    answered 500 with a traceback instead of 503)."""
+    import socket
+
+    from ledger.client import LedgerClient
+
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = LedgerClient(f"postgresql://postgres@127.0.0.1:{port}/semkv", check=False)
+    try:
+        with pytest.raises(PersistenceError) as caught:
+            client.last_seq()
+    finally:
+        client.close()
+    assert caught.value.transient and "refused" in str(caught.value)
