@@ -178,8 +178,8 @@ def upgrade(db: str, revision: str = "head", *,
     try:
         with engine.connect() as conn:
             before = current_revision(conn)
-            if before is None and _projections_only(conn):
-                raise _not_a_ledger(db)
+            if before is None:
+                _refuse_foreign_tables(conn, db)
         if before is not None and not _known(before):
             raise SchemaOutOfDate(db, before, head_revision(), unknown=True)
         from alembic import command
@@ -202,21 +202,32 @@ def check_schema(conn: Connection, db: str, *, cannot_write: str | None = None) 
     its revision is none this installation has: a newer semkv-ledger migrated it). ``cannot_write``:
     why this process cannot write the ledger (a read-only audit), so the advice is not ``migrate``."""
     current = current_revision(conn)
-    if current is None and _projections_only(conn):  # not SchemaOutOfDate: `migrate` cannot make it a ledger
-        raise _not_a_ledger(db)
+    if current is None:  # tables but no revision: not SchemaOutOfDate, `migrate` cannot make it a ledger
+        _refuse_foreign_tables(conn, db)
     if current != head_revision():
         raise SchemaOutOfDate(db, current, head_revision(), unknown=current is not None and not _known(current),
                               cannot_write=cannot_write)
 
 
-def _not_a_ledger(db: str) -> LedgerError:
-    return LedgerError(f"{url_for_humans(db)} holds projection tables and no log (a `replay --out` file?): it "
-                       "is not a ledger and cannot be migrated into one; read it with sqlite3")
+def _refuse_foreign_tables(conn: Connection, db: str) -> None:
+    """Refuse a database without a ledger revision that holds tables: a ``replay --out`` file
+    (projections only), another application's database, or a ledger whose version table was lost.
+    ``migrate`` creates a ledger only in an empty database (all migrations run in one transaction,
+    so a failed one leaves no tables behind).
 
-
-def _projections_only(conn: Connection) -> bool:
-    tables = set(sa_inspect(conn).get_table_names())
-    return "blocks" in tables and "log" not in tables
+    Raises:
+        LedgerError: naming the tables found.
+    """
+    tables = sorted(sa_inspect(conn).get_table_names())
+    if not tables:
+        return
+    where = url_for_humans(db)
+    if "blocks" in tables and "log" not in tables:
+        raise LedgerError(f"{where} holds projection tables and no log (a `replay --out` file?): it is not a ledger "
+                          "and cannot be migrated into one; read it with sqlite3")
+    shown = ", ".join(tables[:4]) + (f" and {len(tables) - 4} more" if len(tables) > 4 else "")
+    raise LedgerError(f"{where} holds tables ({shown}) and no ledger schema version: semkv-ledger creates a ledger "
+                      "only in an empty database; give a new file or database")
 
 
 @cache

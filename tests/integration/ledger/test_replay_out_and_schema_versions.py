@@ -88,3 +88,29 @@ def test_a_ledger_from_a_newer_semkv_ledger_is_one_line_that_does_not_advise_mig
                  ("consume", "--db", "ledger.db", "--engine-id", "e", "--migrate", "--metrics-port", "0")):
         line = one_error_line(cli(*args, cwd=cwd))
         assert "0099" in line and "newer than this semkv-ledger" in line and "semkv-ledger migrate" not in line and "--migrate" not in line, (args, line)
+
+
+@pytest.mark.parametrize("lost_version", [False, True])
+def test_a_database_with_tables_and_no_ledger_version_is_refused_not_migrated_into(tmp_path: Path,
+                                                                                  lost_version: bool) -> None:
+    # migrate said "upgraded empty database" and added the ledger's tables beside another application's;
+    # a ledger whose version table was lost was advised to `migrate`, which failed "table blocks already exists"
+    if lost_version:
+        assert cli("migrate", "--db", "app.db", cwd=tmp_path).returncode == 0
+        with sqlite3.connect(tmp_path / "app.db") as conn:
+            conn.execute("DROP TABLE alembic_version")
+    else:
+        with sqlite3.connect(tmp_path / "app.db") as conn:
+            conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+            conn.execute("INSERT INTO users VALUES (1, 'ada')")
+    def contents() -> list:
+        with sqlite3.connect(tmp_path / "app.db") as conn:
+            tables = [row[0] for row in conn.execute("SELECT name FROM sqlite_master ORDER BY name")]
+            return tables + [conn.execute("SELECT * FROM users").fetchall() if "users" in tables else []]
+
+    before = contents()
+    for command in ("migrate", "stats"):
+        line = one_error_line(cli(command, "--db", "app.db", cwd=tmp_path))
+        assert "holds tables (" in line and "no ledger schema version" in line, line
+        assert ("users" in line) != lost_version and "semkv-ledger migrate" not in line, line
+    assert contents() == before  # (the file may have been switched to WAL by the open: no table or row moved)
