@@ -21,6 +21,7 @@ prove the checks are real) breaks one thing on purpose.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
@@ -31,8 +32,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -401,6 +403,28 @@ def failure_detail(exc: BaseException, limit: int = DETAIL_MAX_CHARS) -> str:
     return line if len(line) <= limit else line[:limit - 1].rstrip() + "…"
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during the demo (``timeout``, a CI cancelling, systemd): handled as a Ctrl-C, exit 143."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`_Terminated` in the main thread while inside: by default it killed
+    the demo at once and left its consumer, publisher and directory behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _make_workdir(workdir: Path) -> None:
     """Create ``--dir`` (and its parents); refuse one that cannot be a directory with a ValueError
     (one ``error:`` line, exit 2, in ``connector.cli.demo``), not a traceback."""
@@ -435,21 +459,22 @@ def run_demo(*, workdir: Path | None = None, keep: bool = False, quick: bool = F
     console.print(f"[bold]semkv-ledger demo[/bold] in {workdir}" + (f"  (fault injected: {fault})" if fault else ""))
     started = time.monotonic()
     demo = Demo(console, workdir, quick=quick, fault=fault)
-    interrupted = False
+    interrupted: int | None = None  # the exit status of an interrupted run
     try:
-        demo.run()
-        evaluate(demo)
+        with _sigterm_as_interrupt():
+            demo.run()
+            evaluate(demo)
     except DemoError as exc:
         demo.check("demo ran to the end", False, failure_detail(exc))
-    except KeyboardInterrupt:  # Ctrl-C: stop the engines and the consumer, leave nothing behind
-        interrupted = True
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: stop the engines and the consumer, leave nothing behind
+        interrupted = 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
     finally:
         demo.cleanup()
-    if interrupted:
+    if interrupted is not None:
         if own_dir and not keep:
             shutil.rmtree(workdir, ignore_errors=True)
         console.print("interrupted", highlight=False)
-        return 130
+        return interrupted
     ok = bool(demo.checks) and all(c.ok for c in demo.checks)
     if json_out:
         print(json.dumps(report_json(demo, ok, time.monotonic() - started), default=str))

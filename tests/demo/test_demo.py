@@ -100,9 +100,12 @@ def test_a_broken_step_makes_the_demo_fail(fault: str, failing_check: str) -> No
     assert any(failing_check[:30] in line for line in failed), done.stdout
 
 
-def test_ctrl_c_stops_the_demo_quietly_and_removes_its_directory(tmp_path) -> None:
+@pytest.mark.parametrize(("signal_name", "to_group", "status"), [("SIGINT", True, 130), ("SIGTERM", False, 143)])
+def test_ctrl_c_or_sigterm_stops_the_demo_quietly_and_removes_its_directory(tmp_path, signal_name: str,
+                                                                           to_group: bool, status: int) -> None:
     """A Ctrl-C (SIGINT to the whole process group, as a terminal sends it) printed two engine
-    processes' KeyboardInterrupt tracebacks and left its temporary directory behind."""
+    processes' KeyboardInterrupt tracebacks and left its temporary directory behind; a SIGTERM to the
+    demo alone (``timeout``, a CI cancelling) killed it and left its consumer, publisher and directory."""
     import os
     import signal
     import time
@@ -115,8 +118,20 @@ def test_ctrl_c_stops_the_demo_quietly_and_removes_its_directory(tmp_path) -> No
     while not list(tmp_path.glob("semkv-demo-*/consumer.toml")):  # the engines and the consumer run
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGINT)
+    sig = getattr(signal, signal_name)
+    if to_group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out
+    assert proc.returncode == status, out
     assert "Traceback" not in out and out.rstrip().endswith("interrupted"), out
     assert not list(tmp_path.glob("semkv-demo-*")), out
+    deadline = time.monotonic() + 30  # the demo's children (same process group) are gone too
+    while True:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "processes of the demo's group still run"
+        time.sleep(0.1)
