@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 MIGRATIONS_PACKAGE = "ledger.migrations"
 
-HEAD_REVISION = "0006"
+HEAD_REVISION = "0007"
 """The newest revision in ``migrations/versions`` (tests/integration/ledger/test_migrations.py holds it
 equal to Alembic's head). Every command's schema check compares with it, so only ``migrate`` and a
 ledger at another revision import Alembic: ~110 ms of each command's start-up otherwise."""

@@ -92,7 +92,10 @@ class RecorderContract:
         append(db, batch(0, created()))
         engine = sync_engine(db)
         try:
-            for statement in ("UPDATE log SET kind = 'x'", "DELETE FROM log"):
+            statements = ["UPDATE log SET kind = 'x'", "DELETE FROM log"]
+            if engine.dialect.name == "postgresql":  # a row trigger never fires on TRUNCATE (migration 0007)
+                statements += ["TRUNCATE log", "TRUNCATE log CASCADE"]
+            for statement in statements:
                 with pytest.raises(Exception, match="append-only"):
                     with engine.begin() as conn:
                         conn.execute(text(statement))

@@ -143,14 +143,14 @@ def test_migrate_draws_0003s_rebuild_on_a_terminal(ledger_at_0002: str, log_rows
     code, stdout, terminal = run_with_terminal_stderr("migrate", "--db", ledger_at_0002)
     assert code == 0, terminal
     assert REBUILD_STEP in terminal and BAR in terminal and f"{log_rows}/{log_rows}" in terminal
-    assert stdout.strip() == f"ledger {ledger_at_0002}: upgraded 0002 → 0006"
+    assert stdout.strip() == f"ledger {ledger_at_0002}: upgraded 0002 → 0007"
     assert run_piped("replay", "--db", ledger_at_0002, "--json").returncode == 0  # and the rebuild was right
 
 
 def test_migrate_is_quiet_off_a_terminal(ledger_at_0002: str) -> None:
     result = run_piped("migrate", "--db", ledger_at_0002)
     assert result.returncode == 0 and result.stderr == "", result.stderr
-    assert result.stdout.strip() == f"ledger {ledger_at_0002}: upgraded 0002 → 0006"
+    assert result.stdout.strip() == f"ledger {ledger_at_0002}: upgraded 0002 → 0007"
 
 
 class RecordingListener:
@@ -172,7 +172,7 @@ class RecordingListener:
 
 def test_0003_reports_its_steps_to_whoever_listens(ledger_at_0002: str, log_rows: int) -> None:
     listener = RecordingListener()
-    assert upgrade(ledger_at_0002, progress=listener) == ("0002", "0006")
+    assert upgrade(ledger_at_0002, progress=listener) == ("0002", "0007")
     assert [step[0] for step in listener.steps] == ["emptying the projections", REBUILD_STEP,
                                                     "writing the rebuilt projections",
                                                     "counting the log's engine events by type",  # 0004

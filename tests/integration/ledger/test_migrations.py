@@ -55,7 +55,7 @@ def test_0003_rebuilds_projections_an_earlier_version_wrote_so_that_replay_agree
                                 ("updated_unknown", 0)):
                 conn.execute(counters.update().where(counters.c.engine_id == "engine-a", counters.c.name == name)
                              .values(value=value))
-        assert upgrade(db) == ("0002", "0006")
+        assert upgrade(db) == ("0002", "0007")
         with engine.connect() as conn:
             rows = conn.execute(select(_BLOCKS.c.block_hash, _BLOCKS.c.state).order_by(_BLOCKS.c.block_hash)).all()
     finally:
@@ -127,7 +127,7 @@ def test_0003_makes_blocks_one_btree_on_sqlite_and_downgrades(sqlite_db):
     assert len(blocks_sql()) == 1 and "WITHOUT ROWID" in blocks_sql()[0]  # no index, no autoindex
     downgrade(sqlite_db, "0002")
     assert "WITHOUT ROWID" not in blocks_sql()[0] and any("ix_blocks_engine_state" in s for s in blocks_sql())
-    assert upgrade(sqlite_db) == ("0002", "0006")
+    assert upgrade(sqlite_db) == ("0002", "0007")
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
@@ -145,7 +145,7 @@ def test_0004_counts_the_logs_events_by_type_so_that_stats_and_replay_agree(back
     try:
         with engine.connect() as conn:
             assert not [n for (n,) in conn.execute(select(counters.c.name)) if n.startswith("events_type:")]
-        assert upgrade(db) == ("0003", "0006")
+        assert upgrade(db) == ("0003", "0007")
         with engine.connect() as conn:
             by_type = {(e, t): n for e, t, n in conn.execute(
                 select(log.c.engine_id, log.c.type_name, func.count())
@@ -176,7 +176,7 @@ def test_0006_adds_an_empty_block_index_that_inspect_reads_like_the_log(backend,
     try:
         with engine.connect() as conn:
             assert not {"block_index", "index_watermarks"} & set(schema_of(conn).get_table_names())
-        assert upgrade(db) == ("0005", "0006")
+        assert upgrade(db) == ("0005", "0007")
         with engine.connect() as conn:
             state = index_state(conn)
             assert state.watermark == 0 and state.head > 0  # nothing indexed: inspect searches the whole log
