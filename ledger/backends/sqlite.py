@@ -128,8 +128,8 @@ def _in_existing_directory(url: URL, missing_directory: str) -> Path:
         LedgerError: either of the above; ``missing_directory`` begins the message.
     """
     path = url.database
-    if not path:
-        raise LedgerError("no ledger file given (an empty path): give the SQLite ledger file, e.g. --db ledger.db")
+    if not path or not path.strip():  # "   ": a file named by blanks is a slip of the shell, never a ledger
+        raise LedgerError("no ledger file given (an empty or blank path): give the SQLite ledger file, e.g. --db ledger.db")
     if path == ":memory:":
         raise LedgerError("the ledger needs a SQLite file, not an in-memory database")
     file = Path(path)

@@ -109,9 +109,10 @@ DB_CASES: dict[str, tuple[Callable[[Scene], str], Callable[[Scene], list[str]], 
     "unmigrated": (lambda s: s.unmigrated, lambda s: [s.unmigrated, "semkv-ledger migrate"], (), False),
     "a_directory": (lambda s: str(s.tmp), lambda s: [str(s.tmp), "is a directory, not a SQLite ledger file"], (),
                     False),
+    "blank_path": (lambda s: "   ", lambda s: ["an empty or blank path"], (), False),  # migrate made a file named "   "
 }
 DB_COMMANDS = {
-    "migrate": ("pg_unreachable", "pg_missing_database", "junk_file", "missing_directory", "a_directory"),
+    "migrate": ("pg_unreachable", "pg_missing_database", "junk_file", "missing_directory", "a_directory", "blank_path"),
     **{c: tuple(DB_CASES) for c in ("stats", "inspect", "replay", "consume", "connector-check", "serve")},
 }
 SETTING_NAMES = {"connector-check": ["setting 'db', from env TRTLLM_SEMKV_DB"]}
