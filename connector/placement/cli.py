@@ -16,6 +16,7 @@ ledger or the port are not usable, or the ``[discovery]`` extra (uvicorn, FastAP
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import signal
 import socket
@@ -149,6 +150,11 @@ def serve(
     log.info("serve.started", url=f"http://{host}:{bound_port}", address=bound_host, port=bound_port,
              ledger=url_for_humans(db), providers=[p.name for p in discovery.providers] if discovery else [],
              http=http, loop=loop)
+    if not ipaddress.ip_address(bound_host).is_loopback:
+        log.warning("serve.exposed", address=bound_host, port=bound_port,
+                    detail="plain HTTP without authentication or TLS: anyone who can reach it reads the advice "
+                           "(engine ids, overlaps, load) and queues donors for the semantic index (POST /v1/donors). "
+                           "Bind 127.0.0.1, or let only the router reach the port (docs/security.md)")
     if advisor.index is not None and advisor.index.engines() == 0:
         log.warning("serve.no_engines", ledger=url_for_humans(db),
                     detail="the ledger knows no engine yet: every answer is uninformed (engine_id order, no "

@@ -428,3 +428,18 @@ def test_serve_logs_json_serves_docs_offline_and_exits_0_on_sigterm(scene: Scene
     records = [json.loads(line) for line in err.splitlines() if line.strip()]  # every line is JSON
     assert any(r.get("logger") == "uvicorn.access" and "/docs" in r["event"] for r in records), records
     assert records[-1]["event"] == "serve.stopped"
+    assert not any(r["event"] == "serve.exposed" for r in records), records  # 127.0.0.1 by default
+
+
+def test_serve_off_loopback_warns_that_it_is_plain_http(scene: Scene) -> None:
+    proc = subprocess.Popen([str(CLI), "serve", "--db", scene.migrated, "--host", "0.0.0.0", "--port", "0",
+                             "--no-discovery"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        exposed = json.loads(_wait_for_line(proc.stderr, lambda line: '"serve.exposed"' in line, "serve.exposed"))
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=CALL_TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert exposed["level"] == "warning" and exposed["address"] == "0.0.0.0", exposed
+    assert "without authentication" in exposed["detail"] and "/v1/donors" in exposed["detail"], exposed
