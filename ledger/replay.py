@@ -29,7 +29,7 @@ from ledger import events as ev
 from ledger.apply import LogEntry, LogRowColumns, Projection, fold_rows
 from ledger.backends.base import ReadOnlyOpen
 from ledger.backends.sqlite import sqlite_open_uri
-from ledger.db import Sql, audit_engine, sync_engine
+from ledger.db import Sql, audit_engine, sync_engine, write_refusal
 from ledger.errors import LedgerError
 from ledger.migrate import check_schema, current_revision
 from ledger.prepared import Prepared
@@ -322,6 +322,9 @@ def refuse_foreign_scratch(path: Path) -> None:
         return
     if not path.is_file():
         raise LedgerError(f"--out {path}: not a regular file")
+    refusal = write_refusal(str(path))  # before any open: a read-only mount, `chattr +i`, another user's file
+    if refusal is not None:
+        raise LedgerError(f"--out {path}: it cannot be written here ({refusal}); give a file replay can write")
     if path.stat().st_size == 0:
         return
     try:

@@ -387,3 +387,18 @@ def test_audits_of_a_writable_ledger_change_no_byte_of_it(built: Path, tmp_path:
     empty.touch()
     result = cli("stats", "--db", str(empty))
     assert result.returncode == 2 and empty.stat().st_size == 0, result.stderr
+
+
+def test_replay_out_a_file_on_a_read_only_mount_names_out(read_only_mounts, ledger_dir: Path, tmp_path: Path) -> None:
+    # an earlier --out file replay cannot rewrite was "--out …: not a SQLite file (unable to open database file)"
+    assert cli("replay", "--db", str(ledger_dir / "ledger.db"), "--out", str(ledger_dir / "out.db")).returncode == 0
+    out_dir = tmp_path / "outs"
+    out_dir.mkdir()
+    shutil.copy(ledger_dir / "out.db", out_dir / "out.db")
+    mount_point = tmp_path / "mnt"
+    mount_point.mkdir()
+    result = on_read_only_mount(out_dir, mount_point, "replay", "--db", str(ledger_dir / "ledger.db"),
+                                "--out", str(mount_point / "out.db"))
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.splitlines() == [f"error: --out {mount_point / 'out.db'}: it cannot be written here "
+                                          "(read-only file system); give a file replay can write"]
