@@ -67,7 +67,8 @@ class SchemaOutOfDate(LedgerError):
                  cannot_write: str | None = None) -> None:
         self.current, self.head, self.unknown = current, head, unknown
         if unknown:  # a newer semkv-ledger migrated it (or a rolled-back upgrade): migrate cannot go back
-            advice = "it is newer than this semkv-ledger knows: run the semkv-ledger version that migrated it"
+            advice = ("it is newer than this semkv-ledger knows (or another application's schema): run the "
+                      "semkv-ledger version that migrated it")
         elif cannot_write is not None:  # a read-only snapshot or mount: migrate would be refused too
             advice = (f"it cannot be migrated here ({cannot_write}): copy it, with its -wal file if there is one, to "
                       f"a writable directory, run `semkv-ledger migrate --db COPY` and audit the copy")

@@ -152,7 +152,7 @@ def current_revision(conn: Connection) -> str | None:
     if len(revisions) > 1:
         raise LedgerError(f"the ledger's {_VERSION_TABLE} table holds several revisions ({', '.join(revisions)}): "
                           "not a schema semkv-ledger wrote")
-    return revisions[0] if revisions else None
+    return revisions[0] or None if revisions else None  # a blank version (a damaged table): none
 
 
 def upgrade(db: str, revision: str = "head", *,
