@@ -33,7 +33,7 @@ from ledger.cli import HelpCommand, app
 from ledger.db import DEFAULT_DB, write_refusal
 from ledger.errors import (LedgerError, PersistenceError, database_error_line, is_database_error, is_transient,
                            one_line, url_for_humans)
-from ledger.views import count, id_column, output_console
+from ledger.views import count, exit_for_broken_pipe, id_column, output_console
 
 DbOption = Annotated[str, typer.Option("--db", envvar="SEMKV_DB", help="Ledger database: a SQLite file path, "
                                        "sqlite:///PATH or postgresql://USER@HOST:PORT/DB.")]
@@ -49,9 +49,12 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
-        except BrokenPipeError:
-            raise  # the reader of stdout went away (`| head`): click exits 1 quietly, no ledger error
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sys.stdout.flush()  # a reader gone away is found here, not by the flush at exit
+        except BrokenPipeError:  # the reader of stdout went away (`| head`): quietly, no ledger error
+            exit_for_broken_pipe()
         except (LedgerError, SQLAlchemyError, OSError, ValueError) as exc:
             db = kwargs.get("db")
             message = database_error_line(exc, db) if db and is_database_error(exc) else one_line(str(exc))

@@ -8,8 +8,10 @@ Identifiers (engine ids, hashes, donor ids) are never cut: on a terminal their c
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from rich.console import Console
 from rich.table import Table
@@ -19,13 +21,38 @@ PIPED_WIDTH = 100_000
 a table only takes the width its content needs."""
 
 
+BROKEN_PIPE_STATUS = 128 + signal.SIGPIPE
+"""The exit status of a command whose reader of stdout went away (``| head``): the shell's for a
+process ended by SIGPIPE (141), not 1, which ``replay`` ("projections differ") and ``inspect``
+("nothing found") give meanings of their own."""
+
+
+def exit_for_broken_pipe() -> NoReturn:
+    """End the command quietly with :data:`BROKEN_PIPE_STATUS`; stdout goes to /dev/null so that
+    nothing is left to flush (and fail) at exit.
+
+    Raises:
+        SystemExit: always.
+    """
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(BROKEN_PIPE_STATUS)
+
+
+class _Console(Console):
+    """rich's Console, except for a reader that went away: rich's own handler exits 1."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        exit_for_broken_pipe()
+
+
 def output_console(*, stderr: bool = False, file: TextIO | None = None) -> Console:
     """A console for tables and reports: the terminal's width on a terminal, else :data:`PIPED_WIDTH`
     (rich leaves colour codes out off a terminal; ``NO_COLOR`` and ``FORCE_COLOR`` work as usual)."""
     stream = file or (sys.stderr if stderr else sys.stdout)
     if stream.isatty():
-        return Console(file=file, stderr=stderr)
-    return Console(file=file, stderr=stderr, width=PIPED_WIDTH, highlight=False)
+        return _Console(file=file, stderr=stderr)
+    return _Console(file=file, stderr=stderr, width=PIPED_WIDTH, highlight=False)
 
 
 def count(value: int) -> str:
