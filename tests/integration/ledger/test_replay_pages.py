@@ -9,7 +9,7 @@ from sqlalchemy import Connection, text
 
 from ledger.db import sync_engine
 from ledger.replay import iter_log_pages, replay
-from tools.harness.builders import batch, record, removed, stored
+from tools.harness.builders import batch, record, stored
 
 PAGE_ROWS = 2_000
 EVENTS_PER_BATCH = 100
