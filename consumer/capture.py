@@ -13,14 +13,17 @@ replays this format (``consumer/publish.py``); live KV-event messages are 3 fram
 
 Errors: a file that ends inside a message raises :class:`CaptureFormatError`, which names the
 byte offset of the message and of the missing field, so a half-written capture is never read as
-a shorter valid one. A frame length (or frame count × 4 bytes) larger than the whole file cannot
-come from a capture cut short: it is reported as "not a capture file".
+a shorter valid one. A frame length (or frame count × 4 bytes) larger than the whole file is
+either a capture cut inside that message or not a capture at all; the message's receive time
+tells them apart (:func:`_recorded_time`: a capture's is a wall-clock time of this century, the
+first 8 bytes of text, of a compressed file or of zeros are not), and the error says which.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +36,8 @@ _MESSAGE_HEADER = struct.Struct(">QI")  # receive_time_ns, frame_count
 _FRAME_HEADER = struct.Struct(">I")  # frame length
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
+_RECORDED_NS_MIN = 946_684_800 * 10**9  # 2000-01-01 UTC: no capture was recorded before it
+_RECORDED_NS_SLACK = 366 * 86_400 * 10**9  # a recording host's clock ahead of this one's by up to a year
 
 
 class CaptureFormatError(ValueError):
@@ -99,31 +104,46 @@ def read_capture(path: str | Path) -> Iterator[CapturedMessage]:
                 return  # clean end: exactly at a message boundary
             _check_length(header, _MESSAGE_HEADER.size, "message header", name, offset)
             received_ns, frame_count = _MESSAGE_HEADER.unpack(header)
+            recorded = _recorded_time(received_ns)
             if frame_count * _FRAME_HEADER.size > size:
-                raise CaptureFormatError(f"not a capture file (bad frame count {frame_count}: its lengths alone "
-                                         f"would need more than the file's {size} bytes)", path=name, offset=offset + 8)
+                raise _beyond_the_file(f"frame count {frame_count}: its lengths alone would need more than", size,
+                                       recorded, name, offset + 8)
             message_offset = offset
             offset += _MESSAGE_HEADER.size
             frames: list[bytes] = []
             for index in range(frame_count):
-                frame, offset = _read_frame(stream, name, offset, index, message_offset, size)
+                frame, offset = _read_frame(stream, name, offset, index, message_offset, size, recorded)
                 frames.append(frame)
             yield CapturedMessage(received_ns=received_ns, frames=frames)
 
 
 def _read_frame(stream: BinaryIO, name: str, offset: int, index: int, message_offset: int,
-                size: int) -> tuple[bytes, int]:
+                size: int, recorded: bool) -> tuple[bytes, int]:
     where = f"frame {index} of the message starting at offset {message_offset}"
     raw_len = stream.read(_FRAME_HEADER.size)
     _check_length(raw_len, _FRAME_HEADER.size, f"length of {where}", name, offset)
     (length,) = _FRAME_HEADER.unpack(raw_len)
-    if length > size:  # a capture cut short still holds whole length fields: this one is garbage
-        raise CaptureFormatError(f"not a capture file (bad frame length {length} of {where}: more than the "
-                                 f"file's {size} bytes)", path=name, offset=offset)
+    if length > size:
+        raise _beyond_the_file(f"frame length {length} of {where}: more than", size, recorded, name, offset)
     offset += _FRAME_HEADER.size
     frame = stream.read(length)
     _check_length(frame, length, f"body of {where} ({length} bytes)", name, offset)
     return frame, offset + length
+
+
+def _recorded_time(received_ns: int) -> bool:
+    """Whether ``received_ns`` reads as a receive time (ns since the epoch) a capture could hold:
+    from 2000-01-01 to a year past this host's clock."""
+    return _RECORDED_NS_MIN <= received_ns <= time.time_ns() + _RECORDED_NS_SLACK
+
+
+def _beyond_the_file(what: str, size: int, recorded: bool, name: str, offset: int) -> CaptureFormatError:
+    """A field asking for more bytes than the whole file holds: a capture cut inside this message
+    when the message's receive time is one a capture holds, otherwise not a capture file."""
+    if recorded:
+        return CaptureFormatError(f"truncated capture ({what} the file's {size} bytes: cut inside this message)",
+                                  path=name, offset=offset)
+    return CaptureFormatError(f"not a capture file (bad {what} the file's {size} bytes)", path=name, offset=offset)
 
 
 def _check_length(data: bytes, expected: int, what: str, name: str, offset: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,28 @@ def test_implausible_lengths_are_not_a_capture_file(tmp_path: Path) -> None:
     many.write_bytes(struct.pack(">QI", 1, 10**6) + b"x" * 40)
     with pytest.raises(CaptureFormatError, match=r"not a capture file \(bad frame count 1000000"):
         list(read_capture(many))
+
+
+def test_a_capture_cut_inside_its_first_message_is_truncated_not_foreign(tmp_path: Path) -> None:
+    """A real capture cut inside its only message: the cut frame's length exceeds the file left,
+    but the message's receive time is a recording's, so the error says truncated (newcomer
+    finding 15: it said "not a capture file")."""
+    payload = b"p" * 4096
+    whole = encode_message([b"kv", bytes(8), payload], time.time_ns())
+    cut = tmp_path / "cut.frames.bin"
+    cut.write_bytes(whole[:1000])
+    with pytest.raises(CaptureFormatError, match=r"truncated capture \(frame length 4096 of frame 2") as info:
+        list(read_capture(cut))
+    assert "not a capture" not in str(info.value)
+    assert info.value.offset == 12 + 4 + 2 + 4 + 8
+    many = tmp_path / "many.frames.bin"
+    many.write_bytes(encode_message([b"x"] * 100, time.time_ns())[:200])
+    with pytest.raises(CaptureFormatError, match=r"truncated capture \(frame count 100"):
+        list(read_capture(many))
+
+
+def test_text_is_not_a_capture_file_whatever_its_lengths(tmp_path: Path) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_bytes(b'{"engine": "a", "blocks": [1, 2, 3]}\n' * 3)
+    with pytest.raises(CaptureFormatError, match="not a capture file"):
+        list(read_capture(text))
