@@ -21,6 +21,7 @@ characters → ``422``; a body over ``max_body_bytes`` → ``413``. Ledger failu
 from __future__ import annotations
 
 import html
+import re
 import time
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
@@ -91,6 +92,9 @@ class PlacementRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 _PLACEMENT_DECODER = msgspec.json.Decoder(PlacementRequest)
+_LONE_HIGH_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])")
+"""A JSON escape of a UTF-16 high surrogate (\\uD800-\\uDBFF) not followed by a low one's
+(\\uDC00-\\uDFFF); the even run of backslashes before it keeps an escaped backslash out."""
 _ENCODER = msgspec.json.Encoder()
 (_REQUEST_REF, _ADVICE_REF), _SCHEMAS = msgspec.json.schema_components(
     (PlacementRequest, Advice), ref_template="#/components/schemas/{name}")
@@ -224,12 +228,13 @@ def create_app(advisor: PlacementAdvisor, *, discovery: Any = None, registry: Co
     async def placement(request: Request) -> Response:
         started = time.perf_counter()
         try:
-            body = _PLACEMENT_DECODER.decode(await request.body())
+            body_bytes = await request.body()
+            body = _PLACEMENT_DECODER.decode(body_bytes)
             # off the event loop: advice may wait on the ledger or on semantic discovery's deadline
             advice = await run_in_threadpool(advise, body)
         except (msgspec.DecodeError, ValueError) as exc:  # msgspec.ValidationError is a DecodeError
             requests.labels(outcome="rejected").inc()
-            raise HTTPException(422, str(exc)) from None
+            raise HTTPException(422, _decode_error_text(exc, body_bytes)) from None
         except LedgerError as exc:  # PersistenceError: the ledger could not be read
             requests.labels(outcome="ledger_error").inc()
             raise HTTPException(503, f"ledger unavailable: {type(exc).__name__}") from None
@@ -303,3 +308,18 @@ def docs_page(schema: dict[str, Any]) -> str:
             "<table border=\"1\" cellpadding=\"4\"><tr><th>method</th><th>path</th><th>what</th><th>responses</th></tr>"
             f"{''.join(rows)}</table><p>Request and response schemas: <a href=\"openapi.json\">/openapi.json</a> "
             "(OpenAPI 3).</p></body></html>")
+
+
+def _decode_error_text(exc: Exception, body: bytes) -> str:
+    """The 422 detail for a body that did not decode: msgspec's message, except where it misleads.
+
+    msgspec 0.23 reports a lone high surrogate escape followed by anything but an escape (``"\\ud800"``)
+    as "Input data was truncated"; the body is whole, so the detail names the escape instead."""
+    text = str(exc)
+    if text.startswith("Input data was truncated"):
+        lone = _LONE_HIGH_SURROGATE.search(body)
+        if lone is not None:
+            escape = lone.group().lstrip(b"\\").decode()
+            return (f"JSON is malformed: a lone UTF-16 surrogate escape \\{escape} at byte {lone.end() - 6} "
+                    "(a high surrogate \\uD800-\\uDBFF must be followed by a low one \\uDC00-\\uDFFF)")
+    return text

@@ -129,6 +129,23 @@ def test_http_rejects_malformed_placement_requests_with_4xx(server, body: bytes)
     assert 400 <= response.status_code < 500, response.text
 
 
+@pytest.mark.parametrize("text", ["\\ud800", "x\\udbff!", "\\ud800\\u0041"])
+def test_a_lone_surrogate_escape_is_named_not_called_truncated(server, text: str) -> None:
+    """msgspec calls a lone high surrogate escape "Input data was truncated" (newcomer finding 14)."""
+    url, _, _ = server
+    body = b'{"token_ids": [1, 2], "text": "' + text.encode() + b'"}'
+    response = httpx.post(f"{url}/v1/placement", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert "truncated" not in detail and "surrogate" in detail, detail
+    truncated = httpx.post(f"{url}/v1/placement", content=b'{"token_ids": [1, 2]',
+                           headers={"content-type": "application/json"})
+    assert truncated.status_code == 422 and "truncated" in truncated.json()["detail"]
+    escaped = httpx.post(f"{url}/v1/placement", content=b'{"token_ids": [1, 2], "text": "\\\\ud800"}',
+                         headers={"content-type": "application/json"})
+    assert escaped.status_code == 200, escaped.text  # an escaped backslash then "ud800": plain text
+
+
 @pytest.mark.parametrize("path", ["/v1/placement", "/v1/donors"])
 def test_a_chunked_body_past_the_limit_is_refused_without_content_length(server, path: str) -> None:
     # Content-Length is only the honest client's word: a chunked upload has none, and was read whole.
