@@ -8,7 +8,8 @@ that keeps ``ledger`` free of imports from ``consumer`` and ``connector``.
 Exit codes: 0 success; 1 a check failed or nothing was found (``replay`` differs, ``inspect`` of an item no
 log row names, ``publish`` without a subscriber in time, a ``demo`` check); 2 usage, configuration, database,
 connection, file or port error, printed as ONE line ``error: …`` on stderr (database errors through
-``ledger.errors.database_error_line``), never a traceback.
+``ledger.errors.database_error_line``), never a traceback; 130 after Ctrl-C (one ``interrupted:`` line;
+``ledger.commands.user_errors``); 141 when the reader of stdout went away.
 """
 
 from __future__ import annotations

@@ -42,9 +42,22 @@ console = output_console()
 err_console = Console(stderr=True)
 
 
+INTERRUPTED_STATUS = 130
+"""The exit status after Ctrl-C: the shell's for a process ended by SIGINT (128 + 2)."""
+
+_INTERRUPTED = {
+    "migrate": " (the upgrade runs in one transaction: the ledger is at the revision it had)",
+    "replay": " (an --out file it created is removed)",
+    "snapshot": " (a snapshot is stored in one transaction: none was added)",
+    "index": " (each window is committed with its watermark: the next run resumes there)",
+}
+"""What an interrupted command left, where it matters."""
+
+
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn ledger, database, file and value errors into one line on stderr and exit code 2; a
-    database error names ``--db`` and the driver's reason (:func:`ledger.errors.database_error_line`)."""
+    database error names ``--db`` and the driver's reason (:func:`ledger.errors.database_error_line`).
+    Ctrl-C prints one ``interrupted:`` line and exits :data:`INTERRUPTED_STATUS`."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -55,6 +68,10 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 sys.stdout.flush()  # a reader gone away is found here, not by the flush at exit
         except BrokenPipeError:  # the reader of stdout went away (`| head`): quietly, no ledger error
             exit_for_broken_pipe()
+        except KeyboardInterrupt:  # Ctrl-C: typer would exit 130 without a word
+            err_console.print(f"interrupted: {fn.__name__} did not finish{_INTERRUPTED.get(fn.__name__, '')}",
+                              highlight=False, soft_wrap=True)
+            raise typer.Exit(INTERRUPTED_STATUS) from None
         except (LedgerError, SQLAlchemyError, OSError, ValueError) as exc:
             db = kwargs.get("db")
             message = database_error_line(exc, db) if db and is_database_error(exc) else one_line(str(exc))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sqlite3
 import tempfile
 import time
@@ -229,6 +230,8 @@ def replay(db: str, *, until: int | None = None, scratch: str | Path | None = No
             scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="semkv-replay-"))) / "replay.db"
         else:
             refuse_foreign_scratch(Path(scratch))
+            if not Path(scratch).exists():  # registered first, so it runs last: after the engines closed it
+                cleanup.push(functools.partial(_remove_unfinished, Path(scratch)))
         live_engine, read_only = cleanup.enter_context(audit_engine(db))
         if read_only is not None and on_read_only is not None:
             on_read_only(read_only)
@@ -301,6 +304,15 @@ def snapshot_at_head(db: str, progress: Progress | None = None) -> SnapshotTaken
         return SnapshotTaken(last_seq, start.seq if start is not None else 0, folded, seconds, size)
     finally:
         engine.dispose()
+
+
+def _remove_unfinished(path: Path, exc_type: type[BaseException] | None, *_: object) -> bool:
+    """ExitStack callback: a replay that did not finish (an error, Ctrl-C) removes the ``--out`` file it
+    created, so no empty or half-written projection file is left to be read as a result."""
+    if exc_type is not None:
+        for leftover in (path, *(path.with_name(path.name + suffix) for suffix in ("-wal", "-shm", "-journal"))):
+            leftover.unlink(missing_ok=True)
+    return False  # the error goes on
 
 
 def refuse_foreign_scratch(path: Path) -> None:
