@@ -55,7 +55,11 @@ the generation) and the new run's first batch, whenever it comes, is passed on `
 ``restart_logged`` (no second bump). An engine whose replay buffer holds nothing (a buffer of 0
 batches) cannot be told from a restarted one: do not give it a ``replay_endpoint``. A replay
 endpoint that does not answer proves nothing (the probe times out after ``replay_timeout_s``, the
-SUB is read again, and live messages waiting in ZMQ meanwhile are received then).
+SUB is read again, and live messages waiting in ZMQ meanwhile are received then). An idle probe
+yields to live traffic: a live message waiting before its first reply drops the probe (its DEALER
+closed), since the answer may hold a run newer than those messages (an engine that restarted while
+the probe waited, a multi-run capture published at once) and passing it on first would make the
+older run's batches look late or like restarts.
 
 ``record``: every message passed on (live or recovered, in that order; duplicates excluded) is
 appended to a capture file (``consumer/capture.py``), replayable by ``semkv-ledger publish``.
@@ -451,7 +455,7 @@ class Source:
         self._verdict = "pending" if judge else None
         replayed_before, self._probe_gaps = self._replayed, 0
         try:
-            result = await self.replay(start)
+            result = await self.replay(start, yield_to_live=True)
         finally:
             probe_gaps, self._probe_gaps = self._probe_gaps, None
         restarted, self._verdict = self._verdict == "restart" and start > 0, None
@@ -568,7 +572,7 @@ class Source:
 
     # -- replay client ------------------------------------------------------------------------
 
-    async def replay(self, start_seq: int, until: int | None = None) -> ReplayResult:
+    async def replay(self, start_seq: int, until: int | None = None, *, yield_to_live: bool = False) -> ReplayResult:
         """Request every buffered batch with seq >= ``start_seq`` and pass each on as it arrives
         (so a long catch-up commits as it goes, and memory stays bounded by back-pressure).
 
@@ -576,6 +580,12 @@ class Source:
         ``[seq8, payload]`` replies get this source's topic as their first frame. ``covered``
         counts distinct replayed seqs in ``[start_seq, until)``; ``complete`` is False when
         ``replay_timeout_s`` passed without a reply before the end marker.
+
+        ``yield_to_live`` (the idle probe): when a live message is waiting before the first reply,
+        the request is abandoned (not complete, nothing passed on): the answer may hold a newer run
+        than the live messages queued before it, which would then look late or like restarts
+        (an engine that restarted while the probe waited; a multi-run capture published at once).
+        The live path judges those messages and replays what it needs itself.
         """
         endpoint = self.config.replay_endpoint
         if endpoint is None:
@@ -586,7 +596,13 @@ class Source:
         await dealer.send_multipart([b"", pack_seq(start_seq)])
         timeout_ms = int(self._settings.replay_timeout_s * 1000)
         batches, covered, complete, previous, messages = 0, 0, False, None, 0
-        while await dealer.poll(timeout_ms, zmq.POLLIN):
+        first = await self._first_of(dealer, timeout_ms) if yield_to_live and self._sub is not None else "reply"
+        if first == "live":
+            self.log.info("source.probe_yielded_to_live", start_seq=start_seq)
+            self._m.replay_seconds.labels(**self._labels).observe(time.perf_counter() - started)
+            self._drop_dealer()  # its answer, if it comes, must not leak into the next replay
+            return ReplayResult(0, 0, False)
+        while first == "reply" and await dealer.poll(timeout_ms, zmq.POLLIN):
             frames = await dealer.recv_multipart()
             if frames and frames[0] == b"":
                 frames = frames[1:]
@@ -608,14 +624,31 @@ class Source:
             if self._replay_timeout_log.allow("replay"):  # a stopped engine times out at every idle probe
                 self.log.warning("source.replay_timeout", start_seq=start_seq, received=batches,
                                  in_a_row=self._replay_timeouts)
-            dealer.close(linger=0)  # late replies must not leak into the next replay
-            self._dealer = None
-            self._retire("replay")
+            self._drop_dealer()  # late replies must not leak into the next replay
         elif self._replay_timeouts:
             self.log.info("source.replay_answered", after_timeouts=self._replay_timeouts)
             self._replay_timeouts = 0
         self._m.replay_seconds.labels(**self._labels).observe(time.perf_counter() - started)
         return ReplayResult(batches, covered, complete, messages)
+
+    async def _first_of(self, dealer: zmq.asyncio.Socket, timeout_ms: int) -> Literal["reply", "live", "timeout"]:
+        """Wait up to ``timeout_ms`` for the replay's first reply or a live message, whichever is
+        first; both waiting counts as live (their order cannot be told, and yielding is safe)."""
+        poller = zmq.asyncio.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(self._sub, zmq.POLLIN)
+        ready = dict(await poller.poll(timeout_ms))
+        if self._sub in ready:
+            return "live"
+        return "reply" if dealer in ready else "timeout"
+
+    def _drop_dealer(self) -> None:
+        """Close the replay DEALER (unsent requests and unread replies with it); the next replay
+        opens a new one."""
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
+            self._retire("replay")
 
     def _replay_socket(self, endpoint: str) -> zmq.asyncio.Socket:
         if self._dealer is None:
