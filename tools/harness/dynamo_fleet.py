@@ -146,6 +146,7 @@ class DynamoFleet:
     workers: list[Worker] = field(default_factory=list)
     frontend: _Process | None = None
     http_port: int = 0
+    frontend_starts: int = 0
     _http: httpx.Client | None = None
 
     def __post_init__(self) -> None:
@@ -163,17 +164,36 @@ class DynamoFleet:
             for worker in self.workers:
                 self.start_worker(worker)
             self.http_port = free_port()
-            self.frontend = _Process([self.python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
-                                      "--http-port", str(self.http_port), "--router-mode", "kv",
-                                      "--discovery-backend", "file", "--kv-cache-block-size", str(BLOCK_SIZE),
-                                      *self.frontend_args],
-                                     self.env, self.root / "frontend.log")
             self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=60.0)
-            wait_for(self._serves_model, STARTUP_TIMEOUT_S, "the frontend to serve the model")
+            self.start_frontend()
         except BaseException:
             self.close()
             raise
         return self
+
+    def start_frontend(self) -> None:
+        """Start the frontend (its KV router) on :attr:`http_port`; returns when it serves the model."""
+        self.frontend_starts += 1
+        self.frontend = _Process([self.python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
+                                  "--http-port", str(self.http_port), "--router-mode", "kv",
+                                  "--discovery-backend", "file", "--kv-cache-block-size", str(BLOCK_SIZE),
+                                  *self.frontend_args],
+                                 self.env, self.root / "frontend.log")
+        wait_for(self._serves_model, STARTUP_TIMEOUT_S, "the frontend to serve the model")
+
+    def restart_frontend(self, sig: signal.Signals = signal.SIGTERM) -> float:
+        """Stop the frontend with ``sig`` and start a new one on the same HTTP port, the workers
+        untouched (their KV caches keep every block); the seconds from the signal until the new
+        frontend serves the model. Its log is appended to the same ``frontend.log``."""
+        assert self.frontend is not None, "start() first"
+        started = time.monotonic()
+        self.frontend.stop(sig)
+        wait_for(lambda: not port_open(self.http_port), 30, "the old frontend's HTTP port to close", 0.05)
+        if self._http is not None:  # no kept-alive connection to the old process
+            self._http.close()
+        self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=60.0)
+        self.start_frontend()
+        return time.monotonic() - started
 
     def start_worker(self, worker: Worker) -> None:
         """Start ``worker``'s process; returns once its replay port answers and it is registered in
