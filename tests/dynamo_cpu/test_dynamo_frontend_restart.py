@@ -11,8 +11,15 @@ worker's blocks from the worker's own local KV indexer when it discovers the wor
 ``worker_kv_query_source_*`` endpoint, on by default: ``enable_local_indexer = True`` in the
 installed wheel's ``dynamo/mocker/config.py``). So after the restart Dynamo alone routes each prompt
 to its holder with every block cached, like the ledger's advice. That part fails the day a Dynamo
-release (or a deployment with the workers' local indexers off) restarts its router empty, which is
-when the ledger's evidence would be worth sending after a restart.
+release restarts its router empty.
+
+With the workers' local indexers off (a Dynamo setting, on by default; the mocker takes it from
+``--extra-engine-args``: :func:`tools.harness.dynamo_fleet.mocker_config_without_local_indexer`), the
+restarted router has nothing to restore from: the ledger's hint still names each prompt's holder,
+and a request sent there with the hint is served with every block cached while Dynamo's own router
+reports no overlap for it (``kv_hit_rate`` 0): the ledger knows what Dynamo's router has forgotten.
+This is the workload of ``tools/dynamo_cpu/routing_compare.py --restart-frontend-after N
+--no-worker-local-indexer``.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ from collections.abc import Iterator
 import pytest
 
 from connector.placement.advice import PlacementAdvisor
-from connector.placement.dynamo_hint import dynamo_hint
+from connector.placement.dynamo_hint import dynamo_hint, nvext_hint
 from tools.harness.consume_process import wait_for
-from tools.harness.dynamo_fleet import BLOCK_SIZE, DynamoFleet, fleet_with_ledger, seeded_prompts
+from tools.harness.dynamo_fleet import (
+    BLOCK_SIZE, DynamoFleet, fleet_with_ledger, mocker_config_without_local_indexer, seeded_prompts)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,14 +42,26 @@ APPLIED = re.compile(r'^dynamo_component_kv_cache_events_applied\{[^}]*event_typ
                      re.MULTILINE)
 
 
-@pytest.fixture(scope="module")
-def restart_fleet(dynamo_env, tmp_path_factory) -> Iterator[tuple[DynamoFleet, PlacementAdvisor]]:
+def two_worker_fleet(dynamo_env, root, local_indexer: bool) -> Iterator[tuple[DynamoFleet, PlacementAdvisor]]:
     python, model = dynamo_env
-    root = tmp_path_factory.mktemp("dynamo-frontend-restart")
-    fleet = DynamoFleet(root, python, model, num_workers=2)
+    worker_args: tuple[str, ...] = ()
+    if not local_indexer:
+        config = mocker_config_without_local_indexer(python, model, 256, root / "mocker-no-local-indexer.json")
+        worker_args = ("--extra-engine-args", str(config))
+    fleet = DynamoFleet(root, python, model, num_workers=2, worker_args=worker_args)
     with fleet_with_ledger(fleet, root) as advisor:
         yield fleet, advisor
     assert not fleet.stray_processes(), f"still running after the fleet closed: {fleet.stray_processes()}"
+
+
+@pytest.fixture(scope="module")
+def restart_fleet(dynamo_env, tmp_path_factory) -> Iterator[tuple[DynamoFleet, PlacementAdvisor]]:
+    yield from two_worker_fleet(dynamo_env, tmp_path_factory.mktemp("dynamo-frontend-restart"), local_indexer=True)
+
+
+@pytest.fixture(scope="module")
+def forgetful_fleet(dynamo_env, tmp_path_factory) -> Iterator[tuple[DynamoFleet, PlacementAdvisor]]:
+    yield from two_worker_fleet(dynamo_env, tmp_path_factory.mktemp("dynamo-no-local-indexer"), local_indexer=False)
 
 
 def stored_events_applied(fleet: DynamoFleet) -> float:
@@ -49,8 +69,10 @@ def stored_events_applied(fleet: DynamoFleet) -> float:
     return sum(float(v) for v in APPLIED.findall(fleet.metrics_text()))
 
 
-def test_after_a_frontend_restart_the_advice_still_names_the_holders(restart_fleet) -> None:
-    fleet, advisor = restart_fleet
+def place_and_restart(fleet: DynamoFleet, advisor: PlacementAdvisor) -> dict[str, list[int]]:
+    """One prompt placed on each worker (targeted requests), the ledger caught up, then the frontend
+    restarted (SIGTERM, a new one); asserts that the ledger's hint names each prompt's holder with
+    every full block after the restart. The prompts by holder."""
     instance_of = {w.engine_id: w.instance_id for w in fleet.workers}
     engine_of = {i: e for e, i in instance_of.items()}
     prompts = fleet.tokenize(list(seeded_prompts(2205, 2, min_chars=1200)))
@@ -78,6 +100,13 @@ def test_after_a_frontend_restart_the_advice_still_names_the_holders(restart_fle
         full = len(tokens) // BLOCK_SIZE
         assert hint is not None and (hint.engine_id, hint.instance_id, hint.blocks) == (
             engine_id, instance_of[engine_id], full), (engine_id, hint)
+    return holders
+
+
+def test_after_a_frontend_restart_the_advice_still_names_the_holders(restart_fleet) -> None:
+    fleet, advisor = restart_fleet
+    holders = place_and_restart(fleet, advisor)
+    engine_of = {w.instance_id: w.engine_id for w in fleet.workers}
 
     # Dynamo's router, after the restart: it has restored both workers' blocks (one stored event
     # applied per worker, the worker's tree dump) and routes each prompt, unhinted, to its holder.
@@ -90,3 +119,20 @@ def test_after_a_frontend_restart_the_advice_still_names_the_holders(restart_fle
             "its router no longer restores the workers' blocks, and the ledger's hint would matter")
         assert answered["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(tokens) // BLOCK_SIZE) * BLOCK_SIZE
         assert answered["nvext"]["timing"]["kv_hit_rate"] > 0
+
+
+def test_without_local_indexers_the_restarted_router_forgets_and_the_ledger_does_not(forgetful_fleet) -> None:
+    fleet, advisor = forgetful_fleet
+    holders = place_and_restart(fleet, advisor)
+    instance_of = {w.engine_id: w.instance_id for w in fleet.workers}
+    engine_of = {i: e for e, i in instance_of.items()}
+    for engine_id, tokens in holders.items():
+        hint = dynamo_hint(advisor.advise(tokens), instance_of)
+        answered = fleet.complete(tokens, max_tokens=1, nvext=nvext_hint(hint))
+        assert engine_of[answered["nvext"]["worker_id"]["decode_worker_id"]] == engine_id
+        # the worker still holds every block (the mocker's cached tokens), as the ledger said ...
+        assert answered["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(tokens) // BLOCK_SIZE) * BLOCK_SIZE
+        # ... while Dynamo's restarted router knows of none of them
+        assert answered["nvext"]["timing"]["kv_hit_rate"] == 0, (
+            "Dynamo's restarted router knew the worker's blocks without its local indexer: "
+            "it restores them some other way now, and this workload no longer shows the ledger knowing more")

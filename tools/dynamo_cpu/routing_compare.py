@@ -24,7 +24,11 @@ and a fresh SQLite ledger fed by ``semkv-ledger consume`` (every default setting
 ``--restart-frontend-after N``: in every pass, after the first N requests have been answered the
 frontend (its KV router, whose index is in memory) is stopped with SIGTERM and started again on the
 same port, the workers and the ledger untouched, and the pass goes on with the rest; the report adds
-the ``--restart-window`` requests after the restart as their own table. Whether Dynamo's router
+the ``--restart-window`` requests after the restart as their own table.
+``--no-worker-local-indexer``: every worker started without that indexer (a Dynamo setting, on by
+default; :func:`tools.harness.dynamo_fleet.mocker_config_without_local_indexer`), so that a restarted
+router cannot restore its index from the workers; the ledger is fed from the workers' own KV event
+streams as in every pass. Whether Dynamo's router
 starts empty there is a fact of Dynamo, not of this tool: 1.6.1's router restores each worker's
 blocks from the worker's own local KV indexer when it discovers the worker (router side:
 ai-dynamo/dynamo ``lib/llm/src/kv_router/indexer/recovery/worker_query.rs``, ``WorkerQueryClient``,
@@ -75,7 +79,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from connector.placement.dynamo_hint import dynamo_hint, frontend_engine_load, nvext_hint  # noqa: E402
-from tools.harness.dynamo_fleet import BLOCK_SIZE, DynamoFleet, fleet_with_ledger, seeded_prompts  # noqa: E402
+from tools.harness.dynamo_fleet import (  # noqa: E402
+    BLOCK_SIZE, DynamoFleet, fleet_with_ledger, mocker_config_without_local_indexer, seeded_prompts)
 
 
 @dataclasses.dataclass
@@ -121,8 +126,13 @@ def run_pass(name: str, hint: str | None, token_ids: list[list[int]], args: argp
     root = workdir / name
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
+    worker_args: tuple[str, ...] = ()
+    if args.no_worker_local_indexer:
+        config = mocker_config_without_local_indexer(args.dynamo_python, Path(args.dynamo_model), args.num_gpu_blocks,
+                                                     root / "mocker-no-local-indexer.json")
+        worker_args = ("--extra-engine-args", str(config))
     fleet = DynamoFleet(root, args.dynamo_python, Path(args.dynamo_model), num_workers=args.workers,
-                        num_gpu_blocks=args.num_gpu_blocks, frontend_args=frontend_args)
+                        num_gpu_blocks=args.num_gpu_blocks, frontend_args=frontend_args, worker_args=worker_args)
     with fleet_with_ledger(fleet, root) as advisor:
         engine_of = {w.instance_id: w.engine_id for w in fleet.workers}
         instance_of = {w.engine_id: w.instance_id for w in fleet.workers}
@@ -307,6 +317,7 @@ def report(args: argparse.Namespace, runs: dict[int, dict[str, PassRun]], times:
         + (f" --dynamo-tuned-args='{args.dynamo_tuned_args}'" if args.dynamo_tuned_args else "")
         + (f" --restart-frontend-after {args.restart_frontend_after} --restart-window {args.restart_window}"
            if args.restart_frontend_after is not None else "")
+        + (" --no-worker-local-indexer" if args.no_worker_local_indexer else "")
         + f"`; commit {git_commit()} (plus the working tree of this change).",
         f"Load average at start {loads[0]}, at end {loads[1]} ({os.cpu_count()} CPUs, {platform.platform()}; "
         "machine shared with other helpers).",
@@ -362,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a pass hinted by Dynamo's cost with the ledger's overlap (load from the frontend's /metrics)")
     parser.add_argument("--restart-frontend-after", type=int, default=None, metavar="N",
                         help="in every pass, restart the frontend (SIGTERM, then a new one) after N requests")
+    parser.add_argument("--no-worker-local-indexer", action="store_true",
+                        help="workers without Dynamo's worker-local KV indexer (on by default), from which a "
+                             "restarted router restores its index")
     parser.add_argument("--restart-window", type=int, default=100,
                         help="requests after (and before) the restart reported on their own (default 100)")
     parser.add_argument("--dynamo-python", default=os.environ.get("SEMKV_DYNAMO_PYTHON"))
