@@ -21,6 +21,22 @@ and a fresh SQLite ledger fed by ``semkv-ledger consume`` (every default setting
   Dynamo's trade-off on the ledger's evidence, what its remote-indexer input would have given;
 * ``dynamo-tuned`` (with ``--dynamo-tuned-args``): Dynamo alone, its frontend given those flags.
 
+``--restart-frontend-after N``: in every pass, after the first N requests have been answered the
+frontend (its KV router, whose index is in memory) is stopped with SIGTERM and started again on the
+same port, the workers and the ledger untouched, and the pass goes on with the rest; the report adds
+the ``--restart-window`` requests after the restart as their own table.
+``--no-worker-local-indexer``: every worker started without that indexer (a Dynamo setting, on by
+default; :func:`tools.harness.dynamo_fleet.mocker_config_without_local_indexer`), so that a restarted
+router cannot restore its index from the workers; the ledger is fed from the workers' own KV event
+streams as in every pass. Whether Dynamo's router
+starts empty there is a fact of Dynamo, not of this tool: 1.6.1's router restores each worker's
+blocks from the worker's own local KV indexer when it discovers the worker (router side:
+ai-dynamo/dynamo ``lib/llm/src/kv_router/indexer/recovery/worker_query.rs``, ``WorkerQueryClient``,
+"recovers each (worker_id, dp_rank) as it appears" by a tree dump; worker side: the
+``worker_kv_query_source_*`` endpoint of ``dynamo_llm::kv_router::indexer::recovery::worker_query_endpoint``,
+on by default: ``enable_local_indexer = True`` in the installed wheel's ``dynamo/mocker/config.py``
+and ``dynamo/common/configuration/groups/runtime_args.py``); the restart window measures it.
+
 Nothing waits for the ledger to catch up with the workers' events (the test group does:
 tests/dynamo_cpu/test_dynamo_fleet.py): the advice is what a router-side caller would get at that
 moment. Per pass: requests per worker slot, Dynamo's ``cached_tokens`` (its responses), overlap hit
@@ -63,7 +79,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from connector.placement.dynamo_hint import dynamo_hint, frontend_engine_load, nvext_hint  # noqa: E402
-from tools.harness.dynamo_fleet import BLOCK_SIZE, DynamoFleet, fleet_with_ledger, seeded_prompts  # noqa: E402
+from tools.harness.dynamo_fleet import (  # noqa: E402
+    BLOCK_SIZE, DynamoFleet, fleet_with_ledger, mocker_config_without_local_indexer, seeded_prompts)
 
 
 @dataclasses.dataclass
@@ -87,16 +104,35 @@ class Row:
     failed: str | None = None
 
 
+@dataclasses.dataclass
+class PassRun:
+    """One pass's rows and, with ``--restart-frontend-after``, when its frontend restarted."""
+
+    rows: list[Row]
+    restart_after: int | None = None
+    """Requests answered before the frontend's restart (None: no restart)."""
+    restart_s: float | None = None
+    """Seconds from the frontend's SIGTERM until the new one served the model."""
+
+
 def run_pass(name: str, hint: str | None, token_ids: list[list[int]], args: argparse.Namespace, workdir: Path,
-             concurrency: int, frontend_args: tuple[str, ...] = ()) -> list[Row]:
+             concurrency: int, frontend_args: tuple[str, ...] = ()) -> PassRun:
     """One pass on a fresh fleet (its frontend given ``frontend_args`` too) and ledger, ``concurrency``
     requests in flight; its rows in request order. ``hint``: None (Dynamo alone), ``"evidence"``
-    (the best-reuse hint) or ``"cost"`` (the lowest-cost hint, load from the frontend's /metrics)."""
+    (the best-reuse hint) or ``"cost"`` (the lowest-cost hint, load from the frontend's /metrics).
+    With ``args.restart_frontend_after`` (N), the first N requests are answered, the frontend is
+    restarted (SIGTERM, then a new one on the same port: :meth:`DynamoFleet.restart_frontend`), and
+    the rest follow."""
     root = workdir / name
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
+    worker_args: tuple[str, ...] = ()
+    if args.no_worker_local_indexer:
+        config = mocker_config_without_local_indexer(args.dynamo_python, Path(args.dynamo_model), args.num_gpu_blocks,
+                                                     root / "mocker-no-local-indexer.json")
+        worker_args = ("--extra-engine-args", str(config))
     fleet = DynamoFleet(root, args.dynamo_python, Path(args.dynamo_model), num_workers=args.workers,
-                        num_gpu_blocks=args.num_gpu_blocks, frontend_args=frontend_args)
+                        num_gpu_blocks=args.num_gpu_blocks, frontend_args=frontend_args, worker_args=worker_args)
     with fleet_with_ledger(fleet, root) as advisor:
         engine_of = {w.instance_id: w.engine_id for w in fleet.workers}
         instance_of = {w.engine_id: w.instance_id for w in fleet.workers}
@@ -144,18 +180,29 @@ def run_pass(name: str, hint: str | None, token_ids: list[list[int]], args: argp
                     rows[i] = Row(i, len(token_ids[i]), None, 0, None, None, 0.0, None, False, False, [], 0, None,
                                   failed=type(exc).__name__)
 
+        def run_threads() -> None:
+            threads = [threading.Thread(target=worker_thread) for _ in range(concurrency)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
         started = time.monotonic()
-        threads = [threading.Thread(target=worker_thread) for _ in range(concurrency)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        restart_after = args.restart_frontend_after
+        restart_s = None
+        if restart_after is not None:
+            next_index = iter(range(restart_after))
+            run_threads()  # every request before the restart answered
+            restart_s = fleet.restart_frontend()
+            print(f"{name}: frontend restarted after {restart_after} requests ({restart_s:.1f} s)", flush=True)
+            next_index = iter(range(restart_after, len(token_ids)))
+        run_threads()
         print(f"{name}, {concurrency} in flight: {len(token_ids)} requests in {time.monotonic() - started:.1f} s", flush=True)
         out = [r for r in rows if r is not None]
         with open(root / "rows.jsonl", "w") as f:
             for r in out:
                 f.write(json.dumps(dataclasses.asdict(r)) + "\n")
-        return out
+        return PassRun(out, restart_after, restart_s)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -184,6 +231,7 @@ def summary(rows: list[Row], workers: int) -> dict:
         "to_top": sum(r.routed_engine in r.top_engines for r in ok),
         "to_top_unhinted": (sum(r.routed_engine in r.top_engines for r in unhinted), len(unhinted)),
         "informed": sum(r.best_blocks > 0 for r in ok),
+        "router_blind": sum(r.best_blocks > 0 and not r.kv_hit_rate for r in ok),
         "delivered_as_advised": sum(r.our_blocks_on_routed is not None and r.cached_tokens == r.our_blocks_on_routed * BLOCK_SIZE
                                     for r in ok),
         "available_tokens": sum(r.best_blocks * BLOCK_SIZE for r in ok),
@@ -226,6 +274,7 @@ def table(args: argparse.Namespace, passes: dict[str, list[Row]]) -> list[str]:
         line("**TTFT** p50 / p95 / mean (mocker, ms)", lambda n, x: f"{x['ttft_p50']:.1f} / {x['ttft_p95']:.1f} / {x['ttft_mean']:.1f}"),
         line("client latency p50 / p95 (ms)", lambda n, x: f"{x['latency_p50']:.1f} / {x['latency_p95']:.1f}"),
         line("advice informed (the ledger saw some overlap)", lambda n, x: str(x["informed"])),
+        line("… of which Dynamo's choice had no overlap by its router (`kv_hit_rate` 0)", lambda n, x: str(x["router_blind"])),
         line("a hint names one engine (by evidence; in `semkv-cost` by cost)", lambda n, x: str(x["decisive"])),
         line("… routed to that engine", as_hint),
         line("routed to the advice's top set (all / of Dynamo's own choices)",
@@ -256,7 +305,7 @@ def table(args: argparse.Namespace, passes: dict[str, list[Row]]) -> list[str]:
     return out
 
 
-def report(args: argparse.Namespace, runs: dict[int, dict[str, list[Row]]], times: tuple[str, str],
+def report(args: argparse.Namespace, runs: dict[int, dict[str, PassRun]], times: tuple[str, str],
            loads: tuple[str, str]) -> str:
     lines = [
         f"# Dynamo routing with semkv-ledger's evidence — {times[0][:10]}",
@@ -266,6 +315,9 @@ def report(args: argparse.Namespace, runs: dict[int, dict[str, list[Row]]], time
         f"{' '.join(map(str, args.concurrency))} --seed {args.seed} --max-tokens {args.max_tokens}"
         + (" --cost-pass" if args.cost_pass else "")
         + (f" --dynamo-tuned-args='{args.dynamo_tuned_args}'" if args.dynamo_tuned_args else "")
+        + (f" --restart-frontend-after {args.restart_frontend_after} --restart-window {args.restart_window}"
+           if args.restart_frontend_after is not None else "")
+        + (" --no-worker-local-indexer" if args.no_worker_local_indexer else "")
         + f"`; commit {git_commit()} (plus the working tree of this change).",
         f"Load average at start {loads[0]}, at end {loads[1]} ({os.cpu_count()} CPUs, {platform.platform()}; "
         "machine shared with other helpers).",
@@ -279,7 +331,23 @@ def report(args: argparse.Namespace, runs: dict[int, dict[str, list[Row]]], time
         "",
     ]
     for concurrency, passes in runs.items():
-        lines += [f"## {args.requests} requests, {concurrency} in flight", "", *table(args, passes), ""]
+        every = {name: run.rows for name, run in passes.items()}
+        n = args.restart_frontend_after
+        if n is None:
+            lines += [f"## {args.requests} requests, {concurrency} in flight", "", *table(args, every), ""]
+            continue
+        window = min(args.requests, n + args.restart_window)
+        restarts = ", ".join(f"`{name}` {run.restart_s:.1f} s" for name, run in passes.items() if run.restart_s is not None)
+        lines += [
+            f"## {args.requests} requests, {concurrency} in flight, the frontend restarted after request {n}", "",
+            f"Frontend restart (SIGTERM until the new frontend served the model): {restarts}.", "",
+            f"### The {window - n} requests after the restart (requests {n + 1}–{window})", "",
+            *table(args, {name: rows[n:window] for name, rows in every.items()}), "",
+            f"### The {min(n, args.restart_window)} requests before the restart (requests "
+            f"{n - min(n, args.restart_window) + 1}–{n})", "",
+            *table(args, {name: rows[n - min(n, args.restart_window):n] for name, rows in every.items()}), "",
+            f"### All {args.requests} requests", "", *table(args, every), "",
+        ]
     return "\n".join(lines)
 
 
@@ -303,6 +371,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="frontend flags of a third pass, Dynamo alone tuned (e.g. '--router-prefill-load-scale 4')")
     parser.add_argument("--cost-pass", action="store_true",
                         help="a pass hinted by Dynamo's cost with the ledger's overlap (load from the frontend's /metrics)")
+    parser.add_argument("--restart-frontend-after", type=int, default=None, metavar="N",
+                        help="in every pass, restart the frontend (SIGTERM, then a new one) after N requests")
+    parser.add_argument("--no-worker-local-indexer", action="store_true",
+                        help="workers without Dynamo's worker-local KV indexer (on by default), from which a "
+                             "restarted router restores its index")
+    parser.add_argument("--restart-window", type=int, default=100,
+                        help="requests after (and before) the restart reported on their own (default 100)")
     parser.add_argument("--dynamo-python", default=os.environ.get("SEMKV_DYNAMO_PYTHON"))
     parser.add_argument("--dynamo-model", default=os.environ.get("SEMKV_DYNAMO_MODEL"))
     parser.add_argument("--workdir", type=Path, default=None,
@@ -314,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
                      "tools/dynamo_cpu/setup_env.py --print-env) are required")
     if args.requests < 1 or args.workers < 2 or min(args.concurrency) < 1:
         parser.error("--requests >= 1, --workers >= 2, --concurrency >= 1")
+    if args.restart_frontend_after is not None and not 1 <= args.restart_frontend_after < args.requests:
+        parser.error("--restart-frontend-after N: 1 <= N < --requests")
+    if args.restart_window < 1:
+        parser.error("--restart-window >= 1")
     start = datetime.now(timezone.utc)
     out = args.out or REPO / "tools" / "results" / f"dynamo-routing-{start:%Y-%m-%d-%H%M}.md"
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamo-routing-"))
@@ -326,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         plan.append(("semkv-cost", "cost", ()))
     if args.dynamo_tuned_args:
         plan.append(("dynamo-tuned", None, tuple(shlex.split(args.dynamo_tuned_args))))
-    runs: dict[int, dict[str, list[Row]]] = {}
+    runs: dict[int, dict[str, PassRun]] = {}
     for concurrency in args.concurrency:
         runs[concurrency] = {name: run_pass(name, hint, token_ids, args, workdir / f"c{concurrency}", concurrency, extra)
                              for name, hint, extra in plan}

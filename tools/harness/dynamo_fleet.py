@@ -143,9 +143,12 @@ class DynamoFleet:
     num_gpu_blocks: int = 256
     frontend_args: tuple[str, ...] = ()
     """More flags for ``dynamo.frontend`` (e.g. ``--use-remote-indexer``)."""
+    worker_args: tuple[str, ...] = ()
+    """More flags for every ``dynamo.mocker`` worker (e.g. ``--extra-engine-args FILE``)."""
     workers: list[Worker] = field(default_factory=list)
     frontend: _Process | None = None
     http_port: int = 0
+    frontend_starts: int = 0
     _http: httpx.Client | None = None
 
     def __post_init__(self) -> None:
@@ -163,17 +166,36 @@ class DynamoFleet:
             for worker in self.workers:
                 self.start_worker(worker)
             self.http_port = free_port()
-            self.frontend = _Process([self.python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
-                                      "--http-port", str(self.http_port), "--router-mode", "kv",
-                                      "--discovery-backend", "file", "--kv-cache-block-size", str(BLOCK_SIZE),
-                                      *self.frontend_args],
-                                     self.env, self.root / "frontend.log")
             self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=60.0)
-            wait_for(self._serves_model, STARTUP_TIMEOUT_S, "the frontend to serve the model")
+            self.start_frontend()
         except BaseException:
             self.close()
             raise
         return self
+
+    def start_frontend(self) -> None:
+        """Start the frontend (its KV router) on :attr:`http_port`; returns when it serves the model."""
+        self.frontend_starts += 1
+        self.frontend = _Process([self.python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
+                                  "--http-port", str(self.http_port), "--router-mode", "kv",
+                                  "--discovery-backend", "file", "--kv-cache-block-size", str(BLOCK_SIZE),
+                                  *self.frontend_args],
+                                 self.env, self.root / "frontend.log")
+        wait_for(self._serves_model, STARTUP_TIMEOUT_S, "the frontend to serve the model")
+
+    def restart_frontend(self, sig: signal.Signals = signal.SIGTERM) -> float:
+        """Stop the frontend with ``sig`` and start a new one on the same HTTP port, the workers
+        untouched (their KV caches keep every block); the seconds from the signal until the new
+        frontend serves the model. Its log is appended to the same ``frontend.log``."""
+        assert self.frontend is not None, "start() first"
+        started = time.monotonic()
+        self.frontend.stop(sig)
+        wait_for(lambda: not port_open(self.http_port), 30, "the old frontend's HTTP port to close", 0.05)
+        if self._http is not None:  # no kept-alive connection to the old process
+            self._http.close()
+        self._http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=60.0)
+        self.start_frontend()
+        return time.monotonic() - started
 
     def start_worker(self, worker: Worker) -> None:
         """Start ``worker``'s process; returns once its replay port answers and it is registered in
@@ -185,7 +207,7 @@ class DynamoFleet:
             [self.python, "-m", "dynamo.mocker", "--model-path", str(self.model), "--model-name", MODEL_NAME,
              "--num-workers", "1", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override",
              str(self.num_gpu_blocks), "--discovery-backend", "file", "--zmq-kv-events-ports", str(worker.events_port),
-             "--zmq-replay-ports", str(worker.replay_port)], self.env, log)
+             "--zmq-replay-ports", str(worker.replay_port), *self.worker_args], self.env, log)
 
         def registered() -> int | None:
             worker.process.check_alive()  # type: ignore[union-attr]
@@ -280,6 +302,32 @@ class DynamoFleet:
             "nvext": {"extra_fields": ["worker_id", "timing"], **(nvext or {})}})
         response.raise_for_status()
         return response.json()
+
+
+def mocker_config_without_local_indexer(python: str, model: Path, num_gpu_blocks: int, path: Path) -> Path:
+    """Write to ``path`` the mocker's engine configuration for this fleet's worker flags, with the
+    worker-local KV indexer off (``dynamo.enable_local_indexer = false``), for
+    ``worker_args=("--extra-engine-args", str(path))``; returns ``path``.
+
+    The configuration is the mocker's own (``dynamo.mocker.args.parse_args`` and
+    ``dynamo.mocker.config.build_mocker_engine_args`` of the installed ai-dynamo 1.6.1, run in the
+    Dynamo venv ``python``); the mocker has no flag for it (``build_mocker_engine_args`` sets
+    ``enable_local_indexer = True``). Without a local indexer a worker registers no
+    ``worker_kv_query_source_*`` endpoint, and a restarted frontend's KV router cannot restore that
+    worker's blocks (ai-dynamo/dynamo ``lib/llm/src/kv_router/indexer/recovery/worker_query.rs``).
+
+    Raises:
+        subprocess.CalledProcessError: the Dynamo venv could not build the configuration.
+    """
+    script = ("import json, sys; from dynamo.mocker.args import parse_args; "
+              "from dynamo.mocker.config import build_mocker_engine_args; "
+              "c = build_mocker_engine_args(parse_args(sys.argv[2:])); c['dynamo']['enable_local_indexer'] = False; "
+              "json.dump(c, open(sys.argv[1], 'w'))")
+    subprocess.run([python, "-c", script, str(path), "--model-path", str(model), "--model-name", MODEL_NAME,
+                    "--num-workers", "1", "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(num_gpu_blocks),
+                    "--discovery-backend", "file"], env=dynamo_env(path.parent), capture_output=True, text=True,
+                   timeout=120, check=True)
+    return path
 
 
 # -- the seeded workload ------------------------------------------------------------------------
