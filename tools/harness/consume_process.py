@@ -7,6 +7,7 @@ for many engines, Prometheus scrapes, and waiting on a condition. Used by
 from __future__ import annotations
 
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -18,11 +19,44 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10_000
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS's choice; another process may take it before use)."""
+    """A TCP port free on every address now, below the kernel's ephemeral range, and not handed
+    out before by this process.
+
+    A port the OS picks for a bind to port 0 comes from the ephemeral range, where any process's
+    outgoing connection may take it before the engine binds it (seen: a Dynamo worker's ZMQ PUB
+    "Address already in use" on a busy machine). Below that range only explicit binds compete.
+    Falls back to the OS's choice where the range cannot be read or leaves no room.
+    """
+    try:
+        ephemeral_low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = _LOWEST_PORT
+    rng = random.SystemRandom()
+    for _ in range(200 if ephemeral_low > _LOWEST_PORT else 0):
+        port = rng.randrange(_LOWEST_PORT, ephemeral_low)
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    """Nothing listens on or holds ``port``, on 0.0.0.0 (engines bind ``tcp://*``) or 127.0.0.1."""
+    for host in ("0.0.0.0", "127.0.0.1"):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
+    return True
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
