@@ -139,7 +139,9 @@ class ConnectorMetrics:
         self.metadata_build_seconds = Histogram("semkv_metadata_build_seconds", "build_connector_meta duration",
                                                 buckets=_FAST, registry=r)
         self.load_seconds = Histogram("semkv_load_seconds",
-                                      "Plan load duration (start to last layer), by where the bytes came from: "
+                                      "Plan load time: the worker's own work on the plan (first check, store open, each layer's "
+                                      "revalidation, read and copy, summed; not the engine's forward between layers), "
+                                      "by where the bytes came from: "
                                       "host_ram (staged in this process), local_file (file store), redis",
                                       ("source",), buckets=_SLOW, registry=r)
         self.ttft_delta_seconds = Histogram(

@@ -13,8 +13,10 @@ registry in :mod:`connector.namespace`):
   two of the longest prompt in the iteration: attention makes a token dearer in a longer
   context), and measured under whatever else the engine runs, so the engine's current load is in
   the figure;
-* **load cost** — the worker times every materialized plan (``_begin`` to its last layer), per
-  memory level the bytes came from, and fits ``seconds = fixed + per_token × tokens`` over the last
+* **load cost** — the worker times its own work on every materialized plan (the first check,
+  the store open and each layer's revalidation, read and copy, summed: not the engine's forward
+  between ``wait_for_layer_load`` calls on vLLM, nor other plans' work), per memory level the bytes
+  came from, and fits ``seconds = fixed + per_token × tokens`` over the last
   :attr:`~connector.settings.ProfitSettings.window` loads (least squares; a single size: per-token
   only).
 

@@ -69,7 +69,7 @@ from typing import Any
 
 from connector._vllm import (TRANSFER_RESULTS_AVAILABLE, VLLM_VERSION, KVConnectorBase_V1, KVConnectorMetadata,
                              KVConnectorRole, KVConnectorTransferResults)
-from connector.block_keys import vllm_event_block_hash
+from connector.block_keys import vllm_event_block_hashes
 from connector.engine_contract import VLLM
 from connector.metrics import serve_metrics
 from connector.namespace import KvLayout, NamespaceUnknown
@@ -150,7 +150,7 @@ class VllmRequest:
     @property
     def block_hashes(self) -> list[int | bytes]:
         """The engine's hashes of the request's full blocks, as its KV events carry them."""
-        return [vllm_event_block_hash(h) for h in getattr(self._request, "block_hashes", ())]
+        return vllm_event_block_hashes(getattr(self._request, "block_hashes", ()))
 
 
 class VllmDeployment:

@@ -148,7 +148,12 @@ class SemKvLoadError(RuntimeError):
 @dataclasses.dataclass(slots=True)
 class _ActiveLoad:
     plan: LoadPlan
-    started: float
+    work_s: float = 0.0
+    """Seconds the worker spent on this load's own work so far: :meth:`SemKvWorker._begin` (ledger
+    check, store open, header) and each layer's :meth:`SemKvWorker._copy_layer` (revalidation,
+    read, checksum, copy into the pool) — never the engine's code between the hooks (on vLLM the
+    forward of the layers before the last one runs between its copies) nor other plans' work.
+    Reported as ``semkv_load_seconds`` and taught to the cost model (:meth:`SemKvWorker._materialized`)."""
     secured: SecuredEntry | SecuredShards | None = None
     """The scheduler's secured entry this load reads through (released when the load ends)."""
     reader: DonorReader | None = None
@@ -360,6 +365,17 @@ class SemKvWorker(KvCacheConnectorWorker):
             self._forward = (meta, time.perf_counter())
 
     def _begin(self, plan: LoadPlan) -> _ActiveLoad:
+        """Validate ``plan`` and open its bytes (the ledger's first check, the store header); the
+        time it takes opens the load's :attr:`_ActiveLoad.work_s`.
+
+        Raises:
+            SemKvLoadError: the plan cannot be loaded (nothing was copied)."""
+        started = time.perf_counter()
+        load = self._begin_checked(plan)
+        load.work_s += time.perf_counter() - started
+        return load
+
+    def _begin_checked(self, plan: LoadPlan) -> _ActiveLoad:
         if plan.failed:
             raise SemKvLoadError(plan, "plan_failed", plan.failed)
         if not self.layers or self.layout is None:
@@ -372,7 +388,7 @@ class SemKvWorker(KvCacheConnectorWorker):
         if len(plan.target_block_ids) != plan.num_blocks or (
                 plan.target_block_ids and max(plan.target_block_ids) >= self.num_blocks):
             raise SemKvLoadError(plan, "bad_targets", f"{len(plan.target_block_ids)} target blocks")
-        load = _ActiveLoad(plan, time.perf_counter(), self.store.claim(plan.lease_id) if plan.binding else None,
+        load = _ActiveLoad(plan, secured=self.store.claim(plan.lease_id) if plan.binding else None,
                            ref=plan.shards[self.tp_rank][0] if plan.shards else plan.store_ref)
         self.store.lease(plan.donor_id)  # pinned here until _close
         try:
@@ -560,6 +576,18 @@ class SemKvWorker(KvCacheConnectorWorker):
             self._active = []
 
     def _copy_layer(self, load: _ActiveLoad, layer_idx: int) -> None:
+        """Revalidate, read, verify and copy layer ``layer_idx`` of ``load`` (:meth:`_copy_layer_work`);
+        its time, failed or not, is added to the load's :attr:`_ActiveLoad.work_s`.
+
+        Raises:
+            SemKvLoadError: the ledger or the bytes failed the plan."""
+        started = time.perf_counter()
+        try:
+            self._copy_layer_work(load, layer_idx)
+        finally:
+            load.work_s += time.perf_counter() - started
+
+    def _copy_layer_work(self, load: _ActiveLoad, layer_idx: int) -> None:
         plan, kv = load.plan, self.layers[layer_idx]
         assert load.reader is not None and load.targets is not None  # set by _begin
         h = load.reader.header
@@ -682,7 +710,9 @@ class SemKvWorker(KvCacheConnectorWorker):
                 self._copy_layer(load, layer_idx)
                 load.next_layer = layer_idx + 1
             if load.targets is not None and load.targets.device.type == "cuda":  # copies done before reporting
+                started = time.perf_counter()
                 torch.cuda.current_stream(load.targets.device).synchronize()
+                load.work_s += time.perf_counter() - started
         except SemKvLoadError as exc:
             self._async_failed(exc, load)
             return False
@@ -699,8 +729,15 @@ class SemKvWorker(KvCacheConnectorWorker):
             self._close(load)
 
     def _materialized(self, load: _ActiveLoad) -> None:
+        """Every layer of ``load`` is copied: close it and record its load time — the worker's own
+        work on it (:attr:`_ActiveLoad.work_s`, plus closing it here), not the wall time from its
+        first check to its last copy, which on vLLM spans the forward of every layer but the last
+        (``wait_for_layer_load`` is called before each layer's attention) and with several plans in
+        one iteration the other plans' work — in ``semkv_load_seconds{source}``, the cost model's
+        load samples (:mod:`connector.profit`) and ``semkv_ttft_delta_seconds``."""
+        started = time.perf_counter()
         self._close(load)
-        seconds, plan = time.perf_counter() - load.started, load.plan
+        seconds, plan = load.work_s + (time.perf_counter() - started), load.plan
         self.metrics.materialized.inc()
         self.metrics.materialized_tokens.inc(plan.token_count)
         self.metrics.materialized_tokens_hist.observe(plan.token_count)

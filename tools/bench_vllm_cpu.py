@@ -155,8 +155,9 @@ class Fleet:
                 "materialized": int(materialized), "load_s": after[1] - before[1], "meta_s": after[2] - before[2]}
 
     def connector_seconds(self) -> tuple[float, float, float]:
-        """B's (tokens materialized, seconds its loads took from the first check to the last layer
-        copied, seconds in ``build_connector_meta`` — the lease wait included), cumulative."""
+        """B's (tokens materialized, seconds of its worker's own load work — ``semkv_load_seconds``:
+        the first check, the store open and each layer's check, read and copy, not vLLM's forward
+        between the layers —, seconds in ``build_connector_meta`` — the lease wait included), cumulative."""
         worker, scheduler = scrape(self.b_metrics + 1), scrape(self.b_metrics)
         return (metric_sum(worker, "semkv_materialized_tokens_total"), metric_sum(worker, "semkv_load_seconds_sum"),
                 metric_sum(scheduler, "semkv_metadata_build_seconds_sum"))

@@ -10,7 +10,7 @@ import torch
 
 from connector.namespace import DeploymentNamespace, KvLayout, Namespace, NamespaceUnknown
 from connector.settings import NamespaceOverrides
-from connector.block_keys import vllm_event_block_hash
+from connector.block_keys import vllm_event_block_hash, vllm_event_block_hashes
 from connector.vllm_connector import VllmDeployment, VllmRequest, kv_layout, layer_views
 from connector.worker import SemKvWorker
 
@@ -118,6 +118,15 @@ def test_block_hashes_are_converted_as_vllm_events_publish_them(monkeypatch) -> 
     assert VllmRequest(_request()).block_hashes[1] == 2**64 - 1
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
     assert vllm_event_block_hash(digest) == digest
+
+
+@pytest.mark.parametrize("as_int", ["1", "0"])
+def test_a_requests_block_hashes_convert_as_each_hash_does(monkeypatch, as_int: str) -> None:
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", as_int)
+    digests = [bytes([i]) * 32 for i in range(40)] + [bytes(range(32))]
+    assert vllm_event_block_hashes(digests) == [vllm_event_block_hash(d) for d in digests]
+    request = _request()
+    assert VllmRequest(request).block_hashes == [vllm_event_block_hash(h) for h in request.block_hashes]
 
 
 @pytest.mark.parametrize("shape", ["cpu", "kv_first"])
