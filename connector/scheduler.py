@@ -74,7 +74,7 @@ from connector.spans import LookupMiss, SpanFinder
 from ledger.errors import LedgerError
 from ledger.client import LedgerClient
 from ledger.reads import DonorSpan
-from ledger.types import FreshnessPolicy
+from ledger.types import FreshnessPolicy, normalize_hash
 
 if TYPE_CHECKING:
     from connector.discovery.service import DiscoveryService
@@ -437,7 +437,8 @@ class SemKvScheduler(KvCacheConnectorScheduler):
             return None
         hashes = getattr(data, "block_hashes", None)
         if hashes and len(hashes) >= len(state.block_hashes):
-            state.block_hashes = [int(h) for h in hashes]
+            # the engine's own form (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: 32-byte hashes), canonical
+            state.block_hashes = [normalize_hash(h) for h in hashes]
         state.computed_position, state.reported_in = int(data.computed_position), self._iteration
         state.prefill_done = state.prefill_done or (0 < state.prompt_len <= state.computed_position)
         if state.abandoned and self._guard is not None:

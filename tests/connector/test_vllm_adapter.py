@@ -3,6 +3,8 @@ tensors, block hashes, request scope. The whole chain on real vLLM engines is te
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import types
 
 import pytest
@@ -266,3 +268,36 @@ def test_a_request_waiting_for_an_unplanned_asynchronous_load_is_reported_failed
         assert (second.finished_recving, second.failed_recving) == (set(), set())
     finally:
         connector.shutdown()
+
+
+def test_bytes_block_hashes_reach_the_donor_as_vllm_publishes_them(tmp_path, sqlite_db, monkeypatch) -> None:
+    """With ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` vLLM publishes its 32-byte hashes, and the adapter
+    passes the same bytes; the scheduler's report handling took ``int()`` of each (a TypeError: that
+    step's metadata failed and the finished request registered no donor)."""
+    from connector._vllm import KVConnectorRole
+    from connector.vllm_connector import SemKvVllmConnector
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    config = vllm_config()
+    config.kv_transfer_config = types.SimpleNamespace(kv_connector_extra_config={"semkv_settings": {
+        "db": sqlite_db, "mode": "exact_equivalent", "engine_id": "vllm-a", "store_dir": str(tmp_path / "store"),
+        "freshness_policy": "engine"}})
+    connector = SemKvVllmConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    try:
+        request = _request()
+        assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+        output = types.SimpleNamespace(
+            scheduled_new_reqs=[types.SimpleNamespace(req_id="r1", block_ids=([0, 1],), num_computed_tokens=0)],
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                                        num_computed_tokens=[]))
+        connector.build_connector_meta(output)
+        request.num_computed_tokens = 64
+        assert connector.request_finished(request, [0, 1]) == (True, None)
+        assert len(connector.build_connector_meta(output).inner.saves) == 1
+        connector.scheduler.flush()
+    finally:
+        connector.shutdown()
+    path = sqlite_db.removeprefix("sqlite:///")
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+        rows = conn.execute("SELECT b.block_hash_ext FROM donors d JOIN donor_blocks b USING (donor_id) "
+                            "WHERE d.engine_id = 'vllm-a' ORDER BY b.position").fetchall()
+    assert rows == [(bytes(range(32)),), (b"\xff" * 32,)]
