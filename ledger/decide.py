@@ -242,10 +242,13 @@ class Decider:
         past the source's last one is new (a gap before it is logged, generation bumped), unless
         the consumer proved a restart (``new_run``). At or below the last seq, in this order:
 
-        1. its digest is the logged batch's at that seq in this epoch, or in one of the
-           :data:`EARLIER_EPOCHS_CHECKED` epochs before: a duplicate (a re-sent or re-fed batch;
-           the idempotency key is per epoch, the batch's identity is (source, seq, digest));
-        2. ``new_run`` (the consumer proved a restart): a new epoch (:meth:`_new_epoch`);
+        1. its digest is the logged batch's at that seq in this epoch: a duplicate (a re-sent or
+           re-fed batch; the idempotency key is per epoch, the batch's identity is (source, seq, digest));
+        2. ``new_run`` (the consumer proved a restart): a new epoch (:meth:`_new_epoch`), even when
+           an earlier epoch logged the same (seq, digest): a run that publishes byte for byte what
+           an earlier one did (a capture published again) is still a new run;
+        2a. its digest is the logged batch's at that seq in one of the :data:`EARLIER_EPOCHS_CHECKED`
+           epochs before: a duplicate (a copy of an earlier run's batch, re-sent or re-fed);
         3. nothing logged at that seq in this epoch (a seq declared lost, or before the first one
            received): a late batch of this run, logged stale in this epoch without moving the
            source position. ``late`` (the consumer proved the engine did not restart) needs no
@@ -275,10 +278,12 @@ class Decider:
                 self.gap(batch.engine_id, batch.source_id, GenerationReason.SEQ_GAP, last_seq + 1, batch.seq)
             return epoch, False
         logged = self._digest_at(batch.source_id, epoch, batch.seq)
-        if logged == batch.digest or self._logged_earlier(batch, epoch):
+        if logged == batch.digest:
             return None
-        if batch.new_run:
+        if batch.new_run:  # before the earlier epochs: a run may publish what an earlier one did
             return self._new_epoch(batch, epoch), False
+        if self._logged_earlier(batch, epoch):
+            return None
         if logged is None:
             if not batch.late:
                 self.bump(batch.engine_id, GenerationReason.SEQ_RESET, batch.source_id)

@@ -163,3 +163,22 @@ def test_a_proven_restart_past_the_old_last_seq_opens_an_epoch_and_logs_the_gap(
     assert batch_rows(db)[-1][:2] == (2, 5)
     assert state(db, Y) == "live" and state(db, X) == "quarantined"
     assert_replay_equal(db)
+
+
+def test_a_proven_restart_whose_batches_equal_an_earlier_runs_opens_an_epoch(db):
+    """A run that publishes byte for byte what an earlier run did (a capture published again with
+    ``semkv-ledger publish``): the consumer proved the restart (``new_run``), so its first batch
+    opens a new epoch although (seq, digest) is logged in an earlier epoch. Before, it was dropped
+    as that epoch's duplicate, the proof with it, and the next batches continued the old run:
+    no bump, the old run's blocks live (newcomer finding, 2026-12-05)."""
+    first = EngineRun("trt")
+    frames = [first.batch(("stored", [X])), first.batch(("stored", [A]))]
+    append(db, *(received(f) for f in frames))
+    second = EngineRun("trt")
+    append(db, received(second.batch(("stored", [Y]))), received(second.batch(("removed", [Y]))))
+    assert generation(db) == 2
+    result = append(db, received(frames[0], new_run=True), received(frames[1]))  # the first run, published again
+    assert (result.duplicate_batches, result.generation_bumps) == (0, 1)
+    assert generation(db) == 3 and [e for e, _, _ in batch_rows(db)] == [1, 1, 2, 2, 3, 3]
+    assert state(db, X) == "live" and state(db, A) == "live"
+    assert_replay_equal(db)
