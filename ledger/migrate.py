@@ -176,16 +176,16 @@ def upgrade(db: str, revision: str = "head", *,
     engine = sync_engine(db, writer=True)
     listening = _listener.set(progress)
     try:
-        with engine.connect() as conn:
+        with engine.begin() as conn:  # one transaction: a migrate run beside this one waits, then finds the head
+            backend_of(db).serialize_migrations(conn)
             before = current_revision(conn)
             if before is None:
                 _refuse_foreign_tables(conn, db)
-        if before is not None and not _known(before):
-            raise SchemaOutOfDate(db, before, head_revision(), unknown=True)
-        from alembic import command
+            if before is not None and not _known(before):
+                raise SchemaOutOfDate(db, before, head_revision(), unknown=True)
+            from alembic import command
 
-        config = alembic_config()
-        with engine.begin() as conn:
+            config = alembic_config()
             config.attributes["connection"] = conn
             command.upgrade(config, revision)
         with engine.connect() as conn:

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ColumnElement, Engine, Table
+from sqlalchemy import Connection, ColumnElement, Engine, Table
 from sqlalchemy.engine import URL
 
 if TYPE_CHECKING:
@@ -150,6 +150,11 @@ class Backend:
         """Driver SQL bounding this session's wait for the ledger's write lock to ``ms``, and the
         SQL restoring the default."""
         raise NotImplementedError
+
+    def serialize_migrations(self, conn: Connection) -> None:
+        """Make this transaction the only migration of the database until it ends, so that a
+        second ``migrate`` started meanwhile waits and then finds the schema at the head. A no-op
+        where a write transaction already excludes every other writer from its ``BEGIN``."""
 
     # -- the recorder's statement shapes -------------------------------------------------------
 

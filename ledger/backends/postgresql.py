@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import BigInteger, ColumnElement, Engine, Float, LargeBinary, bindparam, create_engine, delete, func, literal, select, true
+from sqlalchemy import BigInteger, ColumnElement, Connection, Engine, Float, LargeBinary, bindparam, create_engine, delete, func, literal, select, text, true
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -28,6 +28,8 @@ from ledger.schema import BlockRow
 
 if TYPE_CHECKING:
     from ledger.db import Sql
+
+_MIGRATION_LOCK_KEY = 0x73656D6B765F6D67  # b"semkv_mg": one advisory lock key for every semkv-ledger migrate
 
 PG_WRITER_PLAN_CACHE_MODE = "force_custom_plan"
 """The consumer's writer (asyncpg) plans every statement with its parameters. asyncpg keeps
@@ -86,6 +88,12 @@ class PostgreSQLBackend(Backend):
     def lock_wait(self, ms: int) -> tuple[str, str]:
         # session level (the client's connections are autocommit): SET LOCAL would end with the first COMMIT
         return f"SET lock_timeout = {ms}", "RESET lock_timeout"
+
+    def serialize_migrations(self, conn: Connection) -> None:
+        # A transaction-level advisory lock (released at COMMIT or ROLLBACK; postgresql.org/docs/15/
+        # functions-admin.html "Advisory Lock Functions"): two migrates of an empty database both
+        # created alembic_version otherwise, and the second failed on pg_type's unique index.
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
 
     def lock_log(self, sql: Sql) -> bool:
         sql.driver("LOCK TABLE log IN SHARE ROW EXCLUSIVE MODE")
