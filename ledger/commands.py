@@ -33,7 +33,7 @@ from ledger.cli import HelpCommand, app
 from ledger.db import DEFAULT_DB, write_refusal
 from ledger.errors import (LedgerError, PersistenceError, database_error_line, is_database_error, is_transient,
                            one_line, url_for_humans)
-from ledger.views import count, exit_for_broken_pipe, id_column, output_console
+from ledger.views import count, exit_for_broken_pipe, id_column, output_console, stdout_reader_gone
 
 DbOption = Annotated[str, typer.Option("--db", envvar="SEMKV_DB", help="Ledger database: a SQLite file path, "
                                        "sqlite:///PATH or postgresql://USER@HOST:PORT/DB.")]
@@ -66,6 +66,8 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
                 return fn(*args, **kwargs)
             finally:
                 sys.stdout.flush()  # a reader gone away is found here, not by the flush at exit
+                if stdout_reader_gone():  # ... or here, when a blocked write came back short
+                    raise BrokenPipeError
         except BrokenPipeError:  # the reader of stdout went away (`| head`): quietly, no ledger error
             exit_for_broken_pipe()
         except KeyboardInterrupt:  # Ctrl-C: typer would exit 130 without a word

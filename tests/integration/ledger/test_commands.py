@@ -169,3 +169,23 @@ def test_inspect_says_when_older_rows_than_limit_exist(sqlite_db: str) -> None:
     assert exact["truncated"] is False and exact["rows"] == everything["rows"]
     table = cli("inspect", "engine", "engine-a", "--limit", "2", "--db", sqlite_db).stdout
     assert "engine engine-a: the newest 2 log rows (older ones: --limit)" in table
+
+
+@pytest.mark.parametrize("json_out", [True, False])
+def test_a_reader_that_leaves_while_the_output_waits_on_a_full_pipe_is_141(sqlite_db: str, json_out: bool) -> None:
+    # `inspect … | (sleep 2; head -c 10)` exited 0 (newcomer finding 2): the write blocked on the full
+    # pipe came back short when the reader left, and Python's buffered stdout dropped the rest
+    # without an error; output cut short by its reader is 141 however the cut happens
+    from ledger.views import BROKEN_PIPE_STATUS
+    from tools.harness.builders import batch, record, stored
+
+    record(sqlite_db, *([batch(seq, stored(*range(seq * 50 + 1, seq * 50 + 51)))] for seq in range(400)))
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "ledger", "inspect", "engine", "engine-a", "--limit", "100000",
+                             *(["--json"] if json_out else []), "--db", sqlite_db],
+                            stdout=write_end, stderr=subprocess.PIPE)
+    os.close(write_end)
+    assert len(os.read(read_end, 10)) > 0  # the command writes (far more than a pipe holds) ...
+    os.close(read_end)  # ... and the reader leaves
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == BROKEN_PIPE_STATUS and stderr == b"", stderr
