@@ -122,8 +122,13 @@ def _plain_help_texts(typer_app: typer.Typer) -> None:
 
 
 def main() -> None:
-    """Console-script entry point."""
-    from ledger import commands  # noqa: F401  (registers the ledger's own commands on `app`)
+    """Console-script entry point. Ctrl-C before a command runs (while modules import) is the one
+    ``interrupted`` line and exit 130 a running command gives (``ledger.commands.user_errors``)."""
+    try:
+        from ledger import commands  # noqa: F401  (registers the ledger's own commands on `app`)
 
-    _register_plugins()
+        _register_plugins()
+    except KeyboardInterrupt:
+        print("interrupted: before the command started", file=sys.stderr)
+        sys.exit(130)
     app()

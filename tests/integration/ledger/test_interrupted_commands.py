@@ -89,3 +89,10 @@ def test_interrupted_snapshot_stores_none(ledger: Path) -> None:
     interrupt_at("ledger.replay.save_snapshot", "snapshot", "--db", str(ledger), cwd=ledger.parent)
     with sqlite3.connect(ledger) as conn:
         assert conn.execute("SELECT count(*) FROM projection_snapshots").fetchone() == (0,)
+
+
+def test_ctrl_c_while_the_command_line_loads_is_one_line_too(ledger: Path) -> None:
+    """Ctrl-C in the first fraction of a second, while modules import and commands register: it was
+    a 20-40 line KeyboardInterrupt traceback (newcomer finding 3)."""
+    done = interrupt_at("ledger.cli._register_plugins", "stats", "--db", str(ledger), cwd=ledger.parent)
+    assert "before the command started" in done.stderr and "Traceback" not in done.stderr
