@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
+from array import array
 import contextlib
 import gc
 import json
@@ -203,6 +205,14 @@ class DynamoIndexer:
         self.context.term()
 
 
+def _le32(tokens: list[int]) -> bytes:
+    """Token ids as ``token_ids_le32``'s bytes (u32 little-endian; msgspec sends bytes as base64)."""
+    packed = array(next(code for code in "IL" if array(code).itemsize == 4), tokens)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
 def _nodelay() -> httpx.HTTPTransport:
     return httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
 
@@ -227,7 +237,17 @@ def main() -> None:
     parser.add_argument("--dynamo-python", default=os.environ.get("SEMKV_DYNAMO_PYTHON"),
                         help="the Dynamo venv's python (tools/dynamo_cpu/setup_env.py; default "
                              "$SEMKV_DYNAMO_PYTHON): time Dynamo's RadixTree on the same blocks and queries")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="first run this bench as it is at git revision REV (its tree exported with git "
+                             "archive), with the same arguments and seed, then this tree's: before and after "
+                             "in one run, each with its own Dynamo figures")
+    parser.add_argument("--no-packed", action="store_true",
+                        help="leave out the HTTP row with token_ids_le32 (a tree without it)")
     args = parser.parse_args()
+    if args.baseline:
+        run_baseline(args.baseline)
+    print(f"this tree: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, load {_load()}", flush=True)
+    packed_body = not args.no_packed
     rng = random.Random(args.seed)
     prompts = [[[rng.randrange(50_000) for _ in range(args.prompt_tokens)] for _ in range(args.prompts_per_engine)]
                for _ in range(args.engines)]
@@ -277,6 +297,7 @@ def main() -> None:
             try:
                 for label, length in (("2K tokens", 2048), (f"{args.prompt_tokens // 1024}K tokens", args.prompt_tokens)):
                     times = {name: [] for name in servers}
+                    packed_times: list[float] = []
                     dynamo_times = []
                     for _ in range(args.queries):
                         prompt = rng.choice(rng.choice(prompts))
@@ -289,8 +310,15 @@ def main() -> None:
                                                    headers=_JSON)
                             times[name].append(time.perf_counter() - t0)
                             answers.append({e["engine_id"]: e["live_blocks"] for e in response.json()["engines"]})
-                        if answers[0] != answers[1]:
-                            raise SystemExit(f"the two HTTP answers differ: {answers}")
+                        if packed_body:  # the same ids packed (token_ids_le32), packed inside the timing
+                            t0 = time.perf_counter()
+                            packed = {"token_ids_le32": _le32(body["token_ids"]), "tokens_per_block": TPB, "max_semantic": 0}
+                            response = clients["live index"].post("/v1/placement", content=msgspec.json.encode(packed),
+                                                                  headers=_JSON)
+                            packed_times.append(time.perf_counter() - t0)
+                            answers.append({e["engine_id"]: e["live_blocks"] for e in response.json()["engines"]})
+                        if any(answer != answers[0] for answer in answers[1:]):
+                            raise SystemExit(f"the HTTP answers differ: {answers}")
                         if indexer is not None:
                             t0 = time.perf_counter()
                             response = indexer.query(body["token_ids"])
@@ -303,6 +331,8 @@ def main() -> None:
                     if dynamo_times:
                         dynamo_rows[f"{label}, from tokens, over HTTP"] = percentiles(dynamo_times)
                         http_rows.append((label, times["live index"], dynamo_times))
+                        if packed_times:
+                            http_rows.append((f"{label}, packed (token_ids_le32)", packed_times, dynamo_times))
             finally:
                 if indexer is not None:
                     indexer.close()
@@ -322,6 +352,7 @@ def main() -> None:
         dynamo_cells = (f"{theirs[0]:.3f} / {theirs[1]:.3f} | {after[1] / theirs[1]:.1f}×" if theirs else "— | —")
         print(f"| {case} | {before[0]:.3f} / {before[1]:.3f} | {after[0]:.3f} / {after[1]:.3f} | "
               f"{before[1] / after[1]:.1f}× | {dynamo_cells} |")
+    print(f"\nthis tree done: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, load {_load()}")
     if http_rows:
         print("\n| over HTTP, from tokens | live index p50 / p90 / p99 (ms) | Dynamo's indexer p50 / p90 / p99 (ms) "
               "| ratio p50 / p90 / p99 |")
@@ -330,6 +361,36 @@ def main() -> None:
             a, b = quantiles_ms(ours), quantiles_ms(theirs)
             print(f"| {label} | {' / '.join(f'{x:.3f}' for x in a)} | {' / '.join(f'{x:.3f}' for x in b)} | "
                   f"{' / '.join(f'{x / y:.2f}×' for x, y in zip(a, b))} |")
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_baseline(rev: str) -> None:
+    """This bench as it is at ``rev``, with this run's arguments but ``--baseline``, in a tree
+    exported from git (its own code, this interpreter): printed before this tree's run."""
+    repo = Path(__file__).resolve().parents[1]
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip or arg.startswith("--baseline="):
+            skip = False
+            continue
+        if arg == "--baseline":
+            skip = True
+            continue
+        if arg != "--no-packed":
+            argv.append(arg)
+    with tempfile.TemporaryDirectory() as tree:
+        archive = subprocess.run(["git", "archive", rev], cwd=repo, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+        print(f"baseline {rev}: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, load {_load()}", flush=True)
+        done = subprocess.run([sys.executable, str(Path(tree) / "tools" / "bench_placement.py"), *argv], cwd=tree,
+                              env={**os.environ, "PYTHONPATH": tree}, check=False)
+        if done.returncode:
+            raise SystemExit(f"the baseline's run failed (exit {done.returncode})")
+        print(f"baseline {rev} done: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, load {_load()}\n",
+              flush=True)
 
 
 if __name__ == "__main__":
