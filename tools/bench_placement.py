@@ -21,10 +21,17 @@ the HTTP rows are also asked of Dynamo's standalone KV indexer (``python -m dyna
 same blocks over ZMQ: :class:`DynamoIndexer`), the same bodies interleaved with ours, its answers
 checked equal to the live index's.
 
+In process this tree also asks with the token ids as a uint32 numpy array (made outside the timing,
+as a tokenizer hands them out; ``advise`` hashes it from its buffer). The HTTP rows of this tree also ask the live index's service with the token ids packed
+(``token_ids_le32``, packed from the list inside the timing; ``--no-packed`` leaves it out). With
+``--baseline REV`` the bench at revision REV (exported with ``git archive``) runs first with the same
+arguments and seed, each run with its own Dynamo figures: before and after in one run
+(``--baseline-after``: the baseline second).
+
 Usage: ``python tools/bench_placement.py [--engines 8] [--prompts-per-engine 16]
-[--prompt-tokens 32768] [--queries 300] [--dynamo-python PATH]``; prints a markdown table of p50 /
-p99 in ms, and with Dynamo's indexer a second one of the HTTP rows: p50 / p90 / p99 of the live
-index's service and of Dynamo's, and their ratios.
+[--prompt-tokens 32768] [--queries 300] [--dynamo-python PATH] [--baseline REV [--baseline-after]]``;
+prints a markdown table of p50 / p99 in ms, and with Dynamo's indexer a second one of the HTTP rows:
+p50 / p90 / p99 of the live index's service and of Dynamo's, and their ratios.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import numpy as np
 import socket
 import threading
 import uvicorn
@@ -243,9 +251,21 @@ def main() -> None:
                              "in one run, each with its own Dynamo figures")
     parser.add_argument("--no-packed", action="store_true",
                         help="leave out the HTTP row with token_ids_le32 (a tree without it)")
+    parser.add_argument("--baseline-after", action="store_true",
+                        help="run the baseline after this tree's run instead of before (alternate the order "
+                             "between runs: the machine's load drifts)")
     args = parser.parse_args()
-    if args.baseline:
+    if args.baseline and not args.baseline_after:
         run_baseline(args.baseline)
+    try:
+        bench(args)
+    finally:
+        if args.baseline and args.baseline_after:
+            run_baseline(args.baseline)
+
+
+def bench(args: argparse.Namespace) -> None:
+    """This tree's run (see the module docstring)."""
     print(f"this tree: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, load {_load()}", flush=True)
     packed_body = not args.no_packed
     rng = random.Random(args.seed)
@@ -267,12 +287,15 @@ def main() -> None:
                 queries = [rng.choice(rng.choice(prompts))[: length - TPB] + [rng.randrange(50_000) for _ in range(TPB)]
                            for _ in range(args.queries)]
                 index_answers = []
-                for given in (False, True):
+                for mode in ("from tokens", "block hashes given", "from a uint32 array")[: 2 if args.no_packed else 3]:
                     times = {"ledger tables": [], "live index": []}
+                    given = mode == "block hashes given"
                     gc.disable()
                     try:
                         for tokens in queries:
                             hashes = dynamo_block_hashes(tokens, TPB) if given else None
+                            if mode == "from a uint32 array":  # as a tokenizer hands them out: not timed
+                                tokens = np.array(tokens, dtype=np.uint32)
                             answers = []
                             for name, advisor in (("ledger tables", direct), ("live index", indexed)):
                                 t0 = time.perf_counter()
@@ -280,11 +303,13 @@ def main() -> None:
                                 times[name].append(time.perf_counter() - t0)
                             if overlaps(answers[0]) != overlaps(answers[1]):
                                 raise SystemExit(f"the two answers differ: {overlaps(answers[0])} {overlaps(answers[1])}")
-                            if not given:  # Dynamo's scores are checked against the answers from tokens
+                            if mode == "from tokens":  # Dynamo's scores are checked against the answers from tokens
                                 index_answers.append(answers[1])
+                            elif mode == "from a uint32 array" and overlaps(answers[1]) != overlaps(index_answers[len(times["live index"]) - 1]):
+                                raise SystemExit("the answers from an array and from a list differ")
                     finally:
                         gc.enable()
-                    rows.append(row(f"{label}, {'block hashes given' if given else 'from tokens'}", times))
+                    rows.append(row(f"{label}, {mode}", times))
                 if args.dynamo_python:
                     dynamo = dynamo_radix_tree(args.dynamo_python, prompts, queries)
                     check_dynamo_agrees(dynamo["scores"], index_answers)
@@ -379,7 +404,7 @@ def run_baseline(rev: str) -> None:
         if arg == "--baseline":
             skip = True
             continue
-        if arg != "--no-packed":
+        if arg not in ("--no-packed", "--baseline-after"):
             argv.append(arg)
     with tempfile.TemporaryDirectory() as tree:
         archive = subprocess.run(["git", "archive", rev], cwd=repo, capture_output=True, check=True).stdout

@@ -248,7 +248,7 @@ class PlacementAdvisor:
 
         seq, engines = self._overlaps(hashes_for, namespace, keys, given_keys)
         generations = {e.engine_id: e.generation for e in engines}
-        semantic = self._semantic(_as_list(tokens), text, model_id, namespace, tpb, generations,
+        semantic = self._semantic(tokens, text, model_id, namespace, tpb, generations,
                                   self.max_semantic if max_semantic is None else max_semantic)
         by_engine: dict[str, int] = {}
         for s in semantic:
@@ -314,11 +314,11 @@ class PlacementAdvisor:
                 pass  # within max_staleness_s the index still answers; past it, the ledger is read
         return index.ready
 
-    def _semantic(self, tokens: list[int], text: str | None, model_id: str, namespace: str | None, tpb: int,
-                  generations: dict[str, int], limit: int) -> list[SemanticAdvice]:
+    def _semantic(self, tokens: list[int] | np.ndarray, text: str | None, model_id: str, namespace: str | None,
+                  tpb: int, generations: dict[str, int], limit: int) -> list[SemanticAdvice]:
         if self.discovery is None or not namespace or limit <= 0:
             return []
-        matches = self.discovery.candidates(tokens, text, model_id, namespace, tokens_per_block=tpb,
+        matches = self.discovery.candidates(_as_list(tokens), text, model_id, namespace, tokens_per_block=tpb,
                                             deadline_s=self.semantic_timeout_s, inline=False, path="placement")
         out = []
         for m in matches:
