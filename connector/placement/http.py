@@ -76,8 +76,8 @@ class PlacementRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         "32-bit little-endian integer, in order; each id in [0, 2**31); instead of token_ids (exactly one "
         "of the two), the same answer"))] | None = None
     """``token_ids`` packed (see its description): decoded into a uint32 array without a Python int
-    per token (a 32K-token JSON list costs ~0.7 ms to decode into Python ints, the packed form
-    ~0.05 ms; tools/results/placement-2026-12-05-1950.md)."""
+    per token (decoding a 32K-token body: ~0.6 ms with the JSON list of Python ints, ~0.09 ms packed;
+    tools/results/placement-2026-12-05-1935.md)."""
     text: Annotated[str, msgspec.Meta(max_length=4_000_000)] | None = None
     namespace: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")] | None = None
     cache_salt: Annotated[str, msgspec.Meta(max_length=400)] | None = None
