@@ -22,8 +22,9 @@ same blocks over ZMQ: :class:`DynamoIndexer`), the same bodies interleaved with 
 checked equal to the live index's.
 
 In process this tree also asks with the token ids as a uint32 numpy array (made outside the timing,
-as a tokenizer hands them out; ``advise`` hashes it from its buffer). The HTTP rows of this tree also ask the live index's service with the token ids packed
-(``token_ids_le32``, packed from the list inside the timing; ``--no-packed`` leaves it out). With
+as a tokenizer hands them out; ``advise`` hashes it from its buffer). The HTTP rows of this tree also
+ask the live index's service with the token ids packed (``token_ids_le32``, packed from the list
+inside the timing; printed in the table against Dynamo's indexer; ``--no-packed`` leaves both out). With
 ``--baseline REV`` the bench at revision REV (exported with ``git archive``) runs first with the same
 arguments and seed, each run with its own Dynamo figures: before and after in one run
 (``--baseline-after``: the baseline second).
@@ -250,7 +251,8 @@ def main() -> None:
                              "archive), with the same arguments and seed, then this tree's: before and after "
                              "in one run, each with its own Dynamo figures")
     parser.add_argument("--no-packed", action="store_true",
-                        help="leave out the HTTP row with token_ids_le32 (a tree without it)")
+                        help="leave out the rows this tree added: the HTTP row with token_ids_le32 and the in-process "
+                             "rows from a uint32 array (for a tree without them)")
     parser.add_argument("--baseline-after", action="store_true",
                         help="run the baseline after this tree's run instead of before (alternate the order "
                              "between runs: the machine's load drifts)")
@@ -303,10 +305,12 @@ def bench(args: argparse.Namespace) -> None:
                                 times[name].append(time.perf_counter() - t0)
                             if overlaps(answers[0]) != overlaps(answers[1]):
                                 raise SystemExit(f"the two answers differ: {overlaps(answers[0])} {overlaps(answers[1])}")
-                            if mode == "from tokens":  # Dynamo's scores are checked against the answers from tokens
+                            if mode == "from tokens":  # Dynamo's scores are checked against these answers
                                 index_answers.append(answers[1])
-                            elif mode == "from a uint32 array" and overlaps(answers[1]) != overlaps(index_answers[len(times["live index"]) - 1]):
-                                raise SystemExit("the answers from an array and from a list differ")
+                            elif mode == "from a uint32 array":
+                                from_list = index_answers[len(times["live index"]) - 1]
+                                if overlaps(answers[1]) != overlaps(from_list):
+                                    raise SystemExit("the answers from an array and from a list differ")
                     finally:
                         gc.enable()
                     rows.append(row(f"{label}, {mode}", times))
@@ -337,7 +341,8 @@ def bench(args: argparse.Namespace) -> None:
                             answers.append({e["engine_id"]: e["live_blocks"] for e in response.json()["engines"]})
                         if packed_body:  # the same ids packed (token_ids_le32), packed inside the timing
                             t0 = time.perf_counter()
-                            packed = {"token_ids_le32": _le32(body["token_ids"]), "tokens_per_block": TPB, "max_semantic": 0}
+                            packed = {"token_ids_le32": _le32(body["token_ids"]), "tokens_per_block": TPB,
+                                      "max_semantic": 0}
                             response = clients["live index"].post("/v1/placement", content=msgspec.json.encode(packed),
                                                                   headers=_JSON)
                             packed_times.append(time.perf_counter() - t0)

@@ -213,15 +213,16 @@ class PlacementAdvisor:
         way; an array's ids are hashed from its buffer, without Python ints, for Dynamo's scheme.
         ``block_hashes``: the request's block hashes as the engines compute them (one per full
         block, in order; ints in [-2**63, 2**64), or 32-byte / 64-hex wide hashes, or a 1-D numpy
-        array of 64-bit integers), used for
-        every engine instead of computing them; None: computed per engine's scheme.
+        array of 64-bit integers), used for every engine instead of computing them; None: computed
+        per engine's scheme.
         ``engine_load``: per ``engine_id``, its load as the caller knows it; given for every
         engine, the ranking is by cost (see the module docstring).
 
         Raises:
-            ValueError: ``token_ids`` an array that is not 1-D of integers, a negative token id (where token ids are hashed: by an engine's scheme or
-                for a namespace's content keys), ``tokens_per_block`` < 1, a malformed block hash, or
-                more block hashes than ``token_ids`` has whole blocks, a negative load.
+            ValueError: ``token_ids`` an array that is not 1-D of integers, a negative token id
+                (where token ids are hashed: by an engine's scheme or for a namespace's content
+                keys), ``tokens_per_block`` < 1, a malformed block hash, or more block hashes than
+                ``token_ids`` has whole blocks, a negative load.
         """
         started = time.perf_counter()
         tpb = tokens_per_block or self.tokens_per_block

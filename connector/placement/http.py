@@ -16,7 +16,8 @@ blank on an offline host, so they are off):
 Malformed input is rejected before anything runs: invalid JSON, a missing or unknown field, a
 negative or out-of-range token id, an empty or oversized token list, neither or both of
 ``token_ids`` and ``token_ids_le32`` (the same ids packed: base64 of u32 little-endian), a packed
-length that is not whole ids or hashes, a namespace that is not 32 hex characters → ``422``; a body over ``max_body_bytes`` → ``413``. Ledger failures → ``503``.
+length that is not whole ids or hashes, a namespace that is not 32 hex characters → ``422``; a
+body over ``max_body_bytes`` → ``413``. Ledger failures → ``503``.
 """
 
 from __future__ import annotations
