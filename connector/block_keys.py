@@ -290,31 +290,54 @@ _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 """Dynamo's ``XXH3_SEED`` (ai-dynamo/dynamo ``lib/llm/src/kv_router/indexer.rs``)."""
 
 
-def dynamo_block_hashes(token_ids: Sequence[int], tokens_per_block: int) -> list[int]:
+def dynamo_block_hashes(token_ids: Sequence[int] | np.ndarray, tokens_per_block: int) -> list[int]:
     """Dynamo's sequence hashes of the full blocks of ``token_ids`` (see the module docstring).
+
+    ``token_ids``: a sequence of ints, or a 1-D numpy array of an integer dtype (hashed from its
+    buffer, without a Python int per token: a little-endian uint32 array, as ``token_ids_le32`` of
+    ``POST /v1/placement`` decodes to, is copied once to bytes, whose slices xxhash reads ~5 %
+    faster than a memoryview's; 32K tokens: ~0.31 ms, a list ~0.43 ms, 2026-12-05).
 
     Returns:
         One unsigned 64-bit hash per full block (a trailing partial block has none).
 
     Raises:
-        ValueError: ``tokens_per_block`` < 1, or a token id outside [0, 2**32).
+        ValueError: ``tokens_per_block`` < 1, a token id outside [0, 2**32), or an array that is not
+            a 1-D array of integers.
     """
     if tokens_per_block < 1:
         raise ValueError("tokens_per_block must be >= 1")
     full = len(token_ids) - len(token_ids) % tokens_per_block
-    try:
-        tokens = array(_U32, token_ids[:full])
-    except OverflowError:
-        raise ValueError("Dynamo hashes token ids as u32: every id must be in [0, 2**32)") from None
-    if sys.byteorder == "big":
-        tokens.byteswap()
-    data = memoryview(tokens).cast("B")
+    if isinstance(token_ids, np.ndarray):
+        data = _u32_le_bytes(token_ids[:full])  # slices of bytes hash faster than of a memoryview
+    else:
+        try:
+            tokens = array(_U32, token_ids)  # the whole list (a slice first would copy it), then cut
+        except OverflowError:
+            raise ValueError("Dynamo hashes token ids as u32: every id must be in [0, 2**32)") from None
+        del tokens[full:]
+        if sys.byteorder == "big":
+            tokens.byteswap()
+        data = tokens.tobytes()  # a 128 KB copy at 32K tokens; its slices hash faster than a memoryview's
     step = 4 * tokens_per_block
     digest, pair = xxhash.xxh3_64_intdigest, _LE_PAIR.pack
     hashes: list[int] = []
+    append = hashes.append
     parent = None
     for start in range(0, len(data), step):
         local = digest(data[start : start + step], DYNAMO_SEED)
         parent = local if parent is None else digest(pair(parent, local), DYNAMO_SEED)
-        hashes.append(parent)
+        append(parent)
     return hashes
+
+
+def _u32_le_bytes(tokens: np.ndarray) -> bytes:
+    """A 1-D integer array's ids as u32 little-endian bytes.
+
+    Raises:
+        ValueError: not a 1-D integer array, or an id outside [0, 2**32)."""
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be a 1-D integer array, not {tokens.dtype} of shape {tokens.shape}")
+    if tokens.dtype != np.dtype("<u4") and tokens.size and (tokens.min() < 0 or tokens.max() >= 2**32):
+        raise ValueError("Dynamo hashes token ids as u32: every id must be in [0, 2**32)")
+    return np.ascontiguousarray(tokens, dtype="<u4").tobytes()

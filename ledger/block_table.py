@@ -30,7 +30,7 @@ __all__ = ["BlockKeyTable"]
 _EMPTY, _FULL, _DELETED = 0, 1, 2
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier (Knuth, TAOCP vol. 3, 6.4)
 _MIN_CAPACITY = 8
-_VECTOR_ROUNDS = 6  # probe rounds done on the whole batch; the few keys left are finished one by one
+_WINDOW_STEPS = np.arange(1, 9)  # rows probed at once past a key's home row; longer probes go one by one
 
 
 class BlockKeyTable:
@@ -70,21 +70,28 @@ class BlockKeyTable:
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Rows of ``keys`` (int64, shape ``(n,)``): intp ``(n,)``, -1 where absent."""
-        rows = np.full(keys.shape[0], -1, dtype=np.intp)
-        pending = np.arange(keys.shape[0])
         positions = self._home(keys)
-        for _ in range(_VECTOR_ROUNDS):
-            if not pending.size:
-                return rows
-            at = positions[pending]
-            state = self.state[at]
-            hit = (state == _FULL) & (self.keys[at] == keys[pending])
-            rows[pending[hit]] = at[hit]
-            go_on = ~hit & (state != _EMPTY)
-            pending = pending[go_on]
-            positions[pending] = (at[go_on] + 1) & self._last
-        for i in pending.tolist():  # the long probes of a crowded cluster: few
-            rows[i] = self._find_one(int(keys[i]), int(positions[i]))
+        # the first probe on the whole batch without index arrays: at load <= 1/4 most keys are
+        # settled at their home row (found there, or an empty row there: absent)
+        state = self.state[positions]
+        hit = (state == _FULL) & (self.keys[positions] == keys)
+        rows = np.where(hit, positions, -1)
+        go_on = ~hit & (state != _EMPTY)
+        if not go_on.any():
+            return rows
+        # the few keys left (a home row taken by another key): the next _WINDOW rows of each at once,
+        # the first that is the key (found) or empty (absent) settles it; deleted rows are passed
+        pending = np.flatnonzero(go_on)
+        window = (positions[pending, None] + _WINDOW_STEPS) & self._last
+        state = self.state[window]
+        match = (state == _FULL) & (self.keys[window] == keys[pending, None])
+        stop = match | (state == _EMPTY)
+        first = stop.argmax(axis=1)
+        picked = np.arange(pending.shape[0]), first
+        found = match[picked]
+        rows[pending[found]] = window[picked][found]
+        for i in np.flatnonzero(~stop[picked]).tolist():  # a cluster longer than the window: rare
+            rows[pending[i]] = self._find_one(int(keys[pending[i]]), int(window[i, -1] + 1) & self._last)
         return rows
 
     def _find_one(self, key: int, at: int) -> int:

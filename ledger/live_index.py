@@ -224,21 +224,28 @@ class LiveIndex:
         with self._lock:
             out = []
             leading_of: dict[int, tuple[Any, dict[int, int]]] = {}  # id(keys) -> (keys, slot -> leading)
-            for engine_id in sorted(self._engines):
-                generation, status = self._engines[engine_id]
-                scheme = self._schemes.get(engine_id)
+            no_slots: tuple[int, ...] = ()
+            for engine_id, (generation, status), scheme, slots in self._roster():
                 if status != _ACTIVE:
                     out.append(EngineOverlap(engine_id, generation, status, 0, None, 0, scheme))
                     continue
                 keys = block_hashes(scheme)
                 live = None
                 if keys is not None:
-                    if id(keys) not in leading_of:
-                        leading_of[id(keys)] = (keys, self._leading_by_slot(keys))
-                    leading = leading_of[id(keys)][1]
-                    live = max((leading.get(slot, 0) for slot in self._engine_slots.get(engine_id, ())), default=0)
+                    found = leading_of.get(id(keys))
+                    if found is None:
+                        found = leading_of[id(keys)] = (keys, self._leading_by_slot(keys))
+                    leading = found[1]
+                    live = 0
+                    for slot in slots or no_slots:
+                        live = max(live, leading.get(slot, 0))
                 out.append(EngineOverlap(engine_id, generation, status, live, None, 0, scheme))
             return self.cursor, tuple(out)
+
+    def _roster(self) -> list[tuple[str, tuple[int, str], str | None, list[int] | None]]:
+        """Per engine in ``engine_id`` order: (engine_id, (generation, status), scheme, its slots)."""
+        engines, schemes, slots = self._engines, self._schemes, self._engine_slots
+        return [(e, engines[e], schemes.get(e), slots.get(e)) for e in sorted(engines)]
 
     def _leading_by_slot(self, keys: KeyArray | Sequence[IndexKey]) -> dict[int, int]:
         """Per slot holding the first key, how many keys from the first it holds (slots absent: 0)."""

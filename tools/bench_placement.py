@@ -21,16 +21,26 @@ the HTTP rows are also asked of Dynamo's standalone KV indexer (``python -m dyna
 same blocks over ZMQ: :class:`DynamoIndexer`), the same bodies interleaved with ours, its answers
 checked equal to the live index's.
 
+In process this tree also asks with the token ids as a uint32 numpy array (made outside the timing,
+as a tokenizer hands them out; ``advise`` hashes it from its buffer). The HTTP rows of this tree also
+ask the live index's service with the token ids packed (``token_ids_le32``, packed from the list
+inside the timing; printed in the table against Dynamo's indexer; ``--no-packed`` leaves both out). With
+``--baseline REV`` the bench at revision REV (exported with ``git archive``) runs first with the same
+arguments and seed, each run with its own Dynamo figures: before and after in one run
+(``--baseline-after``: the baseline second).
+
 Usage: ``python tools/bench_placement.py [--engines 8] [--prompts-per-engine 16]
-[--prompt-tokens 32768] [--queries 300] [--dynamo-python PATH]``; prints a markdown table of p50 /
-p99 in ms, and with Dynamo's indexer a second one of the HTTP rows: p50 / p90 / p99 of the live
-index's service and of Dynamo's, and their ratios.
+[--prompt-tokens 32768] [--queries 300] [--dynamo-python PATH] [--baseline REV [--baseline-after]]``;
+prints a markdown table of p50 / p99 in ms, and with Dynamo's indexer a second one of the HTTP rows:
+p50 / p90 / p99 of the live index's service and of Dynamo's, and their ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
+from array import array
 import contextlib
 import gc
 import json
@@ -45,6 +55,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import numpy as np
 import socket
 import threading
 import uvicorn
@@ -203,6 +214,14 @@ class DynamoIndexer:
         self.context.term()
 
 
+def _le32(tokens: list[int]) -> bytes:
+    """Token ids as ``token_ids_le32``'s bytes (u32 little-endian; msgspec sends bytes as base64)."""
+    packed = array(next(code for code in "IL" if array(code).itemsize == 4), tokens)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
 def _nodelay() -> httpx.HTTPTransport:
     return httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
 
@@ -227,7 +246,30 @@ def main() -> None:
     parser.add_argument("--dynamo-python", default=os.environ.get("SEMKV_DYNAMO_PYTHON"),
                         help="the Dynamo venv's python (tools/dynamo_cpu/setup_env.py; default "
                              "$SEMKV_DYNAMO_PYTHON): time Dynamo's RadixTree on the same blocks and queries")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="first run this bench as it is at git revision REV (its tree exported with git "
+                             "archive), with the same arguments and seed, then this tree's: before and after "
+                             "in one run, each with its own Dynamo figures")
+    parser.add_argument("--no-packed", action="store_true",
+                        help="leave out the rows this tree added: the HTTP row with token_ids_le32 and the in-process "
+                             "rows from a uint32 array (for a tree without them)")
+    parser.add_argument("--baseline-after", action="store_true",
+                        help="run the baseline after this tree's run instead of before (alternate the order "
+                             "between runs: the machine's load drifts)")
     args = parser.parse_args()
+    if args.baseline and not args.baseline_after:
+        run_baseline(args.baseline)
+    try:
+        bench(args)
+    finally:
+        if args.baseline and args.baseline_after:
+            run_baseline(args.baseline)
+
+
+def bench(args: argparse.Namespace) -> None:
+    """This tree's run (see the module docstring)."""
+    print(f"this tree: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, load {_load()}", flush=True)
+    packed_body = not args.no_packed
     rng = random.Random(args.seed)
     prompts = [[[rng.randrange(50_000) for _ in range(args.prompt_tokens)] for _ in range(args.prompts_per_engine)]
                for _ in range(args.engines)]
@@ -247,12 +289,15 @@ def main() -> None:
                 queries = [rng.choice(rng.choice(prompts))[: length - TPB] + [rng.randrange(50_000) for _ in range(TPB)]
                            for _ in range(args.queries)]
                 index_answers = []
-                for given in (False, True):
+                for mode in ("from tokens", "block hashes given", "from a uint32 array")[: 2 if args.no_packed else 3]:
                     times = {"ledger tables": [], "live index": []}
+                    given = mode == "block hashes given"
                     gc.disable()
                     try:
                         for tokens in queries:
                             hashes = dynamo_block_hashes(tokens, TPB) if given else None
+                            if mode == "from a uint32 array":  # as a tokenizer hands them out: not timed
+                                tokens = np.array(tokens, dtype=np.uint32)
                             answers = []
                             for name, advisor in (("ledger tables", direct), ("live index", indexed)):
                                 t0 = time.perf_counter()
@@ -260,11 +305,15 @@ def main() -> None:
                                 times[name].append(time.perf_counter() - t0)
                             if overlaps(answers[0]) != overlaps(answers[1]):
                                 raise SystemExit(f"the two answers differ: {overlaps(answers[0])} {overlaps(answers[1])}")
-                            if not given:  # Dynamo's scores are checked against the answers from tokens
+                            if mode == "from tokens":  # Dynamo's scores are checked against these answers
                                 index_answers.append(answers[1])
+                            elif mode == "from a uint32 array":
+                                from_list = index_answers[len(times["live index"]) - 1]
+                                if overlaps(answers[1]) != overlaps(from_list):
+                                    raise SystemExit("the answers from an array and from a list differ")
                     finally:
                         gc.enable()
-                    rows.append(row(f"{label}, {'block hashes given' if given else 'from tokens'}", times))
+                    rows.append(row(f"{label}, {mode}", times))
                 if args.dynamo_python:
                     dynamo = dynamo_radix_tree(args.dynamo_python, prompts, queries)
                     check_dynamo_agrees(dynamo["scores"], index_answers)
@@ -277,6 +326,7 @@ def main() -> None:
             try:
                 for label, length in (("2K tokens", 2048), (f"{args.prompt_tokens // 1024}K tokens", args.prompt_tokens)):
                     times = {name: [] for name in servers}
+                    packed_times: list[float] = []
                     dynamo_times = []
                     for _ in range(args.queries):
                         prompt = rng.choice(rng.choice(prompts))
@@ -289,8 +339,16 @@ def main() -> None:
                                                    headers=_JSON)
                             times[name].append(time.perf_counter() - t0)
                             answers.append({e["engine_id"]: e["live_blocks"] for e in response.json()["engines"]})
-                        if answers[0] != answers[1]:
-                            raise SystemExit(f"the two HTTP answers differ: {answers}")
+                        if packed_body:  # the same ids packed (token_ids_le32), packed inside the timing
+                            t0 = time.perf_counter()
+                            packed = {"token_ids_le32": _le32(body["token_ids"]), "tokens_per_block": TPB,
+                                      "max_semantic": 0}
+                            response = clients["live index"].post("/v1/placement", content=msgspec.json.encode(packed),
+                                                                  headers=_JSON)
+                            packed_times.append(time.perf_counter() - t0)
+                            answers.append({e["engine_id"]: e["live_blocks"] for e in response.json()["engines"]})
+                        if any(answer != answers[0] for answer in answers[1:]):
+                            raise SystemExit(f"the HTTP answers differ: {answers}")
                         if indexer is not None:
                             t0 = time.perf_counter()
                             response = indexer.query(body["token_ids"])
@@ -303,6 +361,8 @@ def main() -> None:
                     if dynamo_times:
                         dynamo_rows[f"{label}, from tokens, over HTTP"] = percentiles(dynamo_times)
                         http_rows.append((label, times["live index"], dynamo_times))
+                        if packed_times:
+                            http_rows.append((f"{label}, packed (token_ids_le32)", packed_times, dynamo_times))
             finally:
                 if indexer is not None:
                     indexer.close()
@@ -322,6 +382,7 @@ def main() -> None:
         dynamo_cells = (f"{theirs[0]:.3f} / {theirs[1]:.3f} | {after[1] / theirs[1]:.1f}×" if theirs else "— | —")
         print(f"| {case} | {before[0]:.3f} / {before[1]:.3f} | {after[0]:.3f} / {after[1]:.3f} | "
               f"{before[1] / after[1]:.1f}× | {dynamo_cells} |")
+    print(f"\nthis tree done: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, load {_load()}")
     if http_rows:
         print("\n| over HTTP, from tokens | live index p50 / p90 / p99 (ms) | Dynamo's indexer p50 / p90 / p99 (ms) "
               "| ratio p50 / p90 / p99 |")
@@ -330,6 +391,36 @@ def main() -> None:
             a, b = quantiles_ms(ours), quantiles_ms(theirs)
             print(f"| {label} | {' / '.join(f'{x:.3f}' for x in a)} | {' / '.join(f'{x:.3f}' for x in b)} | "
                   f"{' / '.join(f'{x / y:.2f}×' for x, y in zip(a, b))} |")
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_baseline(rev: str) -> None:
+    """This bench as it is at ``rev``, with this run's arguments but ``--baseline``, in a tree
+    exported from git (its own code, this interpreter): printed before this tree's run."""
+    repo = Path(__file__).resolve().parents[1]
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip or arg.startswith("--baseline="):
+            skip = False
+            continue
+        if arg == "--baseline":
+            skip = True
+            continue
+        if arg not in ("--no-packed", "--baseline-after"):
+            argv.append(arg)
+    with tempfile.TemporaryDirectory() as tree:
+        archive = subprocess.run(["git", "archive", rev], cwd=repo, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+        print(f"baseline {rev}: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, load {_load()}", flush=True)
+        done = subprocess.run([sys.executable, str(Path(tree) / "tools" / "bench_placement.py"), *argv], cwd=tree,
+                              env={**os.environ, "PYTHONPATH": tree}, check=False)
+        if done.returncode:
+            raise SystemExit(f"the baseline's run failed (exit {done.returncode})")
+        print(f"baseline {rev} done: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, load {_load()}\n",
+              flush=True)
 
 
 if __name__ == "__main__":

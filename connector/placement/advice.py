@@ -201,27 +201,32 @@ class PlacementAdvisor:
         """The ledger's last sequence number (also a reachability check)."""
         return self._ledger.last_seq()
 
-    def advise(self, token_ids: Sequence[int], *, text: str | None = None, namespace: str | None = None,
+    def advise(self, token_ids: Sequence[int] | np.ndarray, *, text: str | None = None, namespace: str | None = None,
                cache_salt: str | None = None, lora_task_id: int | None = None, model_id: str = "",
                tokens_per_block: int | None = None, max_semantic: int | None = None,
-               block_hashes: Sequence[int | str | bytes] | None = None,
+               block_hashes: Sequence[int | str | bytes] | np.ndarray | None = None,
                engine_load: Mapping[str, EngineLoad] | None = None) -> Advice:
         """Rank the fleet's engines for one request (see the module docstring).
 
+        ``token_ids``: a sequence of ints, or a 1-D numpy array of an integer dtype (e.g. the
+        uint32 array ``token_ids_le32`` of ``POST /v1/placement`` decodes to), answered the same
+        way; an array's ids are hashed from its buffer, without Python ints, for Dynamo's scheme.
         ``block_hashes``: the request's block hashes as the engines compute them (one per full
-        block, in order; ints in [-2**63, 2**64), or 32-byte / 64-hex wide hashes), used for
-        every engine instead of computing them; None: computed per engine's scheme.
+        block, in order; ints in [-2**63, 2**64), or 32-byte / 64-hex wide hashes, or a 1-D numpy
+        array of 64-bit integers), used for every engine instead of computing them; None: computed
+        per engine's scheme.
         ``engine_load``: per ``engine_id``, its load as the caller knows it; given for every
         engine, the ranking is by cost (see the module docstring).
 
         Raises:
-            ValueError: a negative token id (where token ids are hashed: by an engine's scheme or
-                for a namespace's content keys), ``tokens_per_block`` < 1, a malformed block hash, or
-                more block hashes than ``token_ids`` has whole blocks, a negative load.
+            ValueError: ``token_ids`` an array that is not 1-D of integers, a negative token id
+                (where token ids are hashed: by an engine's scheme or for a namespace's content
+                keys), ``tokens_per_block`` < 1, a malformed block hash, or more block hashes than
+                ``token_ids`` has whole blocks, a negative load.
         """
         started = time.perf_counter()
         tpb = tokens_per_block or self.tokens_per_block
-        tokens = token_ids if type(token_ids) is list else list(map(int, token_ids))
+        tokens = token_ids if type(token_ids) is list else _token_array(token_ids)
         if tpb < 1:
             raise ValueError("tokens_per_block must be >= 1")
         if engine_load and not all(type(n) is int and 0 <= n <= MAX_LOAD for load in engine_load.values()
@@ -231,7 +236,7 @@ class PlacementAdvisor:
         if given_keys is not None and len(given_keys) > len(tokens) // tpb:  # an overlap longer than the prompt
             raise ValueError(f"block_hashes: {len(given_keys)} hashes for {len(tokens) // tpb} whole blocks of "
                              f"{tpb} tokens in token_ids ({len(tokens)} tokens)")
-        keys = content_keys(Namespace(namespace, {}), _checked(tokens), tpb) if namespace else []
+        keys = content_keys(Namespace(namespace, {}), _checked(_as_list(tokens)), tpb) if namespace else []
 
         given: list[BlockHash] = []  # the caller's hashes in canonical form, made once if the ledger is read
 
@@ -310,11 +315,11 @@ class PlacementAdvisor:
                 pass  # within max_staleness_s the index still answers; past it, the ledger is read
         return index.ready
 
-    def _semantic(self, tokens: list[int], text: str | None, model_id: str, namespace: str | None, tpb: int,
-                  generations: dict[str, int], limit: int) -> list[SemanticAdvice]:
+    def _semantic(self, tokens: list[int] | np.ndarray, text: str | None, model_id: str, namespace: str | None,
+                  tpb: int, generations: dict[str, int], limit: int) -> list[SemanticAdvice]:
         if self.discovery is None or not namespace or limit <= 0:
             return []
-        matches = self.discovery.candidates(tokens, text, model_id, namespace, tokens_per_block=tpb,
+        matches = self.discovery.candidates(_as_list(tokens), text, model_id, namespace, tokens_per_block=tpb,
                                             deadline_s=self.semantic_timeout_s, inline=False, path="placement")
         out = []
         for m in matches:
@@ -329,25 +334,44 @@ class PlacementAdvisor:
 
 
 
-def canonical_hashes(block_hashes: Sequence[int | str | bytes]) -> list[BlockHash]:
+def canonical_hashes(block_hashes: Sequence[int | str | bytes] | np.ndarray) -> list[BlockHash]:
     """The caller's block hashes in canonical form (:func:`ledger.types.normalize_hash`), with a
-    fast path for 64-bit integers, signed or not (what engines publish).
+    fast path for 64-bit integers, signed or not (what engines publish), and for a 1-D numpy array
+    of 64-bit integers.
 
     Raises:
         ValueError: a hash that is not an integer in [-2**63, 2**64), 32 bytes or 64 hex characters.
     """
+    if isinstance(block_hashes, np.ndarray):
+        return _hash_array(block_hashes).view(np.uint64).tolist()
     return [h % TWO_64 if type(h) is int and _I64_MIN <= h <= U64_MAX else normalize_hash(h) for h in block_hashes]
 
 
-def engine_hash_keys(block_hashes: Sequence[int | str | bytes]) -> KeyArray | list[IndexKey]:
+def _hash_array(block_hashes: np.ndarray) -> KeyArray:
+    """A 1-D numpy array of 64-bit integer hashes (signed or not) as int64 index keys, without a copy.
+
+    Raises:
+        ValueError: not a 1-D array of 64-bit integers."""
+    if block_hashes.ndim != 1 or block_hashes.dtype.kind not in "iu" or block_hashes.dtype.itemsize != 8:
+        raise ValueError(f"block_hashes must be a 1-D array of 64-bit integers, not {block_hashes.dtype} "
+                         f"of shape {block_hashes.shape}")
+    return block_hashes.astype(block_hashes.dtype.newbyteorder("="), copy=False).view(np.int64)
+
+
+def engine_hash_keys(block_hashes: Sequence[int | str | bytes] | np.ndarray) -> KeyArray | list[IndexKey]:
     """The caller's block hashes as :class:`~ledger.live_index.LiveIndex` keys, in one pass: as
     ``key_array(canonical_hashes(block_hashes))``, an int64 array when every hash is a 64-bit
     integer all signed or all unsigned (what engines publish; 2,048 of them, a 32K-token prompt at
     16 tokens per block, in ~0.07 ms), else ``index_keys(canonical_hashes(block_hashes))``.
 
+    A 1-D numpy array of 64-bit integers (e.g. ``block_hashes_le64`` of ``POST /v1/placement``)
+    is viewed as int64 keys without a copy.
+
     Raises:
         ValueError: as :func:`canonical_hashes`.
     """
+    if isinstance(block_hashes, np.ndarray):
+        return _hash_array(block_hashes)
     for typecode in ("Q", "q"):  # unsigned, then signed: the same int64 bits either way
         try:
             keys = np.frombuffer(array(typecode, block_hashes), dtype=np.int64)
@@ -362,7 +386,7 @@ def engine_hash_keys(block_hashes: Sequence[int | str | bytes]) -> KeyArray | li
             else index_keys([normalize_hash(h)])[0] for h in block_hashes]
 
 
-def request_hashes(scheme: str | None, tokens: Sequence[int], tokens_per_block: int, *,
+def request_hashes(scheme: str | None, tokens: Sequence[int] | np.ndarray, tokens_per_block: int, *,
                    cache_salt: str | None = None, lora_task_id: int | None = None) -> list[BlockHash] | None:
     """The request's block hashes as an engine of ``scheme`` computes them, or None when they
     cannot be computed here (unknown scheme, vLLM, TensorRT-LLM v2, or Dynamo with a cache salt
@@ -374,11 +398,33 @@ def request_hashes(scheme: str | None, tokens: Sequence[int], tokens_per_block: 
     return None
 
 
-def _checked(tokens: Sequence[int]) -> Sequence[int]:
+def _checked(tokens: Sequence[int] | np.ndarray) -> Sequence[int] | np.ndarray:
     """``tokens``, refused (ValueError) when an id is negative."""
-    if tokens and min(tokens) < 0:
+    if isinstance(tokens, np.ndarray):
+        negative = tokens.dtype.kind == "i" and tokens.size and tokens.min() < 0
+    else:
+        negative = tokens and min(tokens) < 0
+    if negative:
         raise ValueError("token ids must be >= 0")
     return tokens
+
+
+def _token_array(token_ids: Any) -> list[int] | np.ndarray:
+    """``token_ids`` as advise keeps them: a 1-D integer numpy array as it is, anything else as a
+    list of ints.
+
+    Raises:
+        ValueError: a numpy array that is not 1-D or not of an integer dtype."""
+    if not isinstance(token_ids, np.ndarray):
+        return list(map(int, token_ids))
+    if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+        raise ValueError(f"token_ids must be a 1-D integer array, not {token_ids.dtype} of shape {token_ids.shape}")
+    return token_ids
+
+
+def _as_list(tokens: list[int] | np.ndarray) -> list[int]:
+    """Token ids as a list of Python ints (for the paths that want one: content keys, discovery)."""
+    return tokens if type(tokens) is list else tokens.tolist()
 
 
 def _warnings(ranked: Sequence[EngineAdvice], informed: bool, load_aware: bool,

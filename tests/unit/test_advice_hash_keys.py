@@ -3,6 +3,7 @@ equal the two-pass form (canonical hashes, then index keys) and refuse what it r
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,3 +30,19 @@ def test_refuses_what_canonical_hashes_refuses(bad: object) -> None:
     for others in ([1], [2**63], [-5]):  # every fast path: unsigned, signed
         with pytest.raises(ValueError):
             engine_hash_keys([*others, bad])
+
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=64))
+def test_a_64_bit_array_equals_the_list_of_its_hashes_and_other_arrays_are_refused(hashes: list[int]) -> None:
+    unsigned = np.array(hashes, dtype="<u8")
+    expected = index_keys(canonical_hashes(hashes))
+    for array in (unsigned, unsigned.view("<i8"), unsigned.astype(">u8")):
+        assert canonical_hashes(array) == canonical_hashes(hashes)
+        assert engine_hash_keys(array).tolist() == expected
+    for bad in (unsigned.astype(np.uint32), unsigned.astype(np.float64), unsigned.reshape(1, -1)):
+        with pytest.raises(ValueError):
+            engine_hash_keys(bad)
+        with pytest.raises(ValueError):
+            canonical_hashes(bad)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import xxhash
 
@@ -33,3 +34,17 @@ def test_later_blocks_chain_on_the_parents_sequence_hash_and_partial_blocks_have
 def test_token_ids_outside_u32_are_refused(tokens: list[int]) -> None:
     with pytest.raises(ValueError, match="u32"):
         dynamo_block_hashes(tokens, 4)
+
+
+
+@pytest.mark.parametrize("dtype", ["<u4", ">u4", "<i8", "<u8", "<i4", "<u2"])
+def test_an_integer_array_hashes_as_the_list_of_its_ids_and_other_arrays_are_refused(dtype: str) -> None:
+    tokens = [(7919 * i) % 60_000 for i in range(5 * 16 + 9)]  # 5 full blocks and a partial one
+    assert dynamo_block_hashes(np.array(tokens, dtype=dtype), 16) == dynamo_block_hashes(tokens, 16)
+    strided = np.array(tokens * 2, dtype=dtype)[::2]  # not contiguous: copied, same ids
+    assert dynamo_block_hashes(strided, 16) == dynamo_block_hashes(tokens[::2] + tokens[1::2], 16)[: len(strided) // 16]
+    assert dynamo_block_hashes(np.array([], dtype=dtype), 16) == []
+    for bad in (np.array([-1, 2, 3, 4], dtype=np.int64), np.array([2**32, 2, 3, 4], dtype=np.uint64),
+                np.array([1.0, 2, 3, 4]), np.array([[1, 2], [3, 4]], dtype=dtype)):
+        with pytest.raises(ValueError):
+            dynamo_block_hashes(bad, 4)
