@@ -317,6 +317,15 @@ class LedgerCounts:
         return {k.split(".", 1)[1]: v for k, v in self.counters.items() if k.startswith("gaps.")}
 
 
+def read_rows(path: Path, sql: str, *args: object) -> list[tuple]:
+    """Rows of ``sql`` on the SQLite ledger at ``path``, read on a read-only connection."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
+
+
 def ledger_counts(path: Path, engine_id: str | None = None) -> LedgerCounts:
     """Read the ledger's log and projections with plain SQL (read-only connection)."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)

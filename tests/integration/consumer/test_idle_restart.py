@@ -26,7 +26,7 @@ from consumer.settings import ConsumerSettings
 from ledger.replay import replay
 from tests.engine_runs import EngineRun
 from tests.integration.consumer.daemon_support import (DaemonRun, FaultPublisher, ledger_counts, migrated_db,
-                                                       settings_for, subscribed, wait_until)
+                                                       read_rows, settings_for, subscribed, wait_until)
 
 ENGINE = "worker-0"
 DEFAULTS = {name: ConsumerSettings.model_fields[name].default for name in ("idle_replay_s", "replay_timeout_s")}
@@ -99,12 +99,8 @@ async def test_an_idle_restart_bumps_the_generation_within_2_s_with_the_default_
     assert counts.bumps() == {"seq_reset": 1}, counts.counters  # one restart, one bump
     assert engine_row(path) == (2, "active") and live_blocks(path) == 2 * (unseen + 3)
     assert run.metric("semkv_consumer_engine_restarts_seen_total", engine_id=ENGINE) == 1
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        epochs = conn.execute("SELECT source_epoch, count(*) FROM log WHERE kind = 'batch_received' "
-                              "GROUP BY source_epoch ORDER BY source_epoch").fetchall()
-    finally:
-        conn.close()
+    epochs = read_rows(path, "SELECT source_epoch, count(*) FROM log WHERE kind = 'batch_received' "
+                             "GROUP BY source_epoch ORDER BY source_epoch")
     assert epochs == [(1, 5), (2, unseen + 3)]
     assert replay(db).equal
 

@@ -15,7 +15,6 @@ answers this test releases, so the order of events is the one a racing engine pr
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from consumer.bridge import ReplayBuffer, ReplayStats, serve_replay_request
 from ledger.replay import replay
 from tests.engine_runs import EngineRun
 from tests.integration.consumer.daemon_support import (DaemonRun, FaultPublisher, ledger_counts, migrated_db,
-                                                       settings_for, subscribed, wait_until)
+                                                       read_rows, settings_for, subscribed, wait_until)
 
 ENGINE = "worker-0"
 
@@ -116,11 +115,6 @@ async def test_a_probe_answered_after_live_messages_does_not_reorder_runs(tmp_pa
     counts = ledger_counts(path, ENGINE)
     assert counts.dead_letters_by_reason == {}, counts.dead_letters_by_reason
     assert counts.bumps() == {"seq_reset": 1}, counts.counters
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        logged = conn.execute("SELECT source_epoch, zmq_seq FROM log WHERE kind = 'batch_received' "
-                              "ORDER BY seq").fetchall()
-    finally:
-        conn.close()
+    logged = read_rows(path, "SELECT source_epoch, zmq_seq FROM log WHERE kind = 'batch_received' ORDER BY seq")
     assert logged == [(1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (2, 0), (2, 1)]
     assert replay(db).equal
