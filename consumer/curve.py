@@ -392,9 +392,15 @@ def is_loopback(endpoint: str) -> bool:
         return False
 
 
+_NETWORK_TRANSPORTS = ("tcp://", "ws://", "wss://", "udp://", "pgm://", "epgm://", "vmci://")
+"""libzmq's transports that reach other hosts (zmq_bind(3)); any other scheme is not reachable
+from the network, or not one ZMQ knows (its bind then fails with "Protocol not supported")."""
+
+
 def exposure_warning(endpoint: str | None, *, curve: bool, what: str) -> str | None:
-    """The warning for ``what`` binding ``endpoint`` off loopback without CURVE, else None."""
-    if curve or endpoint is None or is_loopback(endpoint):
+    """The warning for ``what`` binding ``endpoint`` off loopback without CURVE, else None (also for
+    a scheme no network transport has, e.g. ``http://``: the bind's own error says what is wrong)."""
+    if curve or endpoint is None or is_loopback(endpoint) or not endpoint.startswith(_NETWORK_TRANSPORTS):
         return None
     return (f"{what} binds {endpoint} (not loopback) without CURVE: {RISK}. "
             "Bind 127.0.0.1, or turn CURVE on (docs/security.md).")

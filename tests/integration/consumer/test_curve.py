@@ -31,7 +31,7 @@ from typer.testing import CliRunner
 
 from consumer.bridge import KvEventPublisher
 from consumer.cli import register
-from consumer.curve import CurveKeys, InsecureEndpointWarning, is_loopback, keygen
+from consumer.curve import CurveKeys, InsecureEndpointWarning, exposure_warning, is_loopback, keygen
 from consumer.settings import load_settings
 from tests.integration.consumer.daemon_support import (
     EVENTS_PER_BATCH,
@@ -248,6 +248,15 @@ async def test_bound_consumer_admits_the_engine_key_and_refuses_another(tmp_path
 ])  # fmt: skip
 def test_is_loopback(endpoint: str, loopback: bool) -> None:
     assert is_loopback(endpoint) is loopback
+
+
+@pytest.mark.parametrize(("endpoint", "warned"), [
+    ("tcp://0.0.0.0:5557", True), ("ws://0.0.0.0:5557", True), ("tcp://127.0.0.1:5557", False),
+    ("http://127.0.0.1:5557", False), ("ipc:///run/semkv/kv.sock", False),
+])  # fmt: skip
+def test_only_a_network_transport_off_loopback_is_warned_of(endpoint: str, warned: bool) -> None:
+    # `publish --endpoint http://127.0.0.1:…` was warned of as "not loopback" before ZMQ refused the scheme
+    assert (exposure_warning(endpoint, curve=False, what="x") is not None) is warned
 
 
 def test_bridge_warns_when_binding_off_loopback_without_curve(keys: Path) -> None:
