@@ -269,9 +269,7 @@ def vllm_event_block_hash(block_hash: bytes) -> int | bytes:
     """A vLLM ``BlockHash`` as its KV events publish it: ``int.from_bytes(h, "big") & (2**64 - 1)``,
     or the bytes themselves when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (vLLM 0.32,
     ``vllm/v1/core/kv_cache_utils.py: maybe_convert_block_hash``)."""
-    if os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") == "0":
-        return bytes(block_hash)
-    return int.from_bytes(block_hash, "big") & MASK64
+    return vllm_event_block_hashes((block_hash,))[0]
 
 
 def vllm_event_block_hashes(block_hashes: Iterable[bytes]) -> list[int | bytes]:
